@@ -1,0 +1,244 @@
+"""The one communication chokepoint.
+
+Every collective and point-to-point transfer of every dimension goes through a `Comm`: each
+call is tagged with its dimension (tp, cp, pp, dp, dp_cp, world), op, peer or group, and bytes,
+and is shown to the registered observers (the monitor) before it starts and once it completes.
+Nothing else in commpipe calls torch.distributed communication directly (a test greps for it).
+
+Groups of size 1 do nothing, so the single-process path is the reference path.
+
+Observer protocol (see commpipe.monitor):
+    ctx = observer.begin(call)          # before the op is issued; may return None (not sampled)
+    observer.end(ctx, call)             # after the op completed (wait() returned)
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from commpipe.parallel.dims import ParallelDims
+
+GROUP_DIMS = ("tp", "cp", "dp", "pp", "dp_cp")
+
+
+@dataclass
+class CommCall:
+    """One communication call as observers see it."""
+
+    dim: str                      # tp | cp | dp | pp | dp_cp | world
+    op: str                       # all_reduce | all_gather | reduce_scatter | send | recv | ...
+    nbytes: int                   # payload bytes this rank sends (send) or receives (recv);
+                                  # for collectives the size of this rank's input tensor
+    group: tuple[int, ...] = ()   # global ranks of the group (collectives)
+    peer: int | None = None       # global rank of the peer (point-to-point)
+    seq: int = 0                  # per (dim, op, peer/group) sequence number on this rank
+    t_post: float = 0.0           # time.perf_counter() when issued
+    t_done: float = 0.0           # when observed complete
+    dtype: str = ""
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def group_size(self) -> int:
+        return len(self.group) if self.group else 2
+
+
+class Handle:
+    """An in-flight async op; `wait()` completes it and notifies observers exactly once."""
+
+    def __init__(self, comm: Comm, work, call: CommCall, ctxs: list, on_done=None):
+        self._comm, self._work, self.call, self._ctxs = comm, work, call, ctxs
+        self._on_done = on_done
+        self.done = False
+
+    def wait(self):
+        if self.done:
+            return self.result
+        if self._work is not None:
+            self._work.wait()
+        self.result = self._on_done() if self._on_done else None
+        self._comm._finish(self.call, self._ctxs)
+        self.done = True
+        return self.result
+
+
+class Comm:
+    """Process groups of one layout on this rank, and every communication op."""
+
+    def __init__(self, dims: ParallelDims, rank: int = 0, backend: str | None = None,
+                 device: torch.device | None = None, timeout_s: float = 300.0):
+        self.dims = dims
+        self.rank = rank
+        self.device = device or torch.device("cpu")
+        self.observers: list = []
+        self._seq: dict[tuple, int] = {}
+        self.coords = dims.coords(rank)
+        self.groups: dict[str, tuple[int, ...]] = {}
+        self._pg: dict[str, object] = {}
+        self.initialized = dist.is_available() and dist.is_initialized()
+        for name in GROUP_DIMS:
+            ranks_here = None
+            for ranks in dims.groups(name):
+                # every rank must create every group, in the same order
+                pg = (dist.new_group(ranks, timeout=datetime.timedelta(seconds=timeout_s))
+                      if self.initialized and len(ranks) > 1 and dims.world_size > 1 else None)
+                if rank in ranks:
+                    ranks_here = tuple(ranks)
+                    self._pg[name] = pg
+            self.groups[name] = ranks_here
+
+    # -- sizes and ranks ------------------------------------------------------------------------
+    def size(self, dim: str) -> int:
+        return self.dims.world_size if dim == "world" else len(self.groups[dim])
+
+    def local_rank(self, dim: str) -> int:
+        return self.rank if dim == "world" else self.groups[dim].index(self.rank)
+
+    def pp_peer(self, pp_rank: int) -> int:
+        """Global rank of the same (dp, cp, tp) position on another pipeline stage."""
+        c = self.coords
+        return self.dims.rank_of(pp=pp_rank, dp=c["dp"], cp=c["cp"], tp=c["tp"])
+
+    # -- observer plumbing ----------------------------------------------------------------------
+    def _start(self, dim, op, tensor, group=(), peer=None) -> tuple[CommCall, list]:
+        key = (dim, op, peer if peer is not None else group)
+        seq = self._seq.get(key, 0)
+        self._seq[key] = seq + 1
+        call = CommCall(dim=dim, op=op, nbytes=tensor.numel() * tensor.element_size(),
+                        group=tuple(group), peer=peer, seq=seq, dtype=str(tensor.dtype))
+        ctxs = [o.begin(call) for o in self.observers] if self.observers else []
+        call.t_post = time.perf_counter()
+        return call, ctxs
+
+    def _finish(self, call: CommCall, ctxs: list) -> None:
+        call.t_done = time.perf_counter()
+        for o, ctx in zip(self.observers, ctxs):
+            o.end(ctx, call)
+
+    def _pg_of(self, dim: str):
+        return None if dim == "world" else self._pg[dim]
+
+    def _group_ranks(self, dim: str) -> tuple[int, ...]:
+        return tuple(range(self.dims.world_size)) if dim == "world" else self.groups[dim]
+
+    # -- collectives ----------------------------------------------------------------------------
+    def all_reduce(self, tensor: torch.Tensor, dim: str, op: str = "sum",
+                   async_op: bool = False) -> Handle | None:
+        """In-place all-reduce over `dim`'s group (op: sum | max | min | avg)."""
+        if self.size(dim) == 1:
+            return _done_handle(self, tensor) if async_op else None
+        red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
+               "avg": dist.ReduceOp.SUM}[op]
+        call, ctxs = self._start(dim, "all_reduce", tensor, group=self._group_ranks(dim))
+        work = dist.all_reduce(tensor, op=red, group=self._pg_of(dim), async_op=True)
+
+        def done():
+            if op == "avg":
+                tensor.div_(self.size(dim))
+            return tensor
+
+        handle = Handle(self, work, call, ctxs, done)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def all_gather(self, tensor: torch.Tensor, dim: str, async_op: bool = False):
+        """Concatenate every rank's `tensor` along dim 0 (returns a new tensor, or a Handle)."""
+        n = self.size(dim)
+        if n == 1:
+            return _done_handle(self, tensor) if async_op else tensor
+        tensor = tensor.contiguous()
+        out = torch.empty((n * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype,
+                          device=tensor.device)
+        call, ctxs = self._start(dim, "all_gather", tensor, group=self._group_ranks(dim))
+        work = dist.all_gather_into_tensor(out, tensor, group=self._pg_of(dim), async_op=True)
+        handle = Handle(self, work, call, ctxs, lambda: out)
+        return handle if async_op else handle.wait()
+
+    def reduce_scatter(self, tensor: torch.Tensor, dim: str, async_op: bool = False):
+        """Sum over the group, then keep this rank's 1/n slice along dim 0."""
+        n = self.size(dim)
+        if n == 1:
+            return _done_handle(self, tensor) if async_op else tensor
+        tensor = tensor.contiguous()
+        out = torch.empty((tensor.shape[0] // n, *tensor.shape[1:]), dtype=tensor.dtype,
+                          device=tensor.device)
+        call, ctxs = self._start(dim, "reduce_scatter", tensor, group=self._group_ranks(dim))
+        work = dist.reduce_scatter_tensor(out, tensor, group=self._pg_of(dim), async_op=True)
+        handle = Handle(self, work, call, ctxs, lambda: out)
+        return handle if async_op else handle.wait()
+
+    def broadcast(self, tensor: torch.Tensor, dim: str, src_local: int = 0) -> None:
+        if self.size(dim) == 1:
+            return
+        group = self._group_ranks(dim)
+        call, ctxs = self._start(dim, "broadcast", tensor, group=group)
+        dist.broadcast(tensor, src=group[src_local], group=self._pg_of(dim))
+        self._finish(call, ctxs)
+
+    def barrier(self, dim: str = "world") -> None:
+        if self.size(dim) > 1:
+            dist.barrier(group=self._pg_of(dim))
+
+    # -- point to point -------------------------------------------------------------------------
+    def isend(self, tensor: torch.Tensor, peer: int, dim: str = "pp") -> Handle:
+        tensor = tensor.contiguous()
+        call, ctxs = self._start(dim, "send", tensor, peer=peer)
+        work = dist.isend(tensor, dst=peer)
+        return Handle(self, work, call, ctxs, lambda: tensor)
+
+    def irecv(self, tensor: torch.Tensor, peer: int, dim: str = "pp") -> Handle:
+        call, ctxs = self._start(dim, "recv", tensor, peer=peer)
+        work = dist.irecv(tensor, src=peer)
+        return Handle(self, work, call, ctxs, lambda: tensor)
+
+    def send(self, tensor: torch.Tensor, peer: int, dim: str = "pp") -> None:
+        self.isend(tensor, peer, dim).wait()
+
+    def recv(self, tensor: torch.Tensor, peer: int, dim: str = "pp") -> torch.Tensor:
+        return self.irecv(tensor, peer, dim).wait()
+
+    # -- small helpers for metrics and control (tagged dim="world") -----------------------------
+    def all_reduce_scalars(self, values: list[float], dim: str = "world", op: str = "sum"):
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        self.all_reduce(t, dim, op)
+        return t.tolist()
+
+    def gather_objects(self, obj, dim: str = "world") -> list:
+        """Every rank's picklable `obj` on every rank of the group (control data, not tensors)."""
+        if self.size(dim) == 1:
+            return [obj]
+        out = [None] * self.size(dim)
+        dist.all_gather_object(out, obj, group=self._pg_of(dim))
+        return out
+
+    def broadcast_object(self, obj, src_rank: int = 0):
+        if self.dims.world_size == 1 or not self.initialized:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=src_rank)
+        return box[0]
+
+
+def _done_handle(comm: Comm, result) -> Handle:
+    h = Handle(comm, None, CommCall("none", "noop", 0), [], None)
+    h.done, h.result = True, result
+    return h
+
+
+def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> tuple[int, int]:
+    """Initialise the default process group from torchrun's environment; (rank, world)."""
+    import os
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 or dist.is_initialized():
+        return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()

@@ -1,0 +1,140 @@
+"""`ParallelDims`: the layout (dp, pp, cp, tp) and its rank grid.
+
+Rank order follows Megatron-LM's default "tp-cp-dp-pp": TP is innermost (consecutive ranks, so
+TP groups share a node), then CP, then DP, and PP outermost (pipeline stages span nodes):
+
+    grid = arange(world).view(pp, dp, cp, tp)
+    rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
+
+Validation is pure Python so that bad input fails before any process group starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from commpipe.models.spec import ModelSpec
+
+DIM_NAMES = ("pp", "dp", "cp", "tp")  # outermost first
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _fmt(values: list[int]) -> str:
+    return "{" + ", ".join(str(v) for v in values) + "}"
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp: int = 1
+    pp: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    def __post_init__(self):
+        for name in DIM_NAMES:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.pp * self.cp * self.tp
+
+    def __str__(self) -> str:
+        return f"tp{self.tp}-cp{self.cp}-pp{self.pp}-dp{self.dp}"
+
+    # -- validation -------------------------------------------------------------------------
+    def check_world(self, world_size: int) -> None:
+        if world_size != self.world_size:
+            raise ValueError(
+                f"world size {world_size} != tp*cp*pp*dp = {self.tp}*{self.cp}*{self.pp}*{self.dp}"
+                f" = {self.world_size}; launch {self.world_size} processes "
+                f"(torchrun --nproc-per-node {self.world_size}) or change the layout"
+            )
+
+    def check_model(self, spec: ModelSpec, seq_len: int, layers_per_stage: list[int] | None = None,
+                    vpp: int = 1) -> None:
+        if spec.heads % self.tp:
+            ok = [d for d in _divisors(spec.heads) if spec.kv_heads % d == 0]
+            raise ValueError(f"tp={self.tp} does not divide {spec.heads} attention heads; "
+                             f"use tp in {_fmt(ok)}")
+        if spec.kv_heads % self.tp:
+            raise ValueError(f"tp={self.tp} does not divide {spec.kv_heads} KV heads; "
+                             f"use tp in {_fmt(_divisors(spec.kv_heads))}")
+        if spec.vocab % self.tp:
+            raise ValueError(f"tp={self.tp} does not divide vocab={spec.vocab} (vocabulary-parallel "
+                             f"embedding); use tp in {_fmt(_divisors(spec.vocab)[:12])}")
+        stages = self.pp * vpp
+        if layers_per_stage is not None:
+            if len(layers_per_stage) != stages:
+                raise ValueError(f"--stage-layers lists {len(layers_per_stage)} stages but pp*vpp="
+                                 f"{stages}; give one layer count per stage")
+            if sum(layers_per_stage) != spec.layers or min(layers_per_stage) < 1:
+                raise ValueError(f"--stage-layers {layers_per_stage} must be positive and sum to "
+                                 f"the model's {spec.layers} layers")
+        elif spec.layers < stages:
+            raise ValueError(f"pp*vpp={stages} stages exceeds the model's {spec.layers} layers; "
+                             f"use pp*vpp <= {spec.layers}")
+        if seq_len < 1 or seq_len % (2 * self.cp):
+            valid = [c for c in (1, 2, 4, 8, 16) if seq_len % (2 * c) == 0]
+            raise ValueError(f"seq_len={seq_len} is not divisible by 2*cp={2 * self.cp} (context "
+                             f"parallelism splits the sequence into 2*cp chunks); use cp in "
+                             f"{_fmt(valid)} or a seq_len that is a multiple of {2 * self.cp}")
+
+    def check_batch(self, global_batch: int, micro_batch_size: int) -> int:
+        """Return micro-batches per pipeline m = B / (b * dp), or explain why it is not whole."""
+        if micro_batch_size < 1 or global_batch < 1:
+            raise ValueError("--global-batch and --micro-batch-size must be positive")
+        per_dp = global_batch // self.dp
+        if global_batch % self.dp or per_dp % micro_batch_size:
+            raise ValueError(
+                f"global batch {global_batch} is not divisible by micro_batch_size*dp = "
+                f"{micro_batch_size}*{self.dp}; use a global batch that is a multiple of "
+                f"{micro_batch_size * self.dp}"
+            )
+        return per_dp // micro_batch_size
+
+    # -- the rank grid ------------------------------------------------------------------------
+    def coords(self, rank: int) -> dict[str, int]:
+        """Rank -> {"pp": .., "dp": .., "cp": .., "tp": ..}."""
+        tp_rank = rank % self.tp
+        cp_rank = (rank // self.tp) % self.cp
+        dp_rank = (rank // (self.tp * self.cp)) % self.dp
+        pp_rank = rank // (self.tp * self.cp * self.dp)
+        return {"pp": pp_rank, "dp": dp_rank, "cp": cp_rank, "tp": tp_rank}
+
+    def rank_of(self, pp: int = 0, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
+        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
+
+    def groups(self, dim: str) -> list[list[int]]:
+        """All rank groups of one dimension ("tp", "cp", "dp", "pp" or "dp_cp")."""
+        dims = ("dp", "cp") if dim == "dp_cp" else (dim,)
+        for d in dims:
+            if d not in DIM_NAMES:
+                raise ValueError(f"unknown dimension {dim!r}; use one of {DIM_NAMES} or dp_cp")
+        out: dict[tuple, list[int]] = {}
+        for rank in range(self.world_size):
+            c = self.coords(rank)
+            key = tuple(v for k, v in c.items() if k not in dims)
+            out.setdefault(key, []).append(rank)
+        return list(out.values())
+
+    def group_of(self, dim: str, rank: int) -> list[int]:
+        for g in self.groups(dim):
+            if rank in g:
+                return g
+        raise ValueError(f"rank {rank} is outside world size {self.world_size}")
+
+
+def split_layers(layers: int, stages: int, explicit: list[int] | None = None) -> list[range]:
+    """Contiguous layer ranges per stage: an explicit list, or as even as possible (earlier
+    stages take the remainder, since the last stage also holds the head and loss)."""
+    counts = explicit or [layers // stages + (1 if s < layers % stages else 0) for s in range(stages)]
+    out, start = [], 0
+    for c in counts:
+        out.append(range(start, start + c))
+        start += c
+    return out
