@@ -1,0 +1,5 @@
+import sys
+
+from commpipe.cli import main
+
+sys.exit(main())

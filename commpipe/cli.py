@@ -1,0 +1,61 @@
+"""`commpipe <verb>`: one entry point, one small module per verb.
+
+Each verb module exposes `add_arguments(parser)` and `run(args) -> int`; it is imported only
+when its verb runs, so `commpipe plan` never imports torch.distributed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+VERBS = {
+    "train": ("commpipe.train.cli", "train a model under a TP x CP x PP x DP layout"),
+    "demo": ("commpipe.demo", "train the tiny preset under several layouts and compare them"),
+    "simulate": ("commpipe.sim.cli", "time a pipeline schedule on a cost table"),
+    "plan": ("commpipe.plan.cli", "rank every layout for a model on a cluster"),
+    "estimate": ("commpipe.plan.cli_estimate", "predict memory and speed of one layout"),
+    "probe": ("commpipe.monitor.probe", "measure link bandwidth and latency before training"),
+    "sweep": ("commpipe.cluster.sweep", "train a grid of layouts and collect the results"),
+    "report": ("commpipe.report.cli", "tables, figures and report.html from a sweep folder"),
+    "cluster": ("commpipe.cluster.cli", "build or tear down an emulated multi-node cluster"),
+    "tokenize": ("commpipe.data.cli", "train a tokenizer and cache a corpus as token files"),
+}
+
+
+def build_parser(verbs: dict | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="commpipe", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    for verb, (module, help_text) in (verbs or VERBS).items():
+        p = sub.add_parser(verb, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        try:
+            importlib.import_module(module).add_arguments(p)
+        except ModuleNotFoundError as e:
+            if not e.name or not e.name.startswith("commpipe"):
+                raise
+            p.set_defaults(_missing=str(e))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # build only the parser of the verb asked for: fast --help and no heavy imports
+    verbs = VERBS if not argv or argv[0] not in VERBS else {argv[0]: VERBS[argv[0]]}
+    parser = build_parser(verbs)
+    args = parser.parse_args(argv)
+    if not args.verb:
+        parser.print_help()
+        return 2
+    if getattr(args, "_missing", None):
+        parser.error(f"{args.verb} is not available in this build ({args._missing})")
+    try:
+        return int(importlib.import_module(args._module).run(args) or 0)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"commpipe {args.verb}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""One record schema for timelines, measured (runtime, monitor) or predicted (simulator).
+
+An `Event` is one interval on one rank and stream; `write_chrome_trace` turns a list of them
+into Chrome/Perfetto trace JSON (one process per rank, one thread per stream), with
+`distributedInfo` so Holistic Trace Analysis can load per-rank files.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+STREAMS = ("compute", "pp", "tp", "cp", "dp", "dp_cp", "world")
+
+
+@dataclass
+class Event:
+    rank: int
+    stream: str          # "compute" or a communication dimension (pp, tp, cp, dp, ...)
+    name: str            # an action string ("1F3", "0SEND_F2") or an op name ("all_reduce")
+    start_ms: float      # on a clock shared by all ranks of the run (aligned when measured)
+    end_ms: float
+    step: int = 0
+    args: dict = field(default_factory=dict)
+
+    @property
+    def dur_ms(self) -> float:
+        return self.end_ms - self.start_ms
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def events_from_dicts(rows) -> list[Event]:
+    return [Event(**r) for r in rows]
+
+
+def chrome_trace(events: list[Event], rank: int | None = None, world_size: int | None = None) -> dict:
+    """A Chrome trace object ({"traceEvents": [...]}) for `events` (all ranks or one)."""
+    out = []
+    tids = {s: i for i, s in enumerate(STREAMS)}
+    seen = set()
+    for e in events:
+        if rank is not None and e.rank != rank:
+            continue
+        tid = tids.setdefault(e.stream, len(tids))
+        if (e.rank, e.stream) not in seen:
+            seen.add((e.rank, e.stream))
+            out.append({"ph": "M", "name": "thread_name", "pid": e.rank, "tid": tid,
+                        "args": {"name": e.stream}})
+            out.append({"ph": "M", "name": "process_name", "pid": e.rank, "tid": 0,
+                        "args": {"name": f"rank {e.rank}"}})
+        cat = "kernel" if e.stream == "compute" else "comm"
+        out.append({"ph": "X", "name": e.name, "cat": cat, "pid": e.rank, "tid": tid,
+                    "ts": e.start_ms * 1000.0, "dur": max(e.dur_ms, 0.0) * 1000.0,
+                    "args": {"step": e.step, **e.args}})
+    trace = {"traceEvents": out, "displayTimeUnit": "ms"}
+    if rank is not None:
+        trace["distributedInfo"] = {"rank": rank, "world_size": world_size or 1, "backend": "gloo"}
+    return trace
+
+
+def write_chrome_trace(events: list[Event], path, rank: int | None = None,
+                       world_size: int | None = None) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(chrome_trace(events, rank, world_size)))
+    return path
