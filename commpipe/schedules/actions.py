@@ -71,7 +71,7 @@ def B(stage: int, mb: int) -> Action:
     return Action("B", stage, mb)
 
 
-def I(stage: int, mb: int) -> Action:  # noqa: E741 - the op's name in the literature
+def I(stage: int, mb: int) -> Action:  # noqa: E743 - the op's name in the literature
     return Action("I", stage, mb)
 
 

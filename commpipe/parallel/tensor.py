@@ -1,0 +1,123 @@
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) applied to a plain `Transformer`.
+
+    attention:  wq, wk, wv column-parallel (heads split), wo row-parallel
+    MLP:        w1, w3 column-parallel, w2 row-parallel
+    embedding:  vocabulary-parallel (rows split; out-of-range tokens masked, then all-reduce)
+    head:       column-parallel over the vocabulary, loss by vocabulary-parallel cross-entropy
+
+Each block gets `f` (copy into the TP region) on its attention and MLP inputs and `g` (reduce
+out of it) on the outputs of wo and w2, installed as module hooks: the model code stays plain.
+Sharded parameters carry `_tp_dim` (the dimension split across TP ranks), which checkpoints and
+the equivalence tests use to reassemble full tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from commpipe.models.llama import Transformer, cross_entropy_sum
+from commpipe.parallel.comm import Comm
+from commpipe.parallel.functional import copy_to, reduce_from
+
+COLUMN = ("wq", "wk", "wv", "w1", "w3")   # output features split: dim 0 of the weight
+ROW = ("wo", "w2")                         # input features split: dim 1 of the weight
+
+
+def _shard_(linear: nn.Linear, dim: int, comm: Comm) -> None:
+    shard = linear.weight.detach().chunk(comm.size("tp"), dim=dim)[comm.local_rank("tp")]
+    linear.weight = nn.Parameter(shard.clone())
+    linear.weight._tp_dim = dim
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows [start, end) of the embedding table; tokens outside are looked up as zeros and the
+    partial results summed across TP ranks (Megatron-LM, VocabParallelEmbedding)."""
+
+    def __init__(self, full: nn.Embedding, comm: Comm):
+        super().__init__()
+        self.comm = comm
+        vocab = full.num_embeddings
+        per_rank = vocab // comm.size("tp")
+        self.start = comm.local_rank("tp") * per_rank
+        self.end = self.start + per_rank
+        self.weight = nn.Parameter(full.weight.detach()[self.start:self.end].clone())
+        self.weight._tp_dim = 0
+
+    def forward(self, tokens):
+        outside = (tokens < self.start) | (tokens >= self.end)
+        local = (tokens - self.start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside[..., None], 0.0)
+        return reduce_from(out, self.comm, "tp")
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Summed cross-entropy over logits split along the vocabulary (Megatron-LM,
+    vocab_parallel_cross_entropy): max, sum of exponentials and the target logit are
+    all-reduced across TP; the full [tokens, vocab] logits never exist on one rank."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, comm: Comm, start: int):
+        logits = logits.float()
+        logits_max = logits.max(dim=-1).values
+        comm.all_reduce(logits_max, "tp", op="max")
+        shifted = logits - logits_max[:, None]
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        comm.all_reduce(sum_exp, "tp")
+        n_local = logits.shape[-1]
+        inside = (labels >= start) & (labels < start + n_local)
+        local_labels = (labels - start).masked_fill(~inside, 0)
+        target = shifted.gather(1, local_labels[:, None]).squeeze(1).masked_fill(~inside, 0.0)
+        comm.all_reduce(target, "tp")
+        loss = (sum_exp.log() - target).sum()
+        ctx.save_for_backward(exp / sum_exp[:, None], local_labels, inside)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local_labels, inside = ctx.saved_tensors
+        g = softmax.clone()
+        rows = torch.arange(g.shape[0], device=g.device)
+        g[rows[inside], local_labels[inside]] -= 1.0
+        return g * grad, None, None, None
+
+
+def make_loss_fn(comm: Comm, head: nn.Linear | None):
+    """Summed token cross-entropy for this rank's logits (full or vocabulary shard)."""
+    if comm.size("tp") == 1 or head is None:
+        return cross_entropy_sum
+    start = comm.local_rank("tp") * head.weight.shape[0]
+
+    def loss_fn(logits, labels):
+        return _VocabParallelCE.apply(logits.flatten(0, -2), labels.flatten(), comm, start)
+
+    return loss_fn
+
+
+def apply_tp(model: Transformer, comm: Comm) -> Transformer:
+    """Shard `model` in place across comm's TP group; a no-op when tp=1."""
+    if comm.size("tp") == 1:
+        return model
+
+    def pre_f(module, args):
+        return (copy_to(args[0], comm, "tp"), *args[1:])
+
+    def post_g(module, args, out):
+        return reduce_from(out, comm, "tp")
+
+    for block in model.layers.values():
+        for parent in (block.attention, block.feed_forward):
+            for name in COLUMN + ROW:
+                if hasattr(parent, name):
+                    _shard_(getattr(parent, name), 0 if name in COLUMN else 1, comm)
+            parent.register_forward_pre_hook(pre_f)
+        block.attention.wo.register_forward_hook(post_g)
+        block.feed_forward.w2.register_forward_hook(post_g)
+    if model.tok_embeddings is not None:
+        model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, comm)
+    if model.output is not None:
+        _shard_(model.output, 0, comm)
+        model.output.register_forward_pre_hook(pre_f)
+    return model

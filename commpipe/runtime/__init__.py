@@ -1,0 +1,1 @@
+"""Executes schedule Programs on real stage modules (see executor.py)."""

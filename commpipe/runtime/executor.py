@@ -1,0 +1,137 @@
+"""Execute a lowered schedule Program on this rank's stage modules with real tensors.
+
+Every action of the rank's list runs in order:
+    RECV_F / RECV_B  post an asynchronous receive (waited for by the compute that needs it)
+    F                forward of one micro-batch through one stage (the last stage adds the loss)
+    B                full backward; I input-gradient only; W the deferred weight gradients
+    SEND_F / SEND_B  asynchronous send (waited for when the step ends)
+Stages on the same rank (the turn of a V schedule) hand tensors over locally. Communication goes
+through the chokepoint (`Comm`); nothing here calls torch.distributed.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+
+import torch
+
+from commpipe.parallel.comm import Comm
+from commpipe.runtime.weight_grad import WeightGradStore, enable_weight_grad_split
+from commpipe.schedules.actions import Action, Program, lower
+from commpipe.timeline import Event
+
+
+class PipelineRuntime:
+    def __init__(self, program: Program, stages: dict, comm: Comm, loss_fn,
+                 act_shape: tuple[int, ...], device: torch.device, act_dtype=torch.float32,
+                 autocast_dtype=None, on_compute=None):
+        self.program = program if program.is_lowered else lower(program)
+        self.stages = stages
+        self.comm = comm
+        self.loss_fn = loss_fn
+        self.act_shape, self.act_dtype, self.device = act_shape, act_dtype, device
+        self.autocast_dtype = autocast_dtype
+        self.pp_rank = comm.local_rank("pp")
+        self.actions = self.program.actions[self.pp_rank]
+        self.last_stage = self.program.num_stages - 1
+        self.on_compute = on_compute          # monitor hook: on_compute(name, t0, t1)
+        self.events: list[Event] | None = None  # set to [] to record a timeline
+        self.wstore = WeightGradStore()
+        if any(a.op in ("I", "W") for a in self.actions):
+            for module in stages.values():
+                enable_weight_grad_split(module, self.wstore)
+
+    def _peer(self, stage: int) -> int:
+        return self.comm.pp_peer(self.program.rank_of(stage))
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def run_step(self, tokens: list[torch.Tensor], labels: list[torch.Tensor],
+                 positions: torch.Tensor, loss_scale: float, step: int = 0) -> torch.Tensor:
+        """Run one step's program; returns the summed scaled loss of the micro-batches whose
+        last stage is on this rank (0 elsewhere). Gradients accumulate in the stage params."""
+        recvs, sends = {}, []
+        inputs, outputs, grads_to_send = {}, {}, {}
+        local_fwd, local_bwd, deferred = {}, {}, {}
+        loss_total = torch.zeros((), device=self.device)
+        t_origin = time.perf_counter()
+
+        def record(stream, a, t0, t1):
+            if self.events is not None:
+                self.events.append(Event(self.comm.rank, stream, str(a), (t0 - t_origin) * 1e3,
+                                         (t1 - t_origin) * 1e3, step))
+
+        def wait(key, a):
+            t0 = time.perf_counter()
+            value = recvs.pop(key).wait()
+            record("pp", Action("RECV_" + key[0], a.stage, a.microbatch), t0, time.perf_counter())
+            return value
+
+        for a in self.actions:
+            s, m = a.stage, a.microbatch
+            if a.op in ("RECV_F", "RECV_B"):
+                buf = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
+                peer = self._peer(s - 1 if a.op == "RECV_F" else s + 1)
+                recvs[(a.op[-1], s, m)] = self.comm.irecv(buf, peer)
+                continue
+            if a.op == "SEND_F":
+                sends.append(self.comm.isend(outputs[(s, m)].detach(), self._peer(s + 1)))
+                continue
+            if a.op == "SEND_B":
+                sends.append(self.comm.isend(grads_to_send.pop((s, m)), self._peer(s - 1)))
+                continue
+
+            # compute actions: inputs are gathered first so the timed interval excludes waits
+            if a.op == "F":
+                if s == 0:
+                    x = tokens[m]
+                else:
+                    x = wait(("F", s, m), a) if ("F", s, m) in recvs else local_fwd.pop((s, m))
+                    x = x.detach().requires_grad_(True)
+                    inputs[(s, m)] = x
+            elif a.op in ("B", "I") and s != self.last_stage:
+                grad = wait(("B", s, m), a) if ("B", s, m) in recvs else local_bwd.pop((s, m))
+            t0 = time.perf_counter()
+            if a.op == "F":
+                with self._autocast():
+                    out = self.stages[s](x, positions)
+                    if s == self.last_stage:
+                        out = self.loss_fn(out, labels[m]) * loss_scale
+                        loss_total = loss_total + out.detach()
+                outputs[(s, m)] = out
+                if s != self.last_stage and self.program.rank_of(s + 1) == self.program.rank_of(s):
+                    local_fwd[(s + 1, m)] = out.detach()
+            elif a.op in ("B", "I"):
+                out = outputs.pop((s, m))
+                self.wstore.deferring = a.op == "I"
+                if s == self.last_stage:
+                    out.backward()
+                else:
+                    torch.autograd.backward(out, grad)
+                self.wstore.deferring = False
+                if a.op == "I":
+                    deferred[(s, m)] = self.wstore.take()
+                if s > 0:
+                    g = inputs.pop((s, m)).grad
+                    if self.program.rank_of(s - 1) == self.program.rank_of(s):
+                        local_bwd[(s - 1, m)] = g
+                    else:
+                        grads_to_send[(s, m)] = g
+            elif a.op == "W":
+                WeightGradStore.flush(deferred.pop((s, m)))
+            t1 = time.perf_counter()
+            record("compute", a, t0, t1)
+            if self.on_compute is not None:
+                self.on_compute(str(a), t0, t1)
+
+        for h in sends:
+            h.wait()
+        if recvs or outputs or deferred:
+            raise RuntimeError(f"schedule left work undone on pp rank {self.pp_rank}: "
+                               f"receives {list(recvs)}, outputs {list(outputs)}, "
+                               f"deferred W {list(deferred)}")
+        return loss_total

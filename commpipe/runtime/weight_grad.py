@@ -1,0 +1,61 @@
+"""Deferred weight gradients for zero-bubble schedules (the I/W split).
+
+ZB-H1 and ZB-V (Qi et al., ICLR 2024) split a stage's backward into I (gradient of the input,
+on the critical path) and W (gradients of the weights, scheduled later into bubbles). As in
+DualPipe, this is done with a custom autograd function for every Linear, not with surgery on
+the autograd graph: while a `WeightGradStore` is deferring, the backward of each Linear
+computes only its input gradient and stashes (weight, input, grad_output); `flush` later runs
+the weight-gradient GEMMs. Parameters outside Linears (norms, embedding) get their gradients
+during I, which is cheap.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class WeightGradStore:
+    def __init__(self):
+        self.deferring = False
+        self.pending: list[tuple[nn.Parameter, torch.Tensor, torch.Tensor]] = []
+
+    def take(self) -> list:
+        out, self.pending = self.pending, []
+        return out
+
+    @staticmethod
+    def flush(items: list) -> None:
+        """Run the stashed weight-gradient GEMMs: dW = grad_out^T x, accumulated."""
+        for weight, x, grad_out in items:
+            gw = grad_out.reshape(-1, grad_out.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+            gw = gw.to(weight.dtype)
+            weight.grad = gw if weight.grad is None else weight.grad + gw
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")
+    def forward(ctx, x, weight, store: WeightGradStore):
+        ctx.save_for_backward(x, weight)
+        ctx.store = store
+        return F.linear(x, weight)
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_in = grad_out @ weight.to(grad_out.dtype)
+        if ctx.store.deferring:
+            ctx.store.pending.append((weight, x, grad_out))
+            return grad_in, None, None
+        gw = grad_out.reshape(-1, grad_out.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+        return grad_in, gw.to(weight.dtype), None
+
+
+def enable_weight_grad_split(module: nn.Module, store: WeightGradStore) -> None:
+    """Route every bias-free Linear in `module` through the deferrable autograd function."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear) and m.bias is None:
+            m.forward = (lambda mod: lambda x: _Linear.apply(x, mod.weight, store))(m)

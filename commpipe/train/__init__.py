@@ -1,0 +1,1 @@
+"""Training: configuration, the step loop, metrics and the `commpipe train` verb."""

@@ -1,0 +1,105 @@
+"""`commpipe train`: one process, or one process per rank under torchrun.
+
+    python -m commpipe train --preset tiny --steps 5
+    torchrun --nproc-per-node 8 -m commpipe train --tp 2 --cp 2 --pp 2 --schedule 1f1b \
+        --microbatches 4 --steps 10 --out runs/t
+"""
+
+from __future__ import annotations
+
+import os
+
+from commpipe.parallel.dims import ParallelDims
+from commpipe.train.config import OptimConfig, TrainConfig
+
+
+def add_layout_arguments(p) -> None:
+    g = p.add_argument_group("layout")
+    for dim in ("tp", "cp", "pp", "dp"):
+        g.add_argument(f"--{dim}", type=int, default=1, help=f"{dim} degree (default 1)")
+    g.add_argument("--schedule", default="1f1b",
+                   help="pipeline schedule name (gpipe, 1f1b, interleaved, zbh1, zbv) "
+                        "or a schedule .csv (default 1f1b)")
+    g.add_argument("--vpp", type=int, default=1, help="model chunks per pipeline rank "
+                   "(interleaved schedule)")
+    g.add_argument("--stage-layers", default=None,
+                   help="explicit layers per pipeline stage, e.g. 3,3,2 (default: even split)")
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--preset", "--model", dest="model", default="tiny",
+                   help="model preset (tiny, small, llama3-8b, ...) or fields "
+                        "arch=llama,layers=..,hidden=..,heads=..,vocab=..")
+    add_layout_arguments(p)
+    g = p.add_argument_group("batch")
+    g.add_argument("--microbatches", type=int, default=None, help="micro-batches per step "
+                   "per pipeline (default 2*pp, or derived from --global-batch)")
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--global-batch", type=int, default=None,
+                   help="sequences per optimizer step (default microbatches*mbs*dp)")
+    g.add_argument("--seq-len", type=int, default=64)
+    g = p.add_argument_group("run")
+    g.add_argument("--steps", type=int, default=10)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--lr", type=float, default=3e-3)
+    g.add_argument("--min-lr", type=float, default=3e-4)
+    g.add_argument("--warmup", type=int, default=2, help="warm-up steps")
+    g.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip (0: off)")
+    g.add_argument("--zero1", action="store_true", help="shard optimizer states across DP")
+    g.add_argument("--data", default=None, help="corpus directory (see `commpipe tokenize`); "
+                   "synthetic tokens when absent")
+    g.add_argument("--out", default=None, help="run folder: metrics.jsonl, config.json, "
+                   "monitor/, trace/")
+    g.add_argument("--monitor", default="off", help="off | sample=0.1 | all")
+    g.add_argument("--trace", action="store_true",
+                   help="record the per-action timeline of the last step into OUT/trace/")
+    g.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    g.add_argument("--log-every", type=int, default=1)
+
+
+def _parse_monitor(text: str) -> float | None:
+    text = text.strip().lower()
+    if text in ("off", "none", "0"):
+        return None
+    if text == "all":
+        return 1.0
+    if text.startswith("sample="):
+        try:
+            frac = float(text.split("=", 1)[1])
+        except ValueError:
+            frac = -1.0
+        if 0.0 < frac <= 1.0:
+            return frac
+    raise ValueError(f"--monitor {text!r}: use off, all, or sample=F with 0 < F <= 1")
+
+
+def config_from_args(args) -> TrainConfig:
+    stage_layers = None
+    if args.stage_layers:
+        try:
+            stage_layers = [int(x) for x in args.stage_layers.split(",")]
+        except ValueError:
+            raise ValueError(f"--stage-layers {args.stage_layers!r}: write counts like 3,3,2") \
+                from None
+    dims = ParallelDims(dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp)
+    optim = OptimConfig(lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup, clip=args.clip,
+                        zero1=args.zero1)
+    monitor = _parse_monitor(args.monitor)
+    if (monitor is not None or args.trace) and not args.out:
+        raise ValueError("--monitor and --trace write into the run folder; give --out DIR")
+    return TrainConfig(model=args.model, dims=dims, schedule=args.schedule, vpp=args.vpp,
+                       microbatches=args.microbatches, micro_batch_size=args.micro_batch_size,
+                       global_batch=args.global_batch, seq_len=args.seq_len, steps=args.steps,
+                       seed=args.seed, stage_layers=stage_layers, optim=optim, data=args.data,
+                       out=args.out, monitor=monitor, trace=args.trace, log_every=args.log_every,
+                       device=args.device)
+
+
+def run(args) -> int:
+    cfg = config_from_args(args)
+    # validate everything before any process group starts
+    cfg.resolve(int(os.environ.get("WORLD_SIZE", "1")))
+    from commpipe.train.loop import train
+
+    train(cfg)
+    return 0

@@ -1,0 +1,112 @@
+"""Training configuration: small dataclasses, validated before any process group starts."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+
+from commpipe.models.spec import ModelSpec, resolve_model, with_vocab
+from commpipe.parallel.dims import ParallelDims
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 2
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    clip: float = 1.0
+    zero1: bool = False
+
+
+@dataclass
+class TrainConfig:
+    model: str = "tiny"
+    dims: ParallelDims = field(default_factory=ParallelDims)
+    schedule: str = "1f1b"
+    vpp: int = 1
+    microbatches: int | None = None
+    micro_batch_size: int = 1
+    global_batch: int | None = None
+    seq_len: int = 64
+    steps: int = 10
+    seed: int = 0
+    stage_layers: list[int] | None = None
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: str | None = None
+    vocab: int | None = None
+    out: str | None = None
+    monitor: float | None = None
+    trace: bool = False
+    log_every: int = 1
+    device: str = "auto"
+
+    # filled by resolve()
+    spec: ModelSpec | None = None
+
+    def resolve(self, world_size: int | None = None) -> TrainConfig:
+        """Derive micro-batches / global batch and validate everything that can be checked
+        without starting processes. Raises ValueError naming the fix."""
+        spec = resolve_model(self.model)
+        if self.vocab:
+            spec = with_vocab(spec, self.vocab)
+        spec.validate()
+        if spec.arch != "llama":
+            raise ValueError(f"training builds arch=llama models, got arch={spec.arch}; "
+                             "gpt shapes work with plan and estimate")
+        d = self.dims
+        if world_size is not None:
+            d.check_world(world_size)
+        if self.vpp < 1:
+            raise ValueError(f"vpp={self.vpp} must be >= 1")
+        if not self.schedule.endswith(".csv"):  # a CSV's stage count is known once loaded
+            d.check_model(spec, self.seq_len, self.stage_layers, self._stage_multiplier())
+        b = self.micro_batch_size
+        if self.microbatches is None and self.global_batch is None:
+            self.microbatches = max(2 * d.pp, 2)
+        if self.global_batch is None:
+            self.global_batch = self.microbatches * b * d.dp
+        m = d.check_batch(self.global_batch, b)
+        if self.microbatches is not None and self.microbatches != m:
+            raise ValueError(f"--microbatches {self.microbatches} disagrees with --global-batch "
+                             f"{self.global_batch} / (micro-batch-size {b} * dp {d.dp}) = {m}; "
+                             "give one of them")
+        self.microbatches = m
+        if self.steps < 1:
+            raise ValueError(f"--steps {self.steps} must be >= 1")
+        self.spec = spec
+        prog = self.program()  # the schedule validates m against p and v
+        d.check_model(spec, self.seq_len, self.stage_layers, prog.num_stages // d.pp)
+        return self
+
+    def _stage_multiplier(self) -> int:
+        if self.schedule in ("zbv", "dualpipev"):
+            return 2
+        if self.schedule == "interleaved":
+            return self.vpp
+        return 1
+
+    def program(self):
+        from commpipe.schedules import generate
+
+        prog = generate(self.schedule, self.dims.pp, self.microbatches, self.vpp)
+        if prog.pp != self.dims.pp:
+            raise ValueError(f"schedule {self.schedule} is for pp={prog.pp}, layout has "
+                             f"pp={self.dims.pp}")
+        if prog.microbatches != self.microbatches:
+            raise ValueError(f"schedule {self.schedule} runs {prog.microbatches} micro-batches, "
+                             f"training has {self.microbatches}")
+        return prog
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["spec"] = self.spec.to_dict() if self.spec else None
+        return d
+
+    def save(self, path) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=2, default=str)

@@ -1,0 +1,41 @@
+"""The single-device reference every parallel layout is checked against.
+
+A plain loop on one whole model: mean token cross-entropy over the global batch, backward,
+global-norm clipping and AdamW with the same learning-rate schedule. It shares no parallel code
+with commpipe's runtime (no Comm, no schedule, no stage split).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from commpipe.models.llama import build_model
+from commpipe.train.config import TrainConfig
+from commpipe.train.loop import lr_at
+from commpipe.train.source import make_source
+
+
+def reference_run(cfg: TrainConfig) -> dict:
+    """Losses per step, final parameters, and the clipped gradients of the last step."""
+    cfg.resolve(cfg.dims.world_size)
+    model = build_model(cfg.spec, cfg.seed)
+    o = cfg.optim
+    opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
+                            weight_decay=o.weight_decay, foreach=False)
+    source = make_source(cfg, cfg.spec)
+    losses, grads = [], {}
+    for step in range(cfg.steps):
+        inputs, labels = source.batch(step, cfg.global_batch, 0, 1)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "params": params, "grads": grads}
