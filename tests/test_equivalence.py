@@ -28,10 +28,10 @@ GLOBAL_BATCH, SEQ, STEPS = 8, 16, 3
 ADAM_EPS = 1e-4
 
 
-def make_cfg(dims: ParallelDims, schedule: str, **kw) -> TrainConfig:
+def make_cfg(dims: ParallelDims, schedule: str, zero1: bool = False, **kw) -> TrainConfig:
+    optim = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=1, clip=1.0, eps=ADAM_EPS, zero1=zero1)
     return TrainConfig(model="tiny", dims=dims, schedule=schedule, global_batch=GLOBAL_BATCH,
-                       micro_batch_size=1, seq_len=SEQ, steps=STEPS, seed=3,
-                       optim=OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=1, clip=1.0, eps=ADAM_EPS), **kw)
+                       micro_batch_size=1, seq_len=SEQ, steps=STEPS, seed=3, optim=optim, **kw)
 
 
 def layouts_of(world: int) -> list[ParallelDims]:
@@ -65,6 +65,9 @@ def check_against(reference: dict, got: dict, label: str) -> None:
 def test_layouts_match_single_device(world, reference):
     jobs = [(f"{d}-{sched}", make_cfg(d, sched)) for d in layouts_of(world)
             for sched in ("gpipe", "1f1b")]
+    # ZeRO-1: optimizer states sharded across DP, updated parameters broadcast by their owner
+    jobs += [(f"{d}-zero1", make_cfg(d, "1f1b", zero1=True)) for d in layouts_of(world)
+             if d.dp == 2 and d.pp <= 2 and d.cp == 1]
     results = run_jobs(world, jobs)
     for key, got in results.items():
         check_against(reference, got, key)

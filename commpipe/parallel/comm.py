@@ -242,3 +242,11 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> tu
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
+
+
+def shutdown_distributed() -> None:
+    """Wait for every rank, then tear the default group down (a rank leaving early while a
+    peer still talks to it makes gloo abort that peer)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

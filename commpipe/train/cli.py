@@ -99,7 +99,9 @@ def run(args) -> int:
     cfg = config_from_args(args)
     # validate everything before any process group starts
     cfg.resolve(int(os.environ.get("WORLD_SIZE", "1")))
+    from commpipe.parallel.comm import shutdown_distributed
     from commpipe.train.loop import train
 
     train(cfg)
+    shutdown_distributed()
     return 0
