@@ -58,8 +58,6 @@ class TrainConfig:
             raise ValueError(f"training builds arch=llama models, got arch={spec.arch}; "
                              "gpt shapes work with plan and estimate")
         d = self.dims
-        if world_size is not None:
-            d.check_world(world_size)
         if self.vpp < 1:
             raise ValueError(f"vpp={self.vpp} must be >= 1")
         if not self.schedule.endswith(".csv"):  # a CSV's stage count is known once loaded
@@ -80,6 +78,8 @@ class TrainConfig:
         self.spec = spec
         prog = self.program()  # the schedule validates m against p and v
         d.check_model(spec, self.seq_len, self.stage_layers, prog.num_stages // d.pp)
+        if world_size is not None:  # last: a wrong layout is worth more to hear about
+            d.check_world(world_size)
         return self
 
     def _stage_multiplier(self) -> int:
