@@ -28,9 +28,10 @@ GLOBAL_BATCH, SEQ, STEPS = 8, 16, 3
 ADAM_EPS = 1e-4
 
 
-def make_cfg(dims: ParallelDims, schedule: str, zero1: bool = False, **kw) -> TrainConfig:
+def make_cfg(dims: ParallelDims, schedule: str, zero1: bool = False, model: str = "tiny",
+             **kw) -> TrainConfig:
     optim = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=1, clip=1.0, eps=ADAM_EPS, zero1=zero1)
-    return TrainConfig(model="tiny", dims=dims, schedule=schedule, global_batch=GLOBAL_BATCH,
+    return TrainConfig(model=model, dims=dims, schedule=schedule, global_batch=GLOBAL_BATCH,
                        micro_batch_size=1, seq_len=SEQ, steps=STEPS, seed=3, optim=optim, **kw)
 
 

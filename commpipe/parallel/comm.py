@@ -186,15 +186,18 @@ class Comm:
             dist.barrier(group=self._pg_of(dim))
 
     # -- point to point -------------------------------------------------------------------------
-    def isend(self, tensor: torch.Tensor, peer: int, dim: str = "pp") -> Handle:
+    def isend(self, tensor: torch.Tensor, peer: int, dim: str = "pp", tag: int = 0) -> Handle:
+        """Asynchronous send. `tag` tells apart messages that travel the same direction
+        between the same pair (activations and gradients of a V schedule): gloo matches by
+        tag; NCCL ignores tags and matches in issue order."""
         tensor = tensor.contiguous()
         call, ctxs = self._start(dim, "send", tensor, peer=peer)
-        work = dist.isend(tensor, dst=peer)
+        work = dist.isend(tensor, dst=peer, tag=tag)
         return Handle(self, work, call, ctxs, lambda: tensor)
 
-    def irecv(self, tensor: torch.Tensor, peer: int, dim: str = "pp") -> Handle:
+    def irecv(self, tensor: torch.Tensor, peer: int, dim: str = "pp", tag: int = 0) -> Handle:
         call, ctxs = self._start(dim, "recv", tensor, peer=peer)
-        work = dist.irecv(tensor, src=peer)
+        work = dist.irecv(tensor, src=peer, tag=tag)
         return Handle(self, work, call, ctxs, lambda: tensor)
 
     def send(self, tensor: torch.Tensor, peer: int, dim: str = "pp") -> None:

@@ -45,6 +45,10 @@ class PipelineRuntime:
     def _peer(self, stage: int) -> int:
         return self.comm.pp_peer(self.program.rank_of(stage))
 
+    def _tag(self, kind: str, boundary: int, mb: int) -> int:
+        """One tag per (direction, stage boundary, micro-batch) within a step."""
+        return (boundary * 2 + (kind == "B")) * self.program.microbatches + mb
+
     def _autocast(self):
         if self.autocast_dtype is None:
             return nullcontext()
@@ -75,14 +79,17 @@ class PipelineRuntime:
             s, m = a.stage, a.microbatch
             if a.op in ("RECV_F", "RECV_B"):
                 buf = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
-                peer = self._peer(s - 1 if a.op == "RECV_F" else s + 1)
-                recvs[(a.op[-1], s, m)] = self.comm.irecv(buf, peer)
+                src = s - 1 if a.op == "RECV_F" else s + 1
+                tag = self._tag(a.op[-1], min(s, src), m)
+                recvs[(a.op[-1], s, m)] = self.comm.irecv(buf, self._peer(src), tag=tag)
                 continue
             if a.op == "SEND_F":
-                sends.append(self.comm.isend(outputs[(s, m)].detach(), self._peer(s + 1)))
+                sends.append(self.comm.isend(outputs[(s, m)].detach(), self._peer(s + 1),
+                                             tag=self._tag("F", s, m)))
                 continue
             if a.op == "SEND_B":
-                sends.append(self.comm.isend(grads_to_send.pop((s, m)), self._peer(s - 1)))
+                sends.append(self.comm.isend(grads_to_send.pop((s, m)), self._peer(s - 1),
+                                             tag=self._tag("B", s - 1, m)))
                 continue
 
             # compute actions: inputs are gathered first so the timed interval excludes waits
