@@ -9,11 +9,34 @@ from commpipe.schedules.actions import (
     load_csv,
     lower,
 )
-from commpipe.schedules.generators import gpipe, one_f_one_b
+from commpipe.schedules.generators import gpipe, interleaved, one_f_one_b, zb_h1, zbv
+from commpipe.schedules.validate import ScheduleDeadlock, ScheduleError, check_program, dry_run
+
+
+def _one_chunk(name, gen):
+    """Schedules with one stage per rank reject --vpp > 1 instead of silently ignoring it."""
+    def build(p, m, v=1):
+        if v != 1:
+            raise ValueError(f"{name} places one stage per rank, got vpp={v}; drop --vpp or use "
+                             "--schedule interleaved (any vpp >= 2) or zbv (2 chunks per rank)")
+        return gen(p, m)
+    return build
+
+
+def _zbv(p, m, v=2):
+    # ZB-V always has two chunks per rank; vpp=1 (the default everywhere) is accepted for it
+    if v not in (1, 2):
+        raise ValueError(f"zbv always uses 2 chunks per rank (V shape), got vpp={v}; "
+                         "use --vpp 2 or drop --vpp")
+    return zbv(p, m)
+
 
 GENERATORS = {
-    "gpipe": lambda p, m, v=1: gpipe(p, m),
-    "1f1b": lambda p, m, v=1: one_f_one_b(p, m),
+    "gpipe": _one_chunk("gpipe", gpipe),
+    "1f1b": _one_chunk("1f1b", one_f_one_b),
+    "interleaved": lambda p, m, v=1: interleaved(p, m, v),
+    "zbh1": _one_chunk("zbh1", zb_h1),
+    "zbv": _zbv,
 }
 
 
@@ -28,4 +51,5 @@ def generate(name: str, pp: int, microbatches: int, vpp: int = 1) -> Program:
 
 
 __all__ = ["Action", "Program", "COMM_OPS", "COMPUTE_OPS", "dump_csv", "load_csv", "lower",
-           "generate", "GENERATORS", "gpipe", "one_f_one_b"]
+           "generate", "GENERATORS", "gpipe", "one_f_one_b", "interleaved", "zb_h1", "zbv",
+           "check_program", "dry_run", "ScheduleError", "ScheduleDeadlock"]
