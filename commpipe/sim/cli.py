@@ -3,6 +3,7 @@
     commpipe simulate --schedule 1f1b --pp 4 --microbatches 8
     commpipe simulate --schedule zbv --pp 4 --microbatches 8 --costs f=1,b=2,w=1 --json
     commpipe simulate --schedule my.csv --png gantt.png --trace trace.json
+    commpipe simulate --compare runs/r --trace overlay.json   (a run trained with --trace)
 
 The schedule is generated (or loaded from CSV), lowered, validated, checked for deadlock and
 executed on the cost table; `--json` prints only a JSON object on stdout.
@@ -20,8 +21,11 @@ from commpipe.sim.export import gantt_png, text_timeline, to_chrome_trace
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--schedule", required=True,
+    parser.add_argument("--schedule", default=None,
                         help=f"schedule name ({', '.join(GENERATORS)}) or a schedule .csv file")
+    parser.add_argument("--compare", default=None, metavar="RUN_DIR",
+                        help="overlay a run trained with --trace on its simulation (cost table "
+                             "calibrated from that run) and report the per-rank difference")
     parser.add_argument("--pp", type=int, help="pipeline ranks (read from the CSV if omitted)")
     parser.add_argument("--microbatches", type=int, help="micro-batches per step")
     parser.add_argument("--vpp", type=int, default=None,
@@ -54,7 +58,24 @@ def _program(args):
                     args.vpp if args.vpp is not None else 1)
 
 
+def _compare(args) -> int:
+    from commpipe.sim.compare import compare_run, overlay_trace
+
+    cmp = compare_run(args.compare)
+    out = sys.stderr if args.json else sys.stdout
+    if args.trace:
+        print(f"overlay trace: {overlay_trace(cmp, args.trace)}", file=out)
+    if args.png:
+        print(f"predicted gantt: {gantt_png(cmp.result, args.png)}", file=out)
+    print(json.dumps(cmp.to_dict()) if args.json else cmp.table())
+    return 0
+
+
 def run(args) -> int:
+    if args.compare:
+        return _compare(args)
+    if not args.schedule:
+        raise ValueError("give --schedule NAME|CSV (or --compare RUN_DIR)")
     prog = _program(args)
     costs = parse_costs(args.costs, prog)
     res = simulate(prog, costs)

@@ -196,8 +196,7 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print) -> list[dict]:
         metrics_file = open(out / "metrics.jsonl", "a")
     try:
         while trainer.step < cfg.steps:
-            keep = trainer.runtime.events is not None and trainer.step == cfg.steps - 1
-            if trainer.runtime.events is not None and not keep:
+            if trainer.runtime.events is not None:  # keep only the last step's timeline
                 trainer.runtime.events.clear()
             rec = trainer.train_step()
             trainer.history.append(rec)
