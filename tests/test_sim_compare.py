@@ -1,0 +1,38 @@
+"""Measured against predicted: a real traced 2-rank run, calibrated and simulated."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+from commpipe.schedules import Action
+from commpipe.sim.compare import compare_run, load_run, overlay_trace
+
+
+def test_traced_run_is_compared_with_its_simulation(tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "commpipe", "train", "--preset", "tiny", "--pp", "2", "--schedule", "zbh1",
+           "--microbatches", "4", "--seq-len", "16", "--steps", "2", "--out", str(out), "--trace"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    _, per_rank = load_run(out)
+    # the trace holds exactly one step: every compute action of the program, once
+    for events in per_rank.values():
+        names = [e.name for e in events if e.stream == "compute"]
+        assert len(names) == len(set(names)) == 4 * 3  # F, I, W per micro-batch
+        assert {e.step for e in events} == {1}
+    cmp = compare_run(out)
+    # the cost table is the median of what was measured, stage by stage
+    for pp_rank, events in per_rank.items():
+        fs = [e.dur_ms for e in events if e.stream == "compute" and Action.parse(e.name).op == "F"]
+        assert abs(cmp.costs.f[pp_rank] - statistics.median(fs)) < 1e-9
+    assert len(cmp.measured_busy) == len(cmp.predicted_busy) == 2
+    assert cmp.predicted_makespan > 0 and cmp.measured_makespan > 0
+    trace = json.loads(overlay_trace(cmp, tmp_path / "overlay.json").read_text())
+    pids = {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    assert {0, 1, 1000, 1001} <= pids
