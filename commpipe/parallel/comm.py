@@ -80,6 +80,7 @@ class Comm:
         self.groups: dict[str, tuple[int, ...]] = {}
         self._pg: dict[str, object] = {}
         self.initialized = dist.is_available() and dist.is_initialized()
+        self.backend = dist.get_backend() if self.initialized else "none"
         for name in GROUP_DIMS:
             ranks_here = None
             for ranks in dims.groups(name):

@@ -19,6 +19,7 @@ import torch
 from commpipe.parallel.comm import Comm
 from commpipe.runtime.weight_grad import WeightGradStore, enable_weight_grad_split
 from commpipe.schedules.actions import Action, Program, lower
+from commpipe.schedules.validate import channel_order_conflicts
 from commpipe.timeline import Event
 
 
@@ -37,6 +38,13 @@ class PipelineRuntime:
         self.last_stage = self.program.num_stages - 1
         self.on_compute = on_compute          # monitor hook: on_compute(name, t0, t1)
         self.events: list[Event] | None = None  # set to [] to record a timeline
+        if comm.backend == "nccl":
+            # NCCL matches point-to-point messages of a rank pair in issue order, ignoring tags
+            conflicts = channel_order_conflicts(self.program)
+            if conflicts:
+                raise ValueError(f"schedule {self.program.name} posts messages between a rank "
+                                 f"pair in different orders on the two sides ({conflicts[0]}); "
+                                 "NCCL would swap them. Use another schedule on NCCL, or gloo")
         self.wstore = WeightGradStore()
         if any(a.op in ("I", "W") for a in self.actions):
             for module in stages.values():
