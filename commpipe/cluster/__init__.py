@@ -1,0 +1,1 @@
+"""Launchers, the emulated multi-node cluster, Slurm scripts and layout sweeps."""

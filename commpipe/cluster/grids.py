@@ -1,0 +1,215 @@
+"""Layout grids for `commpipe sweep`: a TOML file or a named preset.
+
+A grid file has one `[[layout]]` table per layout and an optional `[train]` table of training
+flags every layout shares (command-line flags override it):
+
+    [train]
+    preset = "tiny"
+    seq_len = 64
+    steps = 10
+
+    [[layout]]
+    tp = 2
+    pp = 4                      # missing degrees default to 1
+    schedule = "1f1b"           # optional: schedule, vpp, microbatches, name, placement
+
+    [[layout]]
+    name = "tp2-across-pp4"
+    tp = 2
+    pp = 4
+    placement = "cp-dp-pp-tp"   # fill nodes with TP outermost: TP partners land on different nodes
+
+`placement` is the order (innermost first, as Megatron-LM's --rank-order) in which ranks fill
+the nodes; the default "tp-cp-dp-pp" is commpipe's rank grid itself (TP partners share a node).
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import tomllib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from commpipe.parallel.dims import ParallelDims
+
+DEFAULT_ORDER = "tp-cp-dp-pp"            # commpipe's rank grid, innermost first
+LAYOUT_KEYS = {"name", "tp", "cp", "pp", "dp", "schedule", "vpp", "microbatches", "placement"}
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    dp: int = 1
+    schedule: str | None = None
+    vpp: int | None = None
+    microbatches: int | None = None
+    placement: str = DEFAULT_ORDER
+    name: str = ""
+    extra: dict = field(default_factory=dict, compare=False)   # per-layout training flags
+
+    def __post_init__(self):
+        ParallelDims(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp)   # validates the degrees
+        parse_order(self.placement)
+        if not self.name:
+            object.__setattr__(self, "name", self.default_name())
+        if not re.fullmatch(r"[A-Za-z0-9._+-]+", self.name):
+            raise ValueError(f"layout name {self.name!r} must use only letters, digits and . _ + - "
+                             "(it names the run folder)")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp)
+
+    @property
+    def label(self) -> str:
+        """The study's notation, e.g. TP4/CP1/PP4 (DP shown when it is not 1)."""
+        text = f"TP{self.tp}/CP{self.cp}/PP{self.pp}" + (f"/DP{self.dp}" if self.dp > 1 else "")
+        if self.placement != DEFAULT_ORDER:
+            text += f" [{self.placement}]"
+        return text
+
+    def default_name(self) -> str:
+        parts = [f"tp{self.tp}", f"cp{self.cp}", f"pp{self.pp}", f"dp{self.dp}"]
+        if self.vpp and self.vpp > 1:
+            parts.append(f"v{self.vpp}")
+        if self.schedule:
+            parts.append(self.schedule)
+        if self.microbatches:
+            parts.append(f"m{self.microbatches}")
+        if self.placement != DEFAULT_ORDER:
+            parts.append("order-" + self.placement.replace("-", ""))
+        return "-".join(parts)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["world_size"] = self.world_size
+        return d
+
+    def train_flags(self) -> list[str]:
+        """The layout's own `commpipe train` flags."""
+        flags = ["--tp", str(self.tp), "--cp", str(self.cp), "--pp", str(self.pp), "--dp", str(self.dp)]
+        for key in ("schedule", "vpp", "microbatches"):
+            value = getattr(self, key)
+            if value is not None:
+                flags += [f"--{key}", str(value)]
+        return flags
+
+
+def parse_order(order: str) -> tuple[str, ...]:
+    dims = tuple(order.split("-"))
+    if sorted(dims) != sorted(("tp", "cp", "dp", "pp")):
+        raise ValueError(f"placement {order!r} must name tp, cp, dp and pp once each, innermost "
+                         f"first, e.g. {DEFAULT_ORDER} (default) or cp-dp-pp-tp (TP across nodes)")
+    return dims
+
+
+def node_of_rank(layout: Layout, ranks_per_node: int) -> list[int]:
+    """Which node hosts each global rank when ranks fill nodes in `layout.placement` order."""
+    dims = layout.dims
+    order = parse_order(layout.placement)
+    sizes = {d: getattr(layout, d) for d in order}
+    out = [0] * layout.world_size
+    # enumerate coordinates with the first-named dimension varying fastest
+    ranges = [range(sizes[d]) for d in reversed(order)]
+    for slot, coords in enumerate(itertools.product(*ranges)):
+        c = dict(zip(reversed(order), coords))
+        out[dims.rank_of(pp=c["pp"], dp=c["dp"], cp=c["cp"], tp=c["tp"])] = slot // ranks_per_node
+    return out
+
+
+def _int(value, key: str, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{where}: {key} = {value!r} must be an integer")
+    return value
+
+
+def layouts_from_dicts(entries: list[dict], where: str = "grid") -> list[Layout]:
+    layouts, names = [], set()
+    for i, entry in enumerate(entries):
+        at = f"{where} layout #{i + 1}"
+        extra = {k: v for k, v in entry.items() if k not in LAYOUT_KEYS}
+        kwargs = {}
+        for key in ("tp", "cp", "pp", "dp", "vpp", "microbatches"):
+            if key in entry:
+                kwargs[key] = _int(entry[key], key, at)
+        for key in ("schedule", "placement", "name"):
+            if key in entry:
+                kwargs[key] = str(entry[key])
+        try:
+            layout = Layout(**kwargs, extra=extra)
+        except ValueError as e:
+            raise ValueError(f"{at}: {e}") from None
+        if layout.name in names:
+            raise ValueError(f"{at}: two layouts are named {layout.name!r}; give each a unique name")
+        names.add(layout.name)
+        layouts.append(layout)
+    if not layouts:
+        raise ValueError(f"{where} has no [[layout]] tables; add at least one")
+    return layouts
+
+
+@dataclass
+class Grid:
+    layouts: list[Layout]
+    train: dict = field(default_factory=dict)       # shared training flags (name -> value)
+    source: str = ""
+
+
+def load_grid(text_or_path: str) -> Grid:
+    """A preset name (see PRESETS) or a TOML file path."""
+    if text_or_path in PRESETS:
+        return PRESETS[text_or_path]()
+    path = Path(text_or_path)
+    if not path.exists():
+        raise FileNotFoundError(f"grid {text_or_path!r} is neither a preset ({', '.join(PRESETS)}) "
+                                "nor an existing TOML file")
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{path}: malformed TOML ({e})") from None
+    unknown = set(data) - {"layout", "train"}
+    if unknown:
+        raise ValueError(f"{path}: unknown top-level keys {sorted(unknown)}; use [[layout]] and [train]")
+    return Grid(layouts_from_dicts(list(data.get("layout", [])), str(path)),
+                dict(data.get("train", {})), str(path))
+
+
+# -- presets ----------------------------------------------------------------------------------
+# The study's grid (../shared/data/study_perlmutter_llama8b.csv): 16 GPUs, 4 nodes x 4.
+STUDY_LAYOUTS = [(4, 1, 4, 1), (2, 2, 4, 1), (1, 4, 4, 1), (1, 1, 8, 2), (1, 2, 8, 1),
+                 (2, 1, 8, 1), (4, 1, 2, 2), (2, 2, 2, 2), (1, 1, 16, 1)]   # (tp, cp, pp, dp)
+
+
+def study() -> Grid:
+    """The 9 layouts of the Perlmutter study (16 ranks; 4 nodes x 4 GPUs), LLaMA-8B-32k shape."""
+    layouts = [Layout(tp=tp, cp=cp, pp=pp, dp=dp) for tp, cp, pp, dp in STUDY_LAYOUTS]
+    return Grid(layouts, {"model": "llama-8b-32k", "seq_len": 8192, "micro_batch_size": 1}, "study")
+
+
+# demo8 runs on 8 ranks (an emulated 4 nodes x 2 ranks) with a tiny 8-layer model, so that PP8
+# is possible; each layout is the study's counterpart at half the scale.
+DEMO_MODEL = "arch=llama,layers=8,hidden=64,heads=4,kv_heads=2,ffn_hidden=128,vocab=256"
+
+
+def demo8() -> Grid:
+    layouts = [
+        Layout(tp=2, pp=4, name="tp2-pp4"),                     # TP inside a node (study best TP4/PP4)
+        Layout(tp=2, pp=4, placement="cp-dp-pp-tp", name="tp2x-pp4"),   # same, TP across nodes
+        Layout(tp=2, cp=2, pp=2, name="tp2-cp2-pp2"),           # TP2/CP2/PP4 counterpart
+        Layout(cp=2, pp=4, name="cp2-pp4"),                     # TP1/CP4/PP4 counterpart
+        Layout(pp=4, dp=2, name="pp4-dp2"),                     # TP1/CP1/PP8/DP2 counterpart
+        Layout(tp=2, pp=2, dp=2, name="tp2-pp2-dp2"),           # TP4/CP1/PP2/DP2 counterpart
+        Layout(pp=2, dp=4, name="pp2-dp4"),                     # shallow pipeline, DP heavy
+        Layout(pp=8, name="pp8"),                               # pure PP (study worst, PP16)
+    ]
+    return Grid(layouts, {"model": DEMO_MODEL, "seq_len": 32, "global_batch": 8, "steps": 10}, "demo8")
+
+
+PRESETS = {"study": study, "demo8": demo8}

@@ -1,0 +1,341 @@
+"""`commpipe sweep`: train a grid of layouts one after another and collect the results.
+
+    commpipe sweep --grid demo8 --out runs/demo --cluster emulated --nodes 4 --ranks-per-node 2 \
+        --inter-node-mbit 200
+    commpipe sweep --grid grid.toml --out runs/g --cluster local --preset tiny --steps 5
+    commpipe sweep --grid study --out runs/study --cluster slurm --nodes 4 --ranks-per-node 4 \
+        --account m1234                       # writes sbatch scripts + submit_all.sh, runs nothing
+    commpipe report runs/demo
+
+Each layout trains in OUT/<layout-name>/ (a `commpipe train` run folder, plus logs/) and, once it
+finishes, appends one status line to OUT/sweep.jsonl: ok, or failed / invalid / timeout with
+the reason. A failing layout never stops the sweep. Re-running the same command skips layouts
+already recorded with the same settings (--retry-failed reruns failures, --force everything).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+from commpipe.cluster.grids import Grid, Layout, load_grid
+from commpipe.cluster.launch import (
+    RunResult,
+    nodes_used,
+    plan_commands,
+    plan_local,
+    run_commands,
+    train_flags,
+)
+
+STATUS_FILE = "sweep.jsonl"
+TRAIN_FLAGS = ("model", "steps", "seq_len", "global_batch", "micro_batch_size", "microbatches", "seed",
+               "schedule", "monitor", "trace", "lr", "data", "device")
+
+
+# -- what a layout run needs ----------------------------------------------------------------------
+def validate_layout(layout: Layout, train: dict) -> str | None:
+    """Why `commpipe train` would reject this layout, checked in-process (no launch), or None."""
+    try:
+        from commpipe.train import cli as train_cli
+    except ModuleNotFoundError:
+        return None
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    train_cli.add_arguments(parser)
+    try:
+        args, unknown = parser.parse_known_args(train_flags(layout, train, "unused"))
+        if unknown:
+            return f"`commpipe train` does not know {' '.join(unknown)}; drop it from the grid or flags"
+        train_cli.config_from_args(args).resolve(layout.world_size)
+    except (ValueError, argparse.ArgumentError) as e:
+        return str(e)
+    return None
+
+
+def fingerprint(layout: Layout, train: dict) -> str:
+    blob = json.dumps({"layout": layout.to_dict(), "train": {**train, **layout.extra}}, sort_keys=True,
+                      default=str)
+    return hashlib.sha1(blob.encode()).hexdigest()[:12]
+
+
+def read_status(out_dir) -> dict[str, dict]:
+    """Latest status line per layout name."""
+    path = Path(out_dir) / STATUS_FILE
+    latest = {}
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                rec = json.loads(line)
+                latest[rec["name"]] = rec
+    return latest
+
+
+def last_step(run_dir: Path) -> int | None:
+    """The step of the last complete line of run_dir/metrics.jsonl (read from the tail)."""
+    path = run_dir / "metrics.jsonl"
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4096))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            return int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            continue
+    return None
+
+
+# -- runners: (layout, train, run_dir, poll) -> RunResult ----------------------------------------
+class LocalRunner:
+    """Every rank of a layout on this host (torchrun --standalone, loopback)."""
+
+    kind = "local"
+
+    def __init__(self, timeout_s: float = 900.0):
+        self.timeout_s = timeout_s
+
+    def describe(self) -> dict:
+        return {"kind": self.kind}
+
+    def __call__(self, layout, train, run_dir, poll=None) -> RunResult:
+        return run_commands(plan_local(layout, train, run_dir), run_dir, timeout_s=self.timeout_s, poll=poll)
+
+
+class EmulatedRunner:
+    """One torchrun per node, each inside its namespace of an `EmulatedCluster`."""
+
+    kind = "emulated"
+
+    def __init__(self, cluster, timeout_s: float = 900.0, base_port: int = 29500):
+        self.cluster, self.timeout_s, self.port = cluster, timeout_s, base_port
+
+    def describe(self) -> dict:
+        c = self.cluster
+        return {"kind": self.kind, "nodes": c.nodes, "ranks_per_node": c.ranks_per_node,
+                "inter_node_mbit": c.rates}
+
+    def check(self, layout: Layout) -> None:
+        nodes_used(layout, self.cluster.ranks_per_node, self.cluster.nodes)
+
+    def __call__(self, layout, train, run_dir, poll=None) -> RunResult:
+        c = self.cluster
+        self.port += 1          # a fresh port per run: the previous store may linger in TIME_WAIT
+        cmds = plan_commands(layout, train, Path(run_dir).resolve(), nodes=c.nodes,
+                             ranks_per_node=c.ranks_per_node, master_addr=c.node_ip(0),
+                             master_port=self.port, ifname=c.ifname)
+        return run_commands(cmds, run_dir, cluster=c, timeout_s=self.timeout_s, poll=poll)
+
+
+# -- the sweep ------------------------------------------------------------------------------------
+def run_sweep(grid: Grid, out_dir, runner, train: dict | None = None, *, retry_failed: bool = False,
+              force: bool = False, progress: bool = True, log=print) -> list[dict]:
+    """Run every layout of `grid` with `runner`; returns the status record of each layout."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    train = {**grid.train, **(train or {})}
+    steps = int(train.get("steps", 10))
+    done = read_status(out)
+    records = []
+    bar = _progress(len(grid.layouts), progress)
+    if progress and log is print:
+        log = bar.write             # keeps the bar intact below the messages
+    for i, layout in enumerate(grid.layouts):
+        run_dir = out / layout.name
+        fp = fingerprint(layout, train)
+        prev = done.get(layout.name)
+        if prev and prev.get("fingerprint") == fp and not force:
+            finished = prev["status"] == "ok" and (run_dir / "metrics.jsonl").exists()
+            if finished or (prev["status"] != "ok" and not retry_failed):
+                log(f"[{i + 1}/{len(grid.layouts)}] {layout.name}: already {prev['status']}, skipped")
+                records.append(prev)
+                bar.update(1)
+                continue
+        bar.set_description(f"{i + 1}/{len(grid.layouts)} {layout.name}")
+        reason = validate_layout(layout, train)
+        if reason is None and hasattr(runner, "check"):
+            try:
+                runner.check(layout)
+            except ValueError as e:
+                reason = str(e)
+        if reason is not None:
+            result = RunResult("invalid", reason)
+        else:
+            if run_dir.exists():       # metrics.jsonl is appended to: start from an empty folder
+                shutil.rmtree(run_dir)
+            run_dir.mkdir(parents=True)
+
+            def poll(elapsed, run_dir=run_dir):
+                s = last_step(run_dir)
+                bar.set_postfix_str(f"step {'-' if s is None else s + 1}/{steps}, {elapsed:.0f} s")
+
+            result = runner(layout, train, run_dir, poll)
+        rec = {"name": layout.name, "label": layout.label, **{k: v for k, v in layout.to_dict().items()
+                                                               if k not in ("name", "extra")},
+               "status": result.status, "reason": result.reason, "elapsed_s": round(result.elapsed_s, 2),
+               "cluster": runner.describe() if hasattr(runner, "describe") else {},
+               "train": {**train, **layout.extra}, "fingerprint": fp, "finished_at": time.time()}
+        with open(out / STATUS_FILE, "a") as f:
+            f.write(json.dumps(rec, default=str) + "\n")
+        records.append(rec)
+        bar.update(1)
+        msg = "ok" if result.ok else f"{result.status}: {result.reason}"
+        log(f"[{i + 1}/{len(grid.layouts)}] {layout.name}: {msg} ({result.elapsed_s:.1f} s)")
+    bar.close()
+    return records
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="layout", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
+
+
+def make_runner(kind: str, nodes: int, ranks_per_node: int, inter_node_mbit=None, timeout_s: float = 900.0,
+                log=print, prefix: str | None = None):
+    """(runner, cluster or None). kind: emulated | local | auto; emulated falls back to local with
+    a message when namespaces cannot be built here."""
+    from commpipe.cluster import netns
+
+    if kind in ("emulated", "auto"):
+        ok, why = netns.available()
+        if ok:
+            cluster = netns.EmulatedCluster(nodes, ranks_per_node, inter_node_mbit,
+                                            prefix=prefix or f"cps{os.getpid() % 100000}").up()
+            return EmulatedRunner(cluster, timeout_s), cluster
+        log(f"emulated cluster unavailable ({why}); running every rank on this host over loopback")
+    elif kind != "local":
+        raise ValueError(f"--cluster {kind!r}: use emulated, local, auto or slurm")
+    if inter_node_mbit is not None:
+        log("--inter-node-mbit has no effect on one host: every rank talks over loopback")
+    return LocalRunner(timeout_s), None
+
+
+# -- the verb -------------------------------------------------------------------------------------
+def add_arguments(p) -> None:
+    p.add_argument("--grid", required=True, help="grid TOML file or preset (study, demo8)")
+    p.add_argument("--out", required=True, help="sweep folder: one run folder per layout + sweep.jsonl")
+    p.add_argument("--cluster", default="auto", choices=("auto", "emulated", "local", "slurm"),
+                   help="auto: emulated when possible, else local (default)")
+    p.add_argument("--nodes", type=int, default=4)
+    p.add_argument("--ranks-per-node", type=int, default=2, help="ranks (GPUs) per node")
+    p.add_argument("--inter-node-mbit", default=None,
+                   help="inter-node link rate in Mbit/s, one value or one per node (200 or 200,200,50,200)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per layout (default 900)")
+    p.add_argument("--retry-failed", action="store_true", help="rerun layouts recorded as failed")
+    p.add_argument("--force", action="store_true", help="rerun every layout")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--report", action="store_true", help="write the report when the sweep ends")
+    g = p.add_argument_group("training flags (override the grid's [train] table)")
+    g.add_argument("--preset", "--model", dest="model", default=None)
+    for name, typ in (("steps", int), ("seq-len", int), ("global-batch", int), ("micro-batch-size", int),
+                      ("microbatches", int), ("seed", int), ("lr", float)):
+        g.add_argument(f"--{name}", type=typ, default=None)
+    g.add_argument("--schedule", default=None, help="default schedule for layouts that name none")
+    g.add_argument("--monitor", default=None, help="off | sample=0.1 | all (default sample=0.1)")
+    g.add_argument("--trace", action="store_true", default=None)
+    g.add_argument("--data", default=None)
+    g.add_argument("--train-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other `commpipe train` flag, e.g. --train-arg zero1=true")
+    g = p.add_argument_group("slurm (with --cluster slurm)")
+    g.add_argument("--account", default=None)
+    g.add_argument("--qos", default="regular")
+    g.add_argument("--time", default="00:30:00")
+    g.add_argument("--constraint", default="gpu")
+    g.add_argument("--setup", action="append", default=[], help="a shell line run before srun "
+                   "(e.g. 'module load pytorch'); repeatable")
+
+
+def parse_rates(text: str | None):
+    if text is None:
+        return None
+    try:
+        values = [float(v) for v in str(text).split(",")]
+    except ValueError:
+        raise ValueError(f"--inter-node-mbit {text!r}: give a number or comma-separated numbers") from None
+    return values[0] if len(values) == 1 else values
+
+
+def train_overrides(args) -> dict:
+    out = {}
+    for key in TRAIN_FLAGS:
+        value = getattr(args, key, None)
+        if value is not None:
+            out[key] = value
+    for item in args.train_arg:
+        if "=" not in item:
+            raise ValueError(f"--train-arg {item!r}: write KEY=VALUE, e.g. zero1=true")
+        key, value = item.split("=", 1)
+        low = value.lower()
+        out[key.strip().replace("-", "_")] = True if low == "true" else False if low == "false" else value
+    return out
+
+
+def default_monitor() -> str:
+    """Time one call in ten (as the study did) when this build has the monitor."""
+    has_monitor = (Path(__file__).resolve().parents[1] / "monitor" / "__init__.py").exists()
+    return "sample=0.1" if has_monitor else "off"
+
+
+def run(args) -> int:
+    grid = load_grid(args.grid)
+    train = {"monitor": default_monitor(), **grid.train, **train_overrides(args)}
+    rates = parse_rates(args.inter_node_mbit)
+    if args.cluster == "slurm":
+        from commpipe.cluster.slurm import SlurmOptions, write_scripts
+
+        opts = SlurmOptions(account=args.account, qos=args.qos, time=args.time, constraint=args.constraint,
+                            gpus_per_node=args.ranks_per_node, setup=args.setup)
+        paths = write_scripts(grid.layouts, train, args.out, opts)
+        print(f"wrote {len(paths) - 1} sbatch scripts; submit them with: bash {paths[-1]}")
+        print(f"then: commpipe report {args.out}")
+        return 0
+    runner, cluster = make_runner(args.cluster, args.nodes, args.ranks_per_node, rates, args.timeout)
+    try:
+        records = run_sweep(grid, args.out, runner, train, retry_failed=args.retry_failed, force=args.force,
+                            progress=not args.no_progress)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted; the layout in progress was not recorded. Run the same command again to "
+              f"resume (finished layouts are in {args.out}/{STATUS_FILE})", file=sys.stderr)
+        return 130
+    finally:
+        if cluster is not None:
+            cluster.teardown()
+    ok = sum(r["status"] == "ok" for r in records)
+    print(f"{ok}/{len(records)} layouts ok; results in {args.out}/{STATUS_FILE}")
+    if args.report:
+        from commpipe.report.cli import write_report
+
+        print(write_report(args.out)["markdown"])
+    return 0 if ok else 1
+
+
+def run_demo_sweep(out_dir, nodes: int = 4, ranks_per_node: int = 2, inter_node_mbit: float | None = 50.0,
+                   steps: int = 10, seq_len: int = 32, cluster: str = "auto", progress: bool = True,
+                   timeout_s: float = 240.0, log=print) -> tuple[str, Path]:
+    """The demo8 grid with a tiny model on an emulated 4-node x 2-rank cluster with 50 Mbit/s
+    inter-node links (loopback when namespaces are unavailable), then the report. Returns
+    (markdown table, report.html path). About 2.5 minutes on 2 cores."""
+    from commpipe.cluster.grids import demo8
+    from commpipe.report.cli import write_report
+
+    grid = demo8()
+    # every call timed, so each layout's timeline shows all of its communication
+    train = {"steps": steps, "seq_len": seq_len, "trace": True,
+             "monitor": "all" if default_monitor() != "off" else "off"}
+    runner, emu = make_runner(cluster, nodes, ranks_per_node, inter_node_mbit, timeout_s, log=log)
+    try:
+        run_sweep(grid, out_dir, runner, train, progress=progress, log=log)
+    finally:
+        if emu is not None:
+            emu.teardown()
+    written = write_report(out_dir)
+    return written["markdown"], Path(written["html"])

@@ -1,0 +1,1 @@
+"""Tables, figures and a self-contained HTML report from a sweep folder."""

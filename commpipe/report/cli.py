@@ -1,0 +1,125 @@
+"""`commpipe report DIR`: results.csv, report.md, figures/ and a self-contained report.html.
+
+    commpipe sweep --grid demo8 --out runs/demo
+    commpipe report runs/demo                 # -> runs/demo/report.html
+    commpipe report runs/study --study shared/data/study_perlmutter_llama8b.csv
+
+DIR is a sweep folder (sweep.jsonl + one run folder per layout) or any folder of `commpipe
+train --out` run folders. Times are medians over the steps after --warmup.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+from commpipe.report.tables import collect, fmt, markdown_table, read_jsonl, write_csv
+
+
+def add_arguments(p) -> None:
+    p.add_argument("dir", help="sweep folder")
+    p.add_argument("--warmup", type=int, default=1, help="steps left out of the medians (default 1)")
+    p.add_argument("--study", default=None, help="the study's CSV: adds its TFLOP/s beside layouts "
+                   "of the same degrees and compares the rankings")
+    p.add_argument("--title", default=None)
+
+
+def spearman(xs: list[float], ys: list[float]) -> float | None:
+    """Spearman rank correlation (no ties assumed beyond average ranks)."""
+    if len(xs) < 3:
+        return None
+
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and v[order[j + 1]] == v[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                r[order[k]] = (i + j) / 2.0
+            i = j + 1
+        return r
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    vx = sum((a - mx) ** 2 for a in rx) ** 0.5
+    vy = sum((b - my) ** 2 for b in ry) ** 0.5
+    return cov / (vx * vy) if vx and vy else None
+
+
+def compare_study(rows: list[dict], study_csv) -> list[str]:
+    """Attach the study's TFLOP/s to rows with the same (tp, cp, pp, dp); a note on rankings."""
+    with open(study_csv) as f:
+        study = {(int(r["tp"]), int(r["cp"]), int(r["pp"]), int(r["dp"])): float(r["tflops_per_gpu"])
+                 for r in csv.DictReader(f)}
+    pairs = []
+    for r in rows:
+        key = tuple(int(r.get(k) or 1) for k in ("tp", "cp", "pp", "dp"))
+        if key in study:
+            r["study_tflops_per_gpu"] = study[key]
+            if r["status"] == "ok" and r.get("tflops_per_gpu"):
+                pairs.append((r["tflops_per_gpu"], study[key]))
+    if not pairs:
+        return ["No layout of this sweep matches a study layout."]
+    rho = spearman([p[0] for p in pairs], [p[1] for p in pairs])
+    return [f"{len(pairs)} layouts match the study's grid; Spearman rank correlation of TFLOP/s/GPU "
+            f"with the study: {fmt(rho)} (1 = same ranking)."]
+
+
+def describe_sweep(root: Path) -> list[str]:
+    recs = read_jsonl(root / "sweep.jsonl")
+    if not recs:
+        return []
+    last = recs[-1]
+    cluster = last.get("cluster") or {}
+    text = f"Cluster: {cluster.get('kind', '?')}"
+    if cluster.get("nodes"):
+        text += f", {cluster['nodes']} nodes x {cluster.get('ranks_per_node')} ranks"
+        rates = cluster.get("inter_node_mbit")
+        if rates and any(rates):
+            text += f", inter-node links {', '.join(fmt(r) for r in rates)} Mbit/s"
+    train = last.get("train") or {}
+    return [text + ".", "Training: " + ", ".join(f"{k}={v}" for k, v in train.items()) + "."]
+
+
+def write_report(sweep_dir, warmup: int = 1, study: str | None = None, title: str | None = None) -> dict:
+    """Write every report file; returns their paths and the markdown table."""
+    from commpipe.report.figures import make_figures
+    from commpipe.report.html import write_html
+
+    root = Path(sweep_dir)
+    rows = collect(root, warmup)
+    notes = describe_sweep(root)
+    notes.append(f"Times are medians over the steps after the first {warmup}; efficiency is TFLOP/s relative "
+                 "to the best layout. PP lat. is transfer time per pipeline call (waiting for the peer "
+                 "excluded), PP wait the time blocked on the neighbour stage, PP raw their sum as a timer "
+                 "around the whole call sees it. Collective bandwidth is nccl-tests bus bandwidth.")
+    if study:
+        notes += compare_study(rows, study)
+    failed = [r for r in rows if r["status"] != "ok"]
+    csv_path = write_csv(rows, root / "results.csv")
+    table = markdown_table(rows)
+    figures = make_figures(root, rows)
+    title = title or f"commpipe sweep: {root.resolve().name}"
+    md = [f"# {title}", "", *[n + "\n" for n in notes], table, ""]
+    if failed:
+        md += ["## Failed layouts", ""]
+        md += [f"- {r.get('label') or r['name']}: {r['status']}: {r.get('reason')}" for r in failed] + [""]
+    md += ["## Figures", ""] + [f"![{cap}](figures/{Path(p).name})" for p, cap in figures]
+    md_path = root / "report.md"
+    md_path.write_text("\n".join(md) + "\n")
+    html_path = write_html(root / "report.html", title, rows, figures, notes)
+    (root / "results.json").write_text(json.dumps(rows, indent=1, default=str))
+    return {"csv": str(csv_path), "markdown_path": str(md_path), "html": str(html_path),
+            "figures": [str(p) for p, _ in figures], "markdown": table, "rows": rows}
+
+
+def run(args) -> int:
+    out = write_report(args.dir, args.warmup, args.study, args.title)
+    print(out["markdown"])
+    print(f"\nwrote {out['csv']}, {out['markdown_path']}, {out['html']} ({len(out['figures'])} figures)")
+    return 0

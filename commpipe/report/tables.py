@@ -1,0 +1,210 @@
+"""Sweep folder -> one summary row per layout, results.csv and a markdown table.
+
+Reads, for each layout: the sweep's status line (OUT/sweep.jsonl), the run's metrics.jsonl and
+the monitor's per-rank records (OUT/<layout>/monitor/rank*.jsonl). Times are medians over the
+steps after `warmup` (the first step pays for allocation and connection set-up).
+
+Per dimension and step, from the monitor's records (commpipe/monitor/records.py):
+  bandwidth   median over the dimension's records of bandwidth_gbps for p2p (pp, receivers'
+              records: a recv completes when the data is there, an isend only when waited on), of the
+              nccl-tests bus bandwidth busbw_gbps for collectives (tp, cp, dp), so group sizes
+              compare;
+  latency     median of transfer_ms: time per call once every peer had posted (wait excluded);
+  wait        sum of wait_ms_total / sum of matched calls: time per call blocked on the peer
+              (pipeline bubbles show up here, not in latency);
+  raw         the study's "latency": post-to-done time per call, wait included;
+  calls       pp: pipeline messages per step (sends summed over ranks); others: per rank.
+PP counts only send/recv (the loss and gradient-norm all-reduces over the pipeline group are
+left out); DP is the gradient reduction, over the dp x cp group ("dp_cp") when CP is on.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import statistics
+from pathlib import Path
+
+DIMS = ("pp", "tp", "cp", "dp")
+P2P = ("send", "recv")
+COLUMNS = ["name", "label", "tp", "cp", "pp", "dp", "schedule", "placement", "status", "reason", "steps",
+           "tflops_per_gpu", "step_time_ms", "tokens_per_s", "final_loss", "efficiency",
+           "pp_bw_gbps", "pp_latency_ms", "pp_wait_ms", "pp_raw_ms", "pp_calls",
+           "tp_bw_gbps", "tp_latency_ms", "tp_wait_ms", "cp_bw_gbps", "cp_latency_ms", "cp_wait_ms",
+           "dp_bw_gbps", "dp_latency_ms", "dp_wait_ms", "study_tflops_per_gpu"]
+
+
+def read_jsonl(path) -> list[dict]:
+    out = []
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue       # a line cut short by a killed run
+    return out
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def after_warmup(steps: list, warmup: int) -> list:
+    """Steps after the warm-up; all of them when the run is too short to drop any."""
+    return steps[warmup:] if len(steps) > warmup else steps
+
+
+def monitor_records(run_dir: Path) -> list[dict]:
+    out = []
+    for path in sorted((run_dir / "monitor").glob("rank*.jsonl")):
+        out.extend(read_jsonl(path))
+    return out
+
+
+SELECT = {"pp": (("pp",), P2P), "tp": (("tp",), None), "cp": (("cp",), None), "dp": (("dp", "dp_cp"), None)}
+
+
+def dim_step_stats(records: list[dict], dim: str) -> dict[int, dict]:
+    """{step: {"bw", "latency", "wait", "raw", "calls"}} of one column (see SELECT)."""
+    dims, ops = SELECT[dim]
+    by_step: dict[int, list[dict]] = {}
+    for r in records:
+        if r.get("dim") in dims and (ops is None or r.get("op") in ops):
+            by_step.setdefault(r["step"], []).append(r)
+    out = {}
+    for step, recs in sorted(by_step.items()):
+        p2p = dim == "pp"
+        bw_key = "bandwidth_gbps" if p2p else "busbw_gbps"
+        if p2p:
+            calls = sum(r.get("calls") or 0 for r in recs if r.get("op") == "send")
+            # timing from the receiver's side: a recv completes when the data has arrived,
+            # while a non-blocking send is only seen complete when the runtime waits on it
+            recs = [r for r in recs if r.get("op") == "recv"] or recs
+        else:
+            ranks = {r.get("rank") for r in recs}
+            calls = sum(r.get("calls") or 0 for r in recs) / max(len(ranks), 1)
+        matched = sum(r.get("matched") or 0 for r in recs)
+        wait_total = sum(r.get("wait_ms_total") or 0.0 for r in recs)
+        out[step] = {"bw": _median(r.get(bw_key, r.get("bandwidth_gbps")) for r in recs),
+                     "latency": _median(r.get("transfer_ms", r.get("latency_ms")) for r in recs),
+                     "wait": wait_total / matched if matched else _median(r.get("wait_ms") for r in recs),
+                     "raw": _median(r.get("raw_ms") for r in recs),
+                     "calls": calls}
+    return out
+
+
+def summarize_run(run_dir: Path, warmup: int = 1) -> dict:
+    """Medians of one run folder's metrics and monitor records."""
+    metrics = sorted(read_jsonl(run_dir / "metrics.jsonl"), key=lambda m: m.get("step", 0))
+    row: dict = {"steps": len(metrics)}
+    if metrics:
+        kept = after_warmup(metrics, warmup)
+        row["tflops_per_gpu"] = _median(m.get("tflops_per_gpu") for m in kept)
+        t = _median(m.get("step_time_s") for m in kept)
+        row["step_time_ms"] = None if t is None else t * 1e3
+        row["tokens_per_s"] = _median(m.get("tokens_per_s") for m in kept)
+        row["final_loss"] = metrics[-1].get("loss")
+        for key in ("tp", "cp", "pp", "dp", "schedule"):
+            if key in metrics[-1]:
+                row[key] = metrics[-1][key]
+    records = monitor_records(run_dir)
+    for dim in DIMS:
+        stats = dim_step_stats(records, dim)
+        kept = [stats[s] for s in after_warmup(sorted(stats), warmup)]
+        for key, col in (("bw", "bw_gbps"), ("latency", "latency_ms"), ("wait", "wait_ms"),
+                         ("raw", "raw_ms"), ("calls", "calls")):
+            value = _median(k[key] for k in kept)
+            if value is not None:
+                row[f"{dim}_{col}"] = value
+    return row
+
+
+def discover(sweep_dir) -> list[dict]:
+    """The layouts of a sweep folder: status lines first (latest per name, in order), then any
+    run folder (has metrics.jsonl or config.json) the status file does not mention."""
+    root = Path(sweep_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"sweep folder {root} does not exist")
+    entries: dict[str, dict] = {}
+    for rec in read_jsonl(root / "sweep.jsonl"):
+        entries.pop(rec["name"], None)
+        entries[rec["name"]] = dict(rec)
+    for sub in sorted(p for p in root.iterdir() if p.is_dir()):
+        if sub.name not in entries and ((sub / "metrics.jsonl").exists() or (sub / "config.json").exists()):
+            entries[sub.name] = {"name": sub.name, "status": "unknown"}
+    if not entries:
+        raise FileNotFoundError(f"{root} holds no sweep.jsonl and no run folders; run `commpipe sweep` first")
+    return list(entries.values())
+
+
+def collect(sweep_dir, warmup: int = 1) -> list[dict]:
+    """One row per layout (COLUMNS), best TFLOP/s first, failed layouts last."""
+    root = Path(sweep_dir)
+    rows = []
+    for entry in discover(root):
+        row = {k: entry.get(k) for k in ("name", "label", "tp", "cp", "pp", "dp", "schedule", "placement",
+                                         "status", "reason")}
+        summary = summarize_run(root / entry["name"], warmup)
+        for key, value in summary.items():
+            if row.get(key) is None:
+                row[key] = value
+        if row["status"] == "unknown":
+            row["status"] = "ok" if summary.get("steps") else "failed"
+        if row["status"] == "ok" and not summary.get("steps"):
+            row["status"], row["reason"] = "failed", "finished without writing metrics.jsonl"
+        if not row.get("label") and row.get("tp") is not None:
+            row["label"] = f"TP{row['tp']}/CP{row['cp']}/PP{row['pp']}" + (
+                f"/DP{row['dp']}" if (row.get("dp") or 1) > 1 else "")
+        rows.append(row)
+    best = max((r["tflops_per_gpu"] for r in rows if r["status"] == "ok" and r.get("tflops_per_gpu")),
+               default=None)
+    for r in rows:
+        r["efficiency"] = r["tflops_per_gpu"] / best if best and r.get("tflops_per_gpu") else None
+    rows.sort(key=lambda r: (r["status"] != "ok", -(r.get("tflops_per_gpu") or 0.0)))
+    return rows
+
+
+def write_csv(rows: list[dict], path) -> Path:
+    path = Path(path)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: r.get(k) for k in COLUMNS})
+    return path
+
+
+def fmt(value, digits: int = 3) -> str:
+    """Significant digits (TFLOP/s of a tiny CPU model are ~1e-4; an A100 run's ~30)."""
+    if value is None or value == "":
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}" if abs(value) < 10 ** digits else f"{value:.0f}"
+    return str(value)
+
+
+HEADER = ["Layout", "TP", "CP", "PP", "DP", "TFLOP/s/GPU", "Step (ms)", "PP GB/s", "PP lat. (ms)",
+          "PP calls/step", "PP wait (ms)", "PP raw (ms)", "TP GB/s", "TP lat. (ms)", "CP GB/s",
+          "CP lat. (ms)", "DP GB/s", "DP lat. (ms)", "Final loss", "Efficiency", "Status"]
+
+
+def table_cells(r: dict) -> list[str]:
+    eff = r.get("efficiency")
+    status = "ok" if r["status"] == "ok" else f"{r['status']}: {r.get('reason') or ''}".strip()
+    return [r.get("label") or r["name"], *(fmt(r.get(k)) for k in ("tp", "cp", "pp", "dp")),
+            fmt(r.get("tflops_per_gpu")), fmt(r.get("step_time_ms")), fmt(r.get("pp_bw_gbps")),
+            fmt(r.get("pp_latency_ms")), fmt(r.get("pp_calls")), fmt(r.get("pp_wait_ms")),
+            fmt(r.get("pp_raw_ms")), fmt(r.get("tp_bw_gbps")), fmt(r.get("tp_latency_ms")),
+            fmt(r.get("cp_bw_gbps")), fmt(r.get("cp_latency_ms")), fmt(r.get("dp_bw_gbps")),
+            fmt(r.get("dp_latency_ms")), fmt(r.get("final_loss"), 4),
+            "–" if eff is None else f"{eff:.0%}", status.replace("|", "/")]
+
+
+def markdown_table(rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "|".join("---" for _ in HEADER) + "|"]
+    lines += ["| " + " | ".join(table_cells(r)) + " |" for r in rows]
+    return "\n".join(lines)

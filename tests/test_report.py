@@ -1,0 +1,166 @@
+"""`commpipe report` on a sweep folder written by hand, with values whose medians are derived in
+the comments (the report is a function of the folder)."""
+
+from __future__ import annotations
+
+import base64
+import csv
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from commpipe.report.cli import compare_study, spearman, write_report
+from commpipe.report.figures import load_events
+from commpipe.timeline import Event, write_chrome_trace
+
+STUDY_CSV = Path("/work/shared/data/study_perlmutter_llama8b.csv")
+
+
+def _jsonl(path: Path, rows) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _metrics(times, tflops, losses, **layout):
+    return [{"step": s, "loss": loss, "step_time_s": t, "tokens_per_s": 64 / t, "tflops_per_gpu": f, **layout}
+            for s, (t, f, loss) in enumerate(zip(times, tflops, losses))]
+
+
+def _p2p(step, rank, op, peer, bw, transfer, wait_total):
+    return {"step": step, "rank": rank, "dim": "pp", "op": op, "peer": peer, "group": None, "calls": 4,
+            "sampled": 2, "matched": 2, "bytes": 4096, "wait_ms_total": wait_total, "wait_ms": wait_total / 2,
+            "transfer_ms": transfer, "latency_ms": transfer, "raw_ms": transfer + wait_total / 2,
+            "bandwidth_gbps": bw, "busbw_gbps": bw, "ema_bandwidth_gbps": bw, "ema_latency_ms": transfer}
+
+
+def _coll(step, rank, busbw, transfer):
+    return {"step": step, "rank": rank, "dim": "tp", "op": "all_reduce", "peer": None, "group": [0, 1],
+            "calls": 10, "sampled": 1, "matched": 1, "bytes": 1024, "wait_ms_total": 0.5, "wait_ms": 0.5,
+            "transfer_ms": transfer, "raw_ms": transfer + 0.5, "bandwidth_gbps": busbw, "busbw_gbps": busbw}
+
+
+@pytest.fixture
+def sweep(tmp_path):
+    root = tmp_path / "sw"
+    status = [
+        {"name": "a", "label": "TP2/CP1/PP2", "tp": 2, "cp": 1, "pp": 2, "dp": 1, "status": "ok",
+         "reason": "",
+         "cluster": {"kind": "emulated", "nodes": 2, "ranks_per_node": 2, "inter_node_mbit": [100, 100]},
+         "train": {"model": "tiny", "steps": 4}},
+        {"name": "b", "label": "TP1/CP1/PP4", "tp": 1, "cp": 1, "pp": 4, "dp": 1, "status": "ok",
+         "reason": ""},
+        {"name": "c", "label": "TP1/CP4/PP1", "tp": 1, "cp": 4, "pp": 1, "dp": 1, "status": "failed",
+         "reason": "out of memory: CUDA out of memory"},
+    ]
+    _jsonl(root / "sweep.jsonl", status)
+    # a: step 0 is the warm-up; medians over steps 1-3: time (0.2, 0.4, 0.3) -> 0.3 s, TFLOP/s 1.5
+    _jsonl(root / "a" / "metrics.jsonl", _metrics([1.0, 0.2, 0.4, 0.3], [0.1, 2.0, 1.0, 1.5], [5, 4, 3, 2.5],
+                                                   tp=2, cp=1, pp=2, dp=1))
+    # b: TFLOP/s 0.5 -> efficiency 0.5 / 1.5
+    _jsonl(root / "b" / "metrics.jsonl",
+           _metrics([1.0, 0.6, 0.6, 0.6], [0.1, 0.5, 0.5, 0.5], [5, 4.5, 4, 3.5]))
+    # a's pipeline: per step, the send (rank 0) and recv (rank 2) records. Timing comes from the
+    # receiver: bandwidth 3, 4, 5 over steps 1-3 -> median 4 GB/s (step 0's 100 is the warm-up);
+    # transfer per call likewise -> 4 ms; wait per call = 6 ms / 2 matched calls = 3 ms;
+    # calls per step = sends summed over ranks = 4
+    rank0, rank2 = [], []
+    for step, (bs, br) in enumerate([(100, 100), (1, 3), (2, 4), (3, 5)]):
+        rank0.append(_p2p(step, 0, "send", 2, bs, float(bs), 0.0))
+        rank2.append(_p2p(step, 2, "recv", 0, br, float(br), 99.0 if step == 0 else 6.0))
+        rank0.append(_coll(step, 0, 0.2 * step, 0.1 * step))
+    _jsonl(root / "a" / "monitor" / "rank0.jsonl", rank0)
+    _jsonl(root / "a" / "monitor" / "rank2.jsonl", rank2)
+    events = [Event(r, "compute", f"0F{m}", 10.0 * m + r, 10.0 * m + r + 8, step=3)
+              for r in (0, 1) for m in range(3)]
+    events += [Event(0, "pp", "send", 8.0, 9.0, step=3), Event(0, "compute", "0F0", 0, 5, step=2)]
+    for r in (0, 1):
+        write_chrome_trace(events, root / "a" / "trace" / f"rank{r}.json", rank=r, world_size=2)
+    _jsonl(root / "b" / "monitor" / "links.jsonl",
+           [{"step": s, "kind": "p2p", "dim": "pp", "src": 0, "dst": 1, "bandwidth_gbps": 1.0 + s,
+             "transfer_ms": 2.0} for s in range(4)])
+    return root
+
+
+def test_report_values_and_files(sweep):
+    out = write_report(sweep)
+    rows = {r["name"]: r for r in csv.DictReader(open(sweep / "results.csv"))}
+    assert list(rows) == ["a", "b", "c"]                         # best first, failures last
+    a, b, c = rows["a"], rows["b"], rows["c"]
+    assert float(a["step_time_ms"]) == pytest.approx(300.0)
+    assert float(a["tflops_per_gpu"]) == pytest.approx(1.5)
+    assert float(a["final_loss"]) == 2.5
+    assert float(a["pp_bw_gbps"]) == pytest.approx(4.0)
+    assert float(a["pp_latency_ms"]) == pytest.approx(4.0)
+    assert float(a["pp_wait_ms"]) == pytest.approx(3.0)
+    assert float(a["pp_calls"]) == 4
+    assert float(a["tp_bw_gbps"]) == pytest.approx(0.4)           # busbw 0.2, 0.4, 0.6 -> 0.4
+    assert float(a["efficiency"]) == 1.0 and float(b["efficiency"]) == pytest.approx(1 / 3)
+    assert c["status"] == "failed" and "out of memory" in c["reason"]
+    md = (sweep / "report.md").read_text()
+    assert "| TP2/CP1/PP2 | 2 | 1 | 2 | 1 | 1.5 | 300 | 4 | 4 | 4 | 3 |" in md
+    assert "failed: out of memory: CUDA out of memory" in md and "33%" in md
+    names = {Path(p).name for p in out["figures"]}
+    assert {"throughput.png", "pp_bandwidth.png", "pp_latency.png", "throughput_vs_latency.png", "loss.png",
+            "links_a.png", "links_b.png", "timeline_a.png", "collective_latency.png"} <= names
+
+
+def test_html_is_self_contained_and_embeds_every_figure(sweep):
+    out = write_report(sweep)
+    html = Path(out["html"]).read_text()
+    assert html.count("<img ") == len(out["figures"]) >= 9
+    for path in out["figures"]:
+        assert base64.b64encode(Path(path).read_bytes()).decode() in html, path
+        assert Path(path).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "src='http" not in html and "src='figures" not in html and "<script" not in html
+    assert "out of memory" in html
+
+
+def test_timeline_reads_the_last_step_of_chrome_traces(sweep):
+    events = load_events(sweep / "a")
+    assert {e["rank"] for e in events} == {0, 1}
+    assert max(e["step"] for e in events) == 3
+    send = [e for e in events if e["stream"] == "pp"]
+    assert send and send[0]["end_ms"] - send[0]["start_ms"] == pytest.approx(1.0)
+
+
+def test_report_needs_a_sweep(tmp_path):
+    with pytest.raises(FileNotFoundError, match="holds no sweep.jsonl"):
+        write_report(tmp_path)
+
+
+def test_spearman():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # sum d^2 = 2 -> 1 - 6*2 / (4 * (16 - 1)) = 0.8
+    assert spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
+
+
+def test_compare_with_the_study():
+    if not STUDY_CSV.exists():
+        pytest.skip(f"{STUDY_CSV} not present")
+    # measured numbers in the study's own order -> perfect agreement
+    rows = [{"tp": tp, "cp": cp, "pp": pp, "dp": dp, "status": "ok", "tflops_per_gpu": 10.0 - i}
+            for i, (tp, cp, pp, dp) in enumerate([(4, 1, 4, 1), (2, 2, 4, 1), (1, 4, 4, 1), (1, 1, 16, 1)])]
+    (note,) = compare_study(rows, STUDY_CSV)
+    assert "4 layouts match" in note and "with the study: 1 " in note
+    assert rows[0]["study_tflops_per_gpu"] == 30.0 and rows[3]["study_tflops_per_gpu"] == 11.4
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="chromium is not installed")
+def test_html_renders_with_visible_figures(sweep, tmp_path):
+    """Headless Chromium draws report.html; the screenshot must hold the figures' colours."""
+    out = write_report(sweep)
+    shot = tmp_path / "shot.png"
+    subprocess.run(["chromium", "--headless", "--no-sandbox", "--disable-gpu", f"--screenshot={shot}",
+                    "--window-size=1300,6000", f"file://{out['html']}"], capture_output=True, timeout=120)
+    assert shot.exists()
+    from matplotlib.image import imread
+
+    img = imread(shot)[..., :3]
+    # the throughput bars' blue (#1f77b4 = 0.12, 0.47, 0.71) must be on the page
+    blue = ((abs(img[..., 0] - 0.12) < 0.05) & (abs(img[..., 1] - 0.47) < 0.05)
+            & (abs(img[..., 2] - 0.71) < 0.05))
+    assert blue.sum() > 2000

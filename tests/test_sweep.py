@@ -1,0 +1,229 @@
+"""Grids and the sweep loop: parsing, presets, resume, failures recorded, one real end-to-end run.
+
+Most tests inject a small runner that starts a real subprocess writing a metrics file (through
+the same run_commands path real layouts take), so they do not train models.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from commpipe.cluster import netns
+from commpipe.cluster.grids import DEFAULT_ORDER, STUDY_LAYOUTS, Grid, Layout, demo8, load_grid, study
+from commpipe.cluster.launch import NodeCommand, run_commands
+from commpipe.cluster.sweep import (
+    EmulatedRunner,
+    LocalRunner,
+    read_status,
+    run_sweep,
+    train_overrides,
+    validate_layout,
+)
+
+STUDY_CSV = Path("/work/shared/data/study_perlmutter_llama8b.csv")
+
+FAKE_TRAIN = """
+import json, pathlib, sys, time
+out, steps, fail = pathlib.Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+out.mkdir(parents=True, exist_ok=True)
+if fail == "crash":
+    print("Traceback (most recent call last):", flush=True)
+    print("ValueError: stage 3 ran out of layers", flush=True)
+    sys.exit(1)
+if fail == "hang":
+    time.sleep(60)
+with open(out / "metrics.jsonl", "w") as f:
+    for s in range(steps):
+        f.write(json.dumps({"step": s, "loss": 5.0 - s, "step_time_s": 0.1, "tokens_per_s": 100.0,
+                            "tflops_per_gpu": 1.0}) + "\\n")
+"""
+
+
+class FakeRunner:
+    """Runs FAKE_TRAIN as a real process; layouts named *crash* or *hang* misbehave."""
+
+    kind = "fake"
+
+    def __init__(self, timeout_s=30.0):
+        self.calls, self.timeout_s = [], timeout_s
+
+    def describe(self):
+        return {"kind": self.kind}
+
+    def __call__(self, layout, train, run_dir, poll=None):
+        self.calls.append(layout.name)
+        mode = "crash" if "crash" in layout.name else "hang" if "hang" in layout.name else "ok"
+        argv = [sys.executable, "-c", FAKE_TRAIN, str(run_dir), str(train.get("steps", 3)), mode]
+        cmd = NodeCommand(0, argv)
+        return run_commands([cmd], run_dir, timeout_s=self.timeout_s, poll=poll)
+
+
+def _grid(*layouts, **train) -> Grid:
+    return Grid(list(layouts), {"model": "tiny", "seq_len": 32, "steps": 3, **train})
+
+
+# -- grids ----------------------------------------------------------------------------------------
+def test_grid_toml(tmp_path):
+    path = tmp_path / "g.toml"
+    path.write_text('[train]\npreset = "tiny"\nsteps = 4\n\n[[layout]]\ntp = 2\npp = 2\n\n'
+                    '[[layout]]\nname = "deep"\npp = 4\nschedule = "gpipe"\nmicrobatches = 8\n'
+                    'placement = "cp-dp-pp-tp"\n')
+    grid = load_grid(str(path))
+    a, b = grid.layouts
+    assert (a.tp, a.cp, a.pp, a.dp, a.world_size) == (2, 1, 2, 1, 4)        # missing degrees are 1
+    assert a.name == "tp2-cp1-pp2-dp1" and a.placement == DEFAULT_ORDER
+    assert (b.name, b.schedule, b.microbatches, b.world_size) == ("deep", "gpipe", 8, 4)
+    assert grid.train == {"preset": "tiny", "steps": 4}
+    assert b.train_flags() == ["--tp", "1", "--cp", "1", "--pp", "4", "--dp", "1", "--schedule", "gpipe",
+                               "--microbatches", "8"]
+
+
+@pytest.mark.parametrize("text, message", [
+    ("[[layout]]\ntp = 2\n[[layout]]\ntp = 2\n", "two layouts are named"),
+    ("[[layout]]\ntp = 0\n", "tp=0 must be a positive integer"),
+    ("[[layout]]\ntp = 'two'\n", "must be an integer"),
+    ("[[layout]]\ntp = 2\nplacement = 'tp-pp'\n", "must name tp, cp, dp and pp"),
+    ("[[layout]\n", "malformed TOML"),
+    ("[train]\nsteps = 1\n", "no [[layout]] tables"),
+    ("[[layouts]]\ntp = 1\n", "unknown top-level keys"),
+])
+def test_grid_errors_say_what_to_change(tmp_path, text, message):
+    path = tmp_path / "g.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message.replace("[", r"\[")):
+        load_grid(str(path))
+
+
+def test_missing_grid_file():
+    with pytest.raises(FileNotFoundError, match="neither a preset"):
+        load_grid("no-such-grid.toml")
+
+
+def test_study_preset_matches_the_study_csv():
+    assert [(lay.tp, lay.cp, lay.pp, lay.dp) for lay in study().layouts] == STUDY_LAYOUTS
+    assert all(lay.world_size == 16 for lay in study().layouts)
+    if not STUDY_CSV.exists():
+        pytest.skip(f"{STUDY_CSV} not present")
+    with open(STUDY_CSV) as f:
+        rows = [(int(r["tp"]), int(r["cp"]), int(r["pp"]), int(r["dp"])) for r in csv.DictReader(f)]
+    assert rows == STUDY_LAYOUTS
+
+
+def test_demo8_is_valid_for_train_on_8_ranks():
+    grid = demo8()
+    assert len(grid.layouts) == 8 and {lay.world_size for lay in grid.layouts} == {8}
+    assert {lay.pp for lay in grid.layouts} >= {2, 4, 8}
+    assert any(lay.cp > 1 for lay in grid.layouts) and any(lay.dp > 1 for lay in grid.layouts)
+    assert any(lay.placement != DEFAULT_ORDER for lay in grid.layouts)      # TP across nodes
+    pytest.importorskip("commpipe.train.cli")
+    for lay in grid.layouts:
+        assert validate_layout(lay, grid.train) is None, lay.name
+
+
+def test_validate_layout_uses_train_rules():
+    pytest.importorskip("commpipe.train.cli")
+    assert "does not divide 4 attention heads" in validate_layout(Layout(tp=3), {"model": "tiny"})
+    assert "exceeds the model's 4 layers" in validate_layout(Layout(pp=8), {"model": "tiny"})
+    assert "does not know" in validate_layout(Layout(), {"no_such_flag": 1})
+
+
+def test_layout_settings_win_over_shared_flags():
+    from commpipe.cluster.launch import train_flags
+
+    layout = Layout(pp=2, schedule="gpipe", extra={"seed": 7})
+    flags = train_flags(layout, {"schedule": "1f1b", "seed": 1, "steps": 2, "trace": True, "tp": 4}, "/o")
+    assert flags == ["--tp", "1", "--cp", "1", "--pp", "2", "--dp", "1", "--schedule", "gpipe",
+                     "--seed", "7", "--steps", "2", "--trace", "--out", "/o"]
+    # a layout that names no schedule takes the shared one
+    assert "1f1b" in train_flags(Layout(pp=2), {"schedule": "1f1b"}, "/o")
+
+
+def test_train_overrides_parse_extra_flags():
+    class Args:
+        model, steps, train_arg = "tiny", 3, ["zero1=true", "lr=0.01"]
+
+    got = train_overrides(Args)
+    assert got["model"] == "tiny" and got["steps"] == 3 and got["zero1"] is True and got["lr"] == "0.01"
+
+
+# -- the sweep loop -------------------------------------------------------------------------------
+def test_sweep_records_results_and_resumes(tmp_path):
+    grid = _grid(Layout(tp=2, pp=2), Layout(dp=2, name="dp2"))
+    runner = FakeRunner()
+    recs = run_sweep(grid, tmp_path, runner, progress=False, log=lambda *_: None)
+    assert [r["status"] for r in recs] == ["ok", "ok"] and runner.calls == ["tp2-cp1-pp2-dp1", "dp2"]
+    lines = (tmp_path / "tp2-cp1-pp2-dp1" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 3
+    assert (tmp_path / "dp2" / "logs" / "node0.log").exists()
+    # the same sweep again: nothing runs
+    again = run_sweep(grid, tmp_path, runner, progress=False, log=lambda *_: None)
+    assert runner.calls == ["tp2-cp1-pp2-dp1", "dp2"] and [r["status"] for r in again] == ["ok", "ok"]
+    # other training settings: the layouts run again, into emptied folders
+    run_sweep(grid, tmp_path, runner, {"steps": 2}, progress=False, log=lambda *_: None)
+    assert runner.calls[2:] == ["tp2-cp1-pp2-dp1", "dp2"]
+    assert len((tmp_path / "dp2" / "metrics.jsonl").read_text().splitlines()) == 2
+    status = read_status(tmp_path)
+    assert status["dp2"]["train"]["steps"] == 2
+    assert len((tmp_path / "sweep.jsonl").read_text().splitlines()) == 4
+
+
+def test_failures_are_recorded_and_the_sweep_goes_on(tmp_path):
+    grid = _grid(Layout(tp=3, name="bad-tp3"), Layout(pp=2, name="crash"), Layout(pp=2, name="hang"),
+                 Layout(pp=2, name="fine"))
+    runner = FakeRunner(timeout_s=2.0)
+    recs = {r["name"]: r for r in run_sweep(grid, tmp_path, runner, progress=False, log=lambda *_: None)}
+    assert recs["bad-tp3"]["status"] == "invalid" and "attention heads" in recs["bad-tp3"]["reason"]
+    assert recs["crash"]["status"] == "failed"
+    assert recs["crash"]["reason"] == "ValueError: stage 3 ran out of layers"
+    assert recs["hang"]["status"] == "timeout" and "timeout after 2 s" in recs["hang"]["reason"]
+    assert recs["fine"]["status"] == "ok"
+    assert runner.calls == ["crash", "hang", "fine"]           # the invalid one never launched
+    # failures are skipped on a rerun unless asked
+    run_sweep(grid, tmp_path, runner, progress=False, log=lambda *_: None)
+    assert runner.calls == ["crash", "hang", "fine"]
+    runner.timeout_s = 1.0
+    run_sweep(grid, tmp_path, runner, retry_failed=True, progress=False, log=lambda *_: None)
+    assert runner.calls[3:] == ["crash", "hang"]
+
+
+def test_emulated_runner_refuses_layouts_larger_than_the_cluster():
+    class Cluster:
+        nodes, ranks_per_node = 2, 2
+
+    with pytest.raises(ValueError, match="cluster has 2 nodes"):
+        EmulatedRunner(Cluster()).check(Layout(pp=8))
+
+
+# -- end to end with the real trainer -------------------------------------------------------------
+@pytest.mark.slow
+def test_real_sweep_end_to_end(tmp_path):
+    pytest.importorskip("commpipe.train.loop")
+    from commpipe.report.cli import write_report
+
+    grid = Grid([Layout(tp=2, pp=2), Layout(tp=2, pp=2, placement="cp-dp-pp-tp", name="tp2x-pp2")],
+                {"model": "tiny", "seq_len": 16, "steps": 2, "monitor": "all", "trace": True})
+    ok, _ = netns.available()
+    cluster = netns.EmulatedCluster(2, 2, 200, prefix=f"te{os.getpid() % 10000}") if ok else None
+    try:
+        runner = EmulatedRunner(cluster.up(), timeout_s=240) if cluster else LocalRunner(timeout_s=240)
+        recs = run_sweep(grid, tmp_path, runner, progress=False, log=lambda *_: None)
+    finally:
+        if cluster:
+            cluster.teardown()
+    assert [r["status"] for r in recs] == ["ok", "ok"], [r["reason"] for r in recs]
+    losses = []
+    for name in ("tp2-cp1-pp2-dp1", "tp2x-pp2"):
+        metrics = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        assert [m["step"] for m in metrics] == [0, 1]
+        losses.append([m["loss"] for m in metrics])
+        assert len(list((tmp_path / name / "monitor").glob("rank*.jsonl"))) == 4
+    # placement moves ranks between nodes, never changes the math
+    assert losses[0] == pytest.approx(losses[1], rel=1e-6)
+    out = write_report(tmp_path)
+    assert Path(out["html"]).exists() and len(out["rows"]) == 2
