@@ -196,7 +196,9 @@ def run_sweep(grid: Grid, out_dir, runner, train: dict | None = None, *, retry_f
 def _progress(total: int, enabled: bool):
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="layout", disable=not enabled, file=sys.stderr, dynamic_ncols=True)
+    # a live bar on a terminal only; logs and CI get the one line per finished layout
+    return tqdm(total=total, unit="layout", disable=not enabled or not sys.stderr.isatty(),
+                file=sys.stderr, dynamic_ncols=True)
 
 
 def make_runner(kind: str, nodes: int, ranks_per_node: int, inter_node_mbit=None, timeout_s: float = 900.0,
