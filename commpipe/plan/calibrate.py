@@ -1,0 +1,325 @@
+"""Calibration: fit the efficiency curve and link bandwidths to measured step times.
+
+    commpipe plan --calibrate DIR --gpu a100-80gb --gpus-per-node 8 --profile prof.json
+    commpipe plan --model llama3-70b --gpus 512 ... --profile prof.json
+
+DIR may hold (any mix; DIR may also be a single file):
+  - run folders DIR/*/config.json + metrics.jsonl (what `commpipe train --out` and `commpipe
+    sweep` write): the median step_time_s after the first two steps is the measurement;
+  - `commpipe probe` JSON files: their link numbers are taken as measured, not fitted;
+  - CSV files with one measured run per row, either vTrain's columns (ground_truth_multi.csv)
+    or commpipe's names (model or layers/hidden/heads[/kv_heads/ffn_hidden/vocab], tp, cp, pp,
+    dp, micro_batch_size, global_batch, seq_len, step_time_s or iter_time_ms [, schedule, vpp,
+    recompute]).
+Settings a source does not state (recompute, sequence parallelism, flash attention, DP overlap)
+come from the command-line flags.
+
+Fit: Levenberg-Marquardt on r_j = log(predicted_j / measured_j) over the parameters
+e_max, ai_half_ridge, elementwise, overhead_s (timing.Efficiency) and, when no probe gave them
+and the runs use such groups, the intra- and inter-node bandwidths; all in log space, with a
+weak pull (weight 0.01 per e-fold) toward the defaults so that a parameter the data cannot see
+stays where the datasheets put it. Reported: mean absolute percentage error before and after.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from commpipe.models.spec import ModelSpec, parse_model_fields, resolve_model
+from commpipe.plan.cluster import Cluster, Link, apply_probe, read_json
+from commpipe.plan.estimate import step_time
+from commpipe.plan.layout import SCHEDULES, Job, Layout
+from commpipe.plan.timing import Efficiency
+
+EFF_PARAMS = ("e_max", "ai_half_ridge", "elementwise", "overhead_s")
+LINK_PARAMS = ("intra_gbps", "inter_gbps")
+PRIOR_WEIGHT = 0.01
+PROFILE_SCHEMA = "commpipe-profile/1"
+
+
+@dataclass
+class Point:
+    spec: ModelSpec
+    layout: Layout
+    job: Job
+    measured_s: float
+    source: str
+
+
+# -- loading -------------------------------------------------------------------------------------
+VTRAIN = {"# GPUs": "gpus", "global batch": "global_batch", "micro batch": "micro_batch_size",
+          "hidden size": "hidden", "attention heads": "heads", "# layers": "layers",
+          "sequence length": "seq_len", "tensor parallelism": "tp", "data parallelism": "dp",
+          "pipeline parallelism": "pp", "iteration time (ms)": "iter_time_ms",
+          "Parameters (billion)": "params_b"}
+
+
+def job_defaults(args) -> dict:
+    flash = {"auto": None, "on": True, "off": False}[getattr(args, "flash_attention", "auto")]
+    return {"recompute": getattr(args, "recompute", None) or "none",
+            "sequence_parallel": not getattr(args, "no_sequence_parallel", False),
+            "dp_overlap": not getattr(args, "no_dp_overlap", False), "flash_attention": flash,
+            "precision": getattr(args, "precision", "bf16"), "zero1": getattr(args, "zero1", False),
+            "grad_fp32": getattr(args, "grad_fp32", False), "vocab": 51200}
+
+
+def _pipeline_schedule(pp: int, m: int, given: str | None) -> str:
+    # runs with fewer micro-batches than stages fill the pipeline GPipe-style
+    return given or ("1f1b" if m >= pp else "gpipe")
+
+
+def points_from_csv(path: Path, defaults: dict) -> list[Point]:
+    out = []
+    with open(path, newline="") as fh:
+        for n, raw in enumerate(csv.DictReader(fh)):
+            row = {VTRAIN.get(k.strip(), k.strip()): (v or "").strip() for k, v in raw.items() if k}
+            try:
+                out.append(_point_from_row(row, defaults, f"{path.name}:{n + 2}"))
+            except (KeyError, ValueError) as e:
+                raise ValueError(f"{path} row {n + 2}: {e}") from None
+    return out
+
+
+def _point_from_row(row: dict, d: dict, source: str) -> Point:
+    def num(key, default=None):
+        v = row.get(key, "")
+        if v == "":
+            if default is None:
+                raise KeyError(f"missing column {key!r}")
+            return default
+        return float(v)
+
+    if row.get("model"):
+        spec = resolve_model(row["model"])
+    else:
+        fields = {k: int(num(k)) for k in ("layers", "hidden", "heads")}
+        fields["vocab"] = int(num("vocab", d["vocab"]))
+        for k in ("kv_heads", "ffn_hidden"):
+            if row.get(k):
+                fields[k] = int(num(k))
+        arch = row.get("arch") or "gpt"
+        spec = parse_model_fields(f"arch={arch}," + ",".join(f"{k}={v}" for k, v in fields.items()))
+    tp, cp, pp, dp = (int(num(k, 1)) for k in ("tp", "cp", "pp", "dp"))
+    mbs, gb = int(num("micro_batch_size")), int(num("global_batch"))
+    m = gb // (dp * mbs) if dp * mbs else 0
+    vpp = int(num("vpp", 1))
+    layout = Layout(tp, cp, pp, dp, vpp, mbs, _pipeline_schedule(pp, m, row.get("schedule") or None),
+                    row.get("recompute") or d["recompute"])
+    job = Job(gb, int(num("seq_len")), precision=d["precision"], zero1=d["zero1"],
+              dp_overlap=d["dp_overlap"], sequence_parallel=d["sequence_parallel"],
+              flash_attention=d["flash_attention"], grad_fp32=d.get("grad_fp32", False))
+    if row.get("step_time_s"):
+        t = float(row["step_time_s"])
+    else:
+        t = num("iter_time_ms") / 1e3
+    return Point(spec, layout, job, t, source)
+
+
+def point_from_run(run: Path, defaults: dict) -> Point | None:
+    cfg = json.loads((run / "config.json").read_text())
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    times = [s["step_time_s"] for s in sorted(steps, key=lambda s: s.get("step", 0)) if "step_time_s" in s]
+    if not times:
+        return None
+    times = times[2:] or times                 # the first steps include warm-up and compilation
+    if cfg.get("schedule") not in SCHEDULES:   # a hand-written schedule CSV: not a searchable layout
+        return None
+    spec = ModelSpec(**cfg["spec"]) if cfg.get("spec") else resolve_model(cfg["model"])
+    dims = cfg["dims"]
+    layout = Layout(dims["tp"], dims["cp"], dims["pp"], dims["dp"], cfg.get("vpp", 1) or 1,
+                    cfg["micro_batch_size"], cfg["schedule"], cfg.get("recompute") or defaults["recompute"])
+    job = Job(cfg["global_batch"], cfg["seq_len"], precision=defaults["precision"],
+              zero1=bool(cfg.get("optim", {}).get("zero1", False)), dp_overlap=defaults["dp_overlap"],
+              sequence_parallel=defaults["sequence_parallel"], flash_attention=defaults["flash_attention"],
+              grad_fp32=defaults.get("grad_fp32", False))
+    return Point(spec, layout, job, statistics.median(times), str(run))
+
+
+def load_sources(path: str | Path, defaults: dict,
+                 cluster: Cluster) -> tuple[list[Point], Cluster, list[str]]:
+    """Points and the cluster with any probe's links applied; plus the list of sources read."""
+    root = Path(path)
+    if not root.exists():
+        raise FileNotFoundError(f"calibration source {root} does not exist")
+    files = [root] if root.is_file() else sorted(root.iterdir())
+    points: list[Point] = []
+    sources: list[str] = []
+    for f in files:
+        if f.is_dir() and (f / "config.json").exists() and (f / "metrics.jsonl").exists():
+            p = point_from_run(f, defaults)
+            if p:
+                points.append(p)
+                sources.append(str(f))
+        elif f.suffix == ".csv":
+            points += points_from_csv(f, defaults)
+            sources.append(str(f))
+        elif f.suffix == ".json" and "pairs" in read_json(f, "probe"):
+            cluster = apply_probe(cluster, f)
+            sources.append(str(f))
+    if not points and not sources:
+        raise ValueError(f"{root} holds no run folders (config.json + metrics.jsonl), CSV or probe "
+                         "JSON files to calibrate from")
+    return points, cluster, sources
+
+
+# -- fitting -------------------------------------------------------------------------------------
+def _defaults(eff: Efficiency, cluster: Cluster) -> dict[str, float]:
+    d = {k: getattr(eff, k) for k in EFF_PARAMS}
+    d["intra_gbps"], d["inter_gbps"] = cluster.intra.bandwidth_gbps, cluster.inter.bandwidth_gbps
+    return d
+
+
+def apply_params(values: dict, eff: Efficiency, cluster: Cluster) -> tuple[Efficiency, Cluster]:
+    eff = replace(eff, **{k: values[k] for k in EFF_PARAMS if k in values})
+    intra = Link(values.get("intra_gbps", cluster.intra.bandwidth_gbps), cluster.intra.latency_s)
+    inter = Link(values.get("inter_gbps", cluster.inter.bandwidth_gbps), cluster.inter.latency_s)
+    return eff, replace(cluster, intra=intra, inter=inter)
+
+
+def predict(points: list[Point], eff: Efficiency, cluster: Cluster) -> np.ndarray:
+    out = []
+    for p in points:
+        c = replace(cluster, num_gpus=p.layout.gpus)
+        out.append(step_time(p.spec, p.layout, p.job, c, eff))
+    return np.array(out)
+
+
+def mape(pred, meas) -> float:
+    pred, meas = np.asarray(pred), np.asarray(meas)
+    return float(np.mean(np.abs(pred - meas) / meas))
+
+
+def link_params_seen(points: list[Point], cluster: Cluster) -> list[str]:
+    """Which link classes the runs exercise (a parameter no run touches cannot be fitted)."""
+    seen = set()
+    for p in points:
+        lay = p.layout
+        for size, stride in ((lay.tp, 1), (lay.cp, lay.tp), (lay.dp * lay.cp, lay.tp),
+                             (lay.pp, lay.tp * lay.cp * lay.dp)):
+            if size > 1:
+                inside, _ = replace(cluster, num_gpus=lay.gpus).placement(size, stride)
+                seen.add("intra_gbps" if inside else "inter_gbps")
+    return [k for k in LINK_PARAMS if k in seen]
+
+
+@dataclass
+class FitResult:
+    eff: Efficiency
+    cluster: Cluster
+    params: dict
+    mape_before: float
+    mape_after: float
+    points: int
+    fitted: list[str]
+
+
+def fit(points: list[Point], eff: Efficiency, cluster: Cluster, fit_links: bool = True,
+        iters: int = 15) -> FitResult:
+    if not points:
+        raise ValueError("no measured runs to fit")
+    names = list(EFF_PARAMS) + (link_params_seen(points, cluster) if fit_links else [])
+    base = _defaults(eff, cluster)
+    theta0 = np.log([base[k] for k in names])
+    meas = np.array([p.measured_s for p in points])
+
+    def residuals(theta):
+        theta = theta.copy()
+        theta[names.index("e_max")] = min(theta[names.index("e_max")], 0.0)     # e_max <= 1
+        e, c = apply_params(dict(zip(names, np.exp(theta))), eff, cluster)
+        r = np.log(predict(points, e, c) / meas)
+        return np.concatenate([r, PRIOR_WEIGHT * (theta - theta0)]), theta
+
+    r, theta = residuals(theta0)
+    before = mape(np.exp(r[:len(points)]) * meas, meas)
+    cost, mu = float(r @ r), 1e-2
+    for _ in range(iters):
+        jac = np.empty((len(r), len(names)))
+        for j in range(len(names)):
+            t = theta.copy()
+            t[j] += 0.02
+            jac[:, j] = (residuals(t)[0] - r) / 0.02
+        jtj, g = jac.T @ jac, jac.T @ r
+        improved = False
+        for _ in range(6):
+            step = np.linalg.solve(jtj + mu * np.diag(np.diag(jtj) + 1e-9), -g)
+            r_new, t_new = residuals(theta + step)
+            if float(r_new @ r_new) < cost:
+                gain = cost - float(r_new @ r_new)
+                theta, r, cost, mu, improved = t_new, r_new, float(r_new @ r_new), mu / 3, True
+                break
+            mu *= 4
+        if not improved or gain < 1e-7:
+            break
+    values = dict(zip(names, np.exp(theta)))
+    e, c = apply_params(values, eff, cluster)
+    after = mape(np.exp(r[:len(points)]) * meas, meas)
+    return FitResult(e, c, {k: float(v) for k, v in values.items()}, before, after, len(points), names)
+
+
+# -- profiles ------------------------------------------------------------------------------------
+def save_profile(path: str | Path, result: FitResult, sources: list[str]) -> None:
+    data = {"schema": PROFILE_SCHEMA, "gpu": result.cluster.gpu.name,
+            "efficiency": result.eff.to_dict(),
+            "links": {"intra_node": result.cluster.intra.to_dict(),
+                      "inter_node": result.cluster.inter.to_dict()},
+            "fit": {"points": result.points, "parameters": result.fitted,
+                    "mape_before": result.mape_before, "mape_after": result.mape_after,
+                    "sources": sources}}
+    Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def load_profile(path: str | Path) -> tuple[Efficiency, dict | None]:
+    data = read_json(path, "profile")
+    if data.get("schema") != PROFILE_SCHEMA:
+        raise ValueError(f"{path} is not a commpipe profile (schema {data.get('schema')!r}); "
+                         "write one with `commpipe plan --calibrate DIR --profile out.json`")
+    known = set(Efficiency().to_dict())
+    vals = {k: float(v) for k, v in data.get("efficiency", {}).items() if k in known}
+    for k, v in vals.items():
+        if not math.isfinite(v) or v < 0:
+            raise ValueError(f"{path}: efficiency.{k}={v} must be a non-negative number")
+    return Efficiency(**vals), data.get("links")
+
+
+def run_calibration(args) -> int:
+    from commpipe.plan.cli import cluster_from_args
+    from commpipe.plan.gpus import resolve_gpu
+
+    n = args.gpus or args.gpus_per_node
+    cluster, eff = cluster_from_args(args, num_gpus=n)
+    cluster = replace(cluster, gpu=resolve_gpu(args.gpu))
+    points, cluster, sources = load_sources(args.calibrate, job_defaults(args), cluster)
+    fixed_links = args.cluster is not None or any(
+        getattr(args, k) is not None for k in ("intra_node_gbps", "inter_node_gbps"))
+    fixed_links = fixed_links or any(s.endswith(".json") for s in sources)
+    if points:
+        result = fit(points, eff, cluster, fit_links=not fixed_links)
+    else:
+        result = FitResult(eff, cluster, {}, float("nan"), float("nan"), 0, [])
+    report = {"points": result.points, "fitted": result.fitted, "params": result.params,
+              "mape_before": result.mape_before, "mape_after": result.mape_after,
+              "links": {"intra_node": result.cluster.intra.to_dict(),
+                        "inter_node": result.cluster.inter.to_dict()}, "sources": sources}
+    if args.profile:
+        save_profile(args.profile, result, sources)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"calibrated on {result.points} measured runs from {len(sources)} source(s)")
+    if result.points:
+        print(f"fit error (MAPE): {result.mape_before:.1%} with defaults -> {result.mape_after:.1%} fitted")
+        for k, v in result.params.items():
+            print(f"  {k:>14} = {v:.4g}")
+    print(f"links: intra {result.cluster.intra.bandwidth_gbps:.1f} GB/s "
+          f"{result.cluster.intra.latency_s * 1e3:.4f} ms, inter {result.cluster.inter.bandwidth_gbps:.1f} "
+          f"GB/s {result.cluster.inter.latency_s * 1e3:.4f} ms")
+    if args.profile:
+        print(f"wrote {args.profile}; use it with `commpipe plan ... --profile {args.profile}`")
+    return 0

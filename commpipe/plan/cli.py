@@ -1,0 +1,132 @@
+"""`commpipe plan`: rank every layout of a model on a cluster, or calibrate the cost model.
+
+    commpipe plan --model llama3-8b --gpu h100 --gpus 64 --gpus-per-node 8 \\
+        --global-batch 256 --seq-len 8192 [--tp 2 --pp 4 ...] [--top 5] [--json]
+    commpipe plan --calibrate runs/sweep --gpu a100-80gb --gpus-per-node 8 --profile prof.json
+    commpipe plan --model llama3-70b --gpus 512 ... --profile prof.json      # use the fit
+
+Dimensions given on the command line (--tp --cp --pp --dp --vpp --micro-batch-size
+--schedule --recompute) are fixed; the rest are searched. Tiny CPU example:
+    commpipe plan --model tiny --gpu a100-80gb --gpus 4 --global-batch 8 --seq-len 64
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from commpipe.models.spec import resolve_model
+from commpipe.plan.cluster import apply_links, apply_probe, default_cluster, override_links
+from commpipe.plan.gpus import resolve_gpu
+from commpipe.plan.layout import RECOMPUTE, SCHEDULES, Job
+from commpipe.plan.timing import Efficiency
+
+FIXABLE = ("tp", "cp", "pp", "dp", "vpp", "micro_batch_size", "schedule", "recompute")
+
+
+def add_common_arguments(p, require_layout: bool = False) -> None:
+    """Model, cluster and job flags shared by `plan` and `estimate`."""
+    g = p.add_argument_group("model and job")
+    g.add_argument("--model", help="named shape (llama3-8b, llama3-70b, llama3-405b, ...) or fields "
+                                   "arch=gpt,layers=96,hidden=12288,heads=96,vocab=51200")
+    g.add_argument("--global-batch", type=int, help="sequences per optimizer step")
+    g.add_argument("--seq-len", type=int, help="tokens per sequence")
+    g.add_argument("--precision", default="bf16", choices=("bf16", "fp32"),
+                   help="bf16: mixed precision, fp32 master weights (default); fp32: all fp32")
+    g.add_argument("--zero1", action="store_true", help="shard optimizer states over dp*cp (ZeRO-1)")
+    g.add_argument("--grad-fp32", action="store_true",
+                   help="accumulate and all-reduce gradients in fp32 (Megatron-LM's default)")
+    g.add_argument("--no-dp-overlap", action="store_true",
+                   help="DP gradient reduction after the backward instead of overlapped with it")
+    g.add_argument("--no-sequence-parallel", action="store_true",
+                   help="TP without sequence parallelism (all-reduce, norms replicated)")
+    g.add_argument("--flash-attention", default="auto", choices=("auto", "on", "off"),
+                   help="auto: on for llama shapes, off for gpt shapes")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--gpu", default="h100", help="a100-40gb, a100-80gb, h100, h200, b200, or "
+                                                 "name=foo,tflops=..,mem_gb=..[,hbm_gbps=..,nvlink_gbps=..,nic_gbps=..]")
+    c.add_argument("--gpus", type=int, help="total GPUs")
+    c.add_argument("--gpus-per-node", type=int, default=8)
+    c.add_argument("--cluster", help="a `commpipe probe` JSON with measured link latency/bandwidth")
+    c.add_argument("--intra-node-gbps", type=float, help="GPU-pair bandwidth inside a node, decimal GB/s")
+    c.add_argument("--inter-node-gbps", type=float,
+                   help="GPU-pair bandwidth across nodes (per GPU/NIC), decimal GB/s")
+    c.add_argument("--intra-node-latency-ms", type=float)
+    c.add_argument("--inter-node-latency-ms", type=float)
+    title = "layout" if require_layout else "layout (fix dimensions; the rest is searched)"
+    lay = p.add_argument_group(title)
+    lay.add_argument("--tp", type=int)
+    lay.add_argument("--cp", type=int)
+    lay.add_argument("--pp", type=int)
+    lay.add_argument("--dp", type=int)
+    lay.add_argument("--vpp", type=int)
+    lay.add_argument("--micro-batch-size", type=int)
+    lay.add_argument("--schedule", choices=SCHEDULES)
+    lay.add_argument("--recompute", choices=RECOMPUTE)
+    p.add_argument("--json", action="store_true", help="print only JSON on stdout")
+
+
+def add_arguments(p) -> None:
+    add_common_arguments(p)
+    p.add_argument("--top", type=int, default=5, help="layouts to show (default 5)")
+    p.add_argument("--profile", help="cluster profile JSON from --calibrate (read; with "
+                                     "--calibrate: where to write it)")
+    p.add_argument("--calibrate", metavar="DIR",
+                   help="fit the efficiency curve and links to measured runs: a sweep folder "
+                        "(*/metrics.jsonl + config.json), probe JSON and/or CSV files like vTrain's")
+
+
+def job_from_args(args) -> Job:
+    for flag in ("global_batch", "seq_len"):
+        if getattr(args, flag) is None:
+            raise ValueError(f"--{flag.replace('_', '-')} is required")
+    flash = {"auto": None, "on": True, "off": False}[args.flash_attention]
+    return Job(args.global_batch, args.seq_len, precision=args.precision, zero1=args.zero1,
+               dp_overlap=not args.no_dp_overlap, sequence_parallel=not args.no_sequence_parallel,
+               flash_attention=flash, grad_fp32=args.grad_fp32)
+
+
+def cluster_from_args(args, num_gpus: int | None = None, profile_path: str | None = None):
+    """(Cluster, Efficiency): defaults < probe JSON < profile < explicit link flags."""
+    n = num_gpus if num_gpus is not None else args.gpus
+    if n is None:
+        raise ValueError("--gpus is required (total GPUs in the cluster)")
+    cluster = default_cluster(resolve_gpu(args.gpu), n, args.gpus_per_node)
+    if args.cluster:
+        cluster = apply_probe(cluster, args.cluster)
+    eff = Efficiency()
+    if profile_path:
+        from commpipe.plan.calibrate import load_profile
+        eff, links = load_profile(profile_path)
+        if links:
+            cluster = apply_links(cluster, links, f"profile:{profile_path}")
+    cluster = override_links(cluster, args.intra_node_gbps, args.inter_node_gbps,
+                             args.intra_node_latency_ms, args.inter_node_latency_ms)
+    return cluster, eff
+
+
+def fixed_from_args(args) -> dict:
+    return {k: getattr(args, k) for k in FIXABLE if getattr(args, k) is not None}
+
+
+def run(args) -> int:
+    if args.calibrate:
+        from commpipe.plan.calibrate import run_calibration
+        return run_calibration(args)
+    if not args.model:
+        raise ValueError("--model is required (a named shape or arch=...,layers=... fields)")
+    if args.top < 1:
+        raise ValueError("--top must be >= 1")
+    from commpipe.plan.report import print_plan
+    from commpipe.plan.search import search
+
+    spec = resolve_model(args.model)
+    job = job_from_args(args)
+    cluster, eff = cluster_from_args(args, profile_path=args.profile)
+    result = search(spec, job, cluster, eff, fixed_from_args(args), top=args.top)
+    if args.json:
+        json.dump([e.to_dict() for e in result.top], sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print_plan(result, spec, job, cluster)
+    return 0 if result.top else 1

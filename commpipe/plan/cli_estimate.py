@@ -1,0 +1,56 @@
+"""`commpipe estimate`: memory and speed of one fully given layout.
+
+    commpipe estimate --model llama3-70b --gpu h100 --gpus 64 --gpus-per-node 8 \\
+        --tp 8 --pp 4 --dp 2 --micro-batch-size 1 --schedule interleaved --vpp 2 \\
+        --global-batch 64 --seq-len 8192 [--recompute selective] [--json]
+
+Unset --cp/--vpp default to 1, --schedule to 1f1b, --recompute to none; --dp defaults to
+--gpus / (tp*cp*pp). Tiny CPU example:
+    commpipe estimate --model tiny --gpu a100-80gb --gpus 2 --pp 2 --global-batch 4 --seq-len 64
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from commpipe.models.spec import resolve_model
+from commpipe.plan.cli import add_common_arguments, cluster_from_args, job_from_args
+from commpipe.plan.estimate import estimate
+from commpipe.plan.layout import Layout
+
+
+def add_arguments(p) -> None:
+    add_common_arguments(p, require_layout=True)
+    p.add_argument("--profile", help="cluster profile JSON written by `commpipe plan --calibrate`")
+
+
+def run(args) -> int:
+    if not args.model:
+        raise ValueError("--model is required (a named shape or arch=...,layers=... fields)")
+    spec = resolve_model(args.model)
+    job = job_from_args(args)
+    tp, cp, pp = args.tp or 1, args.cp or 1, args.pp or 1
+    gpus = args.gpus
+    if args.dp is None:
+        if gpus is None:
+            raise ValueError("give --gpus or --dp")
+        if gpus % (tp * cp * pp):
+            raise ValueError(f"--gpus {gpus} is not divisible by tp*cp*pp = {tp * cp * pp}; "
+                             "change the layout or give --dp")
+        dp = gpus // (tp * cp * pp)
+    else:
+        dp = args.dp
+    gpus = gpus if gpus is not None else tp * cp * pp * dp
+    schedule = args.schedule or "1f1b"
+    vpp = args.vpp or (2 if schedule == "zbv" else 1)
+    layout = Layout(tp, cp, pp, dp, vpp, args.micro_batch_size or 1, schedule, args.recompute or "none")
+    cluster, eff = cluster_from_args(args, num_gpus=gpus, profile_path=args.profile)
+    est = estimate(spec, layout, job, cluster, eff)
+    if args.json:
+        json.dump(est.to_dict(), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        from commpipe.plan.report import print_estimate
+        print_estimate(est, cluster)
+    return 0 if est.feasible else 1

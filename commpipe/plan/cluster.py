@@ -1,0 +1,195 @@
+"""The cluster the planner prices: GPUs, nodes, and two link classes (inside / across nodes).
+
+Link model (alpha-beta, per GPU):
+- inside a node every GPU pair talks over NVLink at `intra.bandwidth_gbps` per direction;
+- across nodes each GPU owns one NIC (rail-optimised fabric, as in DGX A100/H100 pods), so a
+  pair of GPUs on different nodes gets `inter.bandwidth_gbps`, and a collective whose group
+  has k ranks on each node drives k NICs per node at once.
+
+Collectives are priced with the ring formulas of NCCL's performance notes (nccl-tests
+doc/PERFORMANCE.md, "bus bandwidth"): an all-reduce of S bytes over n ranks moves
+2(n-1)/n * S per rank, an all-gather or reduce-scatter (n-1)/n * S, at the group's bus bandwidth:
+the intra-node bandwidth if the group sits inside a node, else min(intra, k * inter) with k the
+group's ranks per node (the ring crosses each node boundary once per channel, one channel per
+NIC). Latency: 2*ceil(log2 n) steps for an all-reduce, ceil(log2 n) for AG/RS, since NCCL
+switches to trees where rings would be latency-bound (large DP groups).
+
+Defaults (fractions of the datasheet peaks in `gpus.py`): NVLink 80% (nccl-tests all-reduce bus
+bandwidth on DGX A100 reaches ~230-240 of 300 GB/s), NIC 90% of line rate, latency 5 us per
+step inside a node and 10 us across (NCCL LL/Simple protocol ballpark). A `commpipe probe` JSON
+or a calibrated profile replaces them with measured values.
+
+Bandwidths are decimal GB/s everywhere (bandwidth_gbps), as in the probe and monitor records.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from commpipe.plan.gpus import GPU
+
+NVLINK_EFFICIENCY = 0.8
+NIC_EFFICIENCY = 0.9
+INTRA_LATENCY_S = 5e-6
+INTER_LATENCY_S = 10e-6
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth_gbps: float   # achievable per-GPU bandwidth, decimal GB/s
+    latency_s: float        # per message (p2p) or per algorithm step (collectives)
+
+    def to_dict(self) -> dict:
+        return {"bandwidth_gbps": self.bandwidth_gbps, "latency_ms": self.latency_s * 1e3}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    gpu: GPU
+    num_gpus: int
+    gpus_per_node: int
+    intra: Link
+    inter: Link
+    source: str = "defaults"
+
+    def __post_init__(self):
+        if self.num_gpus < 1 or self.gpus_per_node < 1:
+            raise ValueError("--gpus and --gpus-per-node must be positive")
+        if self.num_gpus > self.gpus_per_node and self.num_gpus % self.gpus_per_node:
+            raise ValueError(f"--gpus {self.num_gpus} is not a whole number of nodes of "
+                             f"{self.gpus_per_node} GPUs; use a multiple of {self.gpus_per_node}")
+        for name, link in (("intra-node", self.intra), ("inter-node", self.inter)):
+            if link.bandwidth_gbps <= 0 or link.latency_s < 0:
+                raise ValueError(f"{name} link needs a positive bandwidth and a non-negative latency")
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.num_gpus // self.gpus_per_node)
+
+    def to_dict(self) -> dict:
+        return {"gpu": self.gpu.to_dict(), "num_gpus": self.num_gpus,
+                "gpus_per_node": self.gpus_per_node, "intra_node": self.intra.to_dict(),
+                "inter_node": self.inter.to_dict(), "source": self.source}
+
+    # -- where a group sits ---------------------------------------------------------------------
+    def placement(self, size: int, stride: int) -> tuple[bool, int]:
+        """(inside one node?, ranks per node) of the group {0, stride, ..., (size-1)*stride}:
+        the group holding rank 0, representative when sizes are powers of two."""
+        if size <= 1:
+            return True, 1
+        g = self.gpus_per_node
+        per_node = min(size, -(-g // stride))      # members i with i * stride < g
+        return (size - 1) * stride < g, max(1, per_node)
+
+    def bus_bandwidth(self, size: int, stride: int) -> tuple[float, Link]:
+        """Bus bandwidth (bytes/s) of a group and the link class that limits it."""
+        inside, per_node = self.placement(size, stride)
+        if inside:
+            return self.intra.bandwidth_gbps * 1e9, self.intra
+        bw = min(self.intra.bandwidth_gbps, per_node * self.inter.bandwidth_gbps)
+        return bw * 1e9, self.inter
+
+    # -- prices, seconds ------------------------------------------------------------------------
+    def all_reduce(self, nbytes: float, size: int, stride: int) -> float:
+        if size <= 1 or nbytes <= 0:
+            return 0.0
+        bw, link = self.bus_bandwidth(size, stride)
+        return 2 * (size - 1) / size * nbytes / bw + 2 * math.ceil(math.log2(size)) * link.latency_s
+
+    def all_gather(self, nbytes: float, size: int, stride: int) -> float:
+        """All-gather (or reduce-scatter) whose full, gathered tensor has `nbytes`."""
+        if size <= 1 or nbytes <= 0:
+            return 0.0
+        bw, link = self.bus_bandwidth(size, stride)
+        return (size - 1) / size * nbytes / bw + math.ceil(math.log2(size)) * link.latency_s
+
+    reduce_scatter = all_gather
+
+    def p2p_link(self, rank_a: int, rank_b: int) -> Link:
+        same = rank_a // self.gpus_per_node == rank_b // self.gpus_per_node
+        return self.intra if same else self.inter
+
+    def p2p(self, nbytes: float, rank_a: int, rank_b: int) -> float:
+        link = self.p2p_link(rank_a, rank_b)
+        return link.latency_s + nbytes / (link.bandwidth_gbps * 1e9)
+
+
+def default_cluster(gpu: GPU, num_gpus: int, gpus_per_node: int) -> Cluster:
+    return Cluster(gpu, num_gpus, gpus_per_node,
+                   Link(NVLINK_EFFICIENCY * gpu.nvlink_gbps, INTRA_LATENCY_S),
+                   Link(NIC_EFFICIENCY * gpu.nic_gbps, INTER_LATENCY_S))
+
+
+def _read_json(path: str | Path, what: str) -> dict:
+    p = Path(path)
+    if not p.exists():
+        raise FileNotFoundError(f"{what} file {p} does not exist")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{what} file {p} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} file {p} must hold a JSON object")
+    return data
+
+
+def _link_from(entry: dict, where: str) -> Link:
+    try:
+        bw = float(entry["bandwidth_gbps"])
+        lat = float(entry.get("latency_ms", 0.0)) / 1e3
+    except (KeyError, TypeError, ValueError):
+        raise ValueError(f"{where} needs numeric bandwidth_gbps (decimal GB/s) and latency_ms") from None
+    if bw <= 0 or lat < 0:
+        raise ValueError(f"{where}: bandwidth_gbps must be positive and latency_ms non-negative")
+    return Link(bw, lat)
+
+
+def apply_probe(cluster: Cluster, path: str | Path) -> Cluster:
+    """Replace link numbers with a `commpipe probe` JSON:
+    {"pairs": {"intra_node": {"latency_ms", "bandwidth_gbps"}, "inter_node": {...}},
+     "allreduce": [...], "ranks_per_node", "world_size"}.
+    A pair bandwidth is what one GPU pair achieves, which is what `Link` holds."""
+    data = _read_json(path, "probe")
+    pairs = data.get("pairs")
+    if not isinstance(pairs, dict) or not pairs:
+        raise ValueError(f"probe file {path} has no 'pairs' object with intra_node/inter_node entries")
+    intra, inter = cluster.intra, cluster.inter
+    if pairs.get("intra_node"):          # null: the probe had no such pair; keep the default
+        intra = _link_from(pairs["intra_node"], f"probe {path} pairs.intra_node")
+    if pairs.get("inter_node"):
+        inter = _link_from(pairs["inter_node"], f"probe {path} pairs.inter_node")
+    gpn = int(data.get("ranks_per_node") or cluster.gpus_per_node)
+    return replace(cluster, intra=intra, inter=inter, gpus_per_node=gpn, source=f"probe:{path}")
+
+
+def apply_links(cluster: Cluster, links: dict, source: str) -> Cluster:
+    """Apply {"intra_node": {...}, "inter_node": {...}} (a profile's "links")."""
+    intra = _link_from(links["intra_node"], f"{source} intra_node") if "intra_node" in links \
+        else cluster.intra
+    inter = _link_from(links["inter_node"], f"{source} inter_node") if "inter_node" in links \
+        else cluster.inter
+    return replace(cluster, intra=intra, inter=inter, source=source)
+
+
+def override_links(cluster: Cluster, intra_gbps=None, inter_gbps=None, intra_ms=None,
+                   inter_ms=None) -> Cluster:
+    """Explicit command-line numbers win over defaults, probes and profiles."""
+    intra, inter = cluster.intra, cluster.inter
+    if intra_gbps is not None:
+        intra = replace(intra, bandwidth_gbps=float(intra_gbps))
+    if intra_ms is not None:
+        intra = replace(intra, latency_s=float(intra_ms) / 1e3)
+    if inter_gbps is not None:
+        inter = replace(inter, bandwidth_gbps=float(inter_gbps))
+    if inter_ms is not None:
+        inter = replace(inter, latency_s=float(inter_ms) / 1e3)
+    if (intra, inter) == (cluster.intra, cluster.inter):
+        return cluster
+    return replace(cluster, intra=intra, inter=inter, source=cluster.source + "+flags")
+
+
+def read_json(path: str | Path, what: str) -> dict:
+    return _read_json(path, what)

@@ -1,0 +1,207 @@
+"""Predict one layout: validity, memory per stage, step time from the simulator, throughput.
+
+Step time = simulated pipeline makespan (per-stage F/B/I/W costs with exposed TP/CP
+collectives, point-to-point transfers on their links, bubbles) + the DP gradient reduction
+left exposed + the optimizer step (+ the tied-embedding gradient sync of GPT shapes), taken on
+the pipeline rank where that tail is longest.
+
+    >>> from commpipe.models.spec import resolve_model
+    >>> from commpipe.plan.cluster import default_cluster
+    >>> from commpipe.plan.gpus import resolve_gpu
+    >>> e = estimate(resolve_model("llama3-8b"), Layout(tp=8, micro_batch_size=1, dp=1),
+    ...              Job(global_batch=8, seq_len=8192), default_cluster(resolve_gpu("h100"), 8, 8))
+    >>> e.feasible
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from commpipe.models.spec import ModelSpec, flops_per_token
+from commpipe.plan.cluster import Cluster
+from commpipe.plan.layout import Job, Layout, layout_problem
+from commpipe.plan.memory import StageMemory, chunk_stages, memory_problem, rank_chunks, stage_memory
+from commpipe.plan.pipeline import peak_inflight, simulate_step
+from commpipe.plan.timing import Efficiency, StageCosts, stage_costs
+
+
+@dataclass
+class Estimate:
+    layout: Layout
+    feasible: bool
+    reason: str
+    memory: list[StageMemory] = field(default_factory=list)
+    step_time_s: float = float("nan")
+    tflops_per_gpu: float = float("nan")
+    hw_tflops_per_gpu: float = float("nan")
+    mfu: float = float("nan")
+    bubble_fraction: float = float("nan")
+    breakdown: dict = field(default_factory=dict)     # seconds per step, on the bottleneck rank
+    microbatches: int = 0
+    lower_bound_s: float = float("nan")
+
+    @property
+    def memory_gb_per_gpu(self) -> float:
+        return max((s.total_gb for s in self.memory), default=float("nan"))
+
+    @property
+    def exposed_comm_fraction(self) -> float:
+        b = self.breakdown
+        if not b or not self.step_time_s == self.step_time_s:
+            return float("nan")
+        comm = sum(b.get(k, 0.0) for k in ("tp", "cp", "pp_p2p", "dp", "embedding_sync"))
+        return comm / self.step_time_s
+
+    def to_dict(self) -> dict:
+        d = dict(self.layout.to_dict())
+        d.update(step_time_s=_num(self.step_time_s), tflops_per_gpu=_num(self.tflops_per_gpu),
+                 hw_tflops_per_gpu=_num(self.hw_tflops_per_gpu), mfu=_num(self.mfu),
+                 memory_gb_per_gpu=_num(self.memory_gb_per_gpu), feasible=self.feasible,
+                 reason=self.reason, microbatches=self.microbatches,
+                 bubble_fraction=_num(self.bubble_fraction),
+                 exposed_comm_fraction=_num(self.exposed_comm_fraction),
+                 breakdown_s={k: _num(v) for k, v in self.breakdown.items()},
+                 memory_gb_per_stage=[round(s.total_gb, 3) for s in self.memory])
+        return d
+
+
+def _num(x: float):
+    return None if x != x else x      # NaN -> null in JSON
+
+
+def hardware_flops_per_token(spec: ModelSpec, seq_len: int, recompute: str, flash: bool) -> float:
+    """FLOPs the GPUs execute: with full recompute the layers' forward runs twice (Megatron-LM
+    papers report this); selective recompute replays only the attention core (s x s products)
+    when it is not fused into flash attention."""
+    if recompute == "full":
+        return flops_per_token(spec, seq_len, recompute=True)
+    base = flops_per_token(spec, seq_len)
+    if recompute == "selective" and not flash:
+        base += spec.layers * 2 * 2 * seq_len * spec.hidden
+    return base
+
+
+def cost_table_args(costs: StageCosts, layout: Layout, cluster: Cluster) -> dict:
+    """Per-stage costs in ms and the links between pipeline ranks for `simulate`."""
+    lat, bw = {}, {}
+    for s in range(layout.pp * layout.vpp - 1):
+        a, b = _rank_of_stage(layout, s), _rank_of_stage(layout, s + 1)
+        if a != b:
+            link = cluster.p2p_link(a * costs.pp_stride, b * costs.pp_stride)
+            lat[(a, b)] = link.latency_s * 1e3
+            bw[(a, b)] = link.bandwidth_gbps
+
+    def ms(xs):
+        return [x * 1e3 for x in xs]
+    return dict(f=ms(costs.f), b=ms(costs.b), i=ms(costs.i), w=ms(costs.w),
+                latency_ms=lat or 0.0, bandwidth_gbps=bw or 1.0, activation_bytes=costs.p2p_bytes)
+
+
+def lower_bound(costs: StageCosts, layout: Layout, cluster: Cluster, m: int) -> float:
+    """A valid lower bound on the step time (seconds), for branch-and-bound search: each rank
+    waits for micro-batch 0 to reach its first chunk, does all its work, and (schedules without
+    a split backward) its last backward must still travel down to stage 0."""
+    stages = layout.pp * layout.vpp
+    f, b = costs.f, costs.b
+    rank_of = [_rank_of_stage(layout, s) for s in range(stages)]
+    hop = [0.0] * stages
+    for s in range(stages - 1):
+        if rank_of[s] != rank_of[s + 1]:
+            hop[s] = cluster.p2p(costs.p2p_bytes, rank_of[s] * costs.pp_stride,
+                                 rank_of[s + 1] * costs.pp_stride)
+    reach_f = [0.0] * stages      # time for micro-batch 0's forward to reach stage s
+    back_b = [0.0] * stages       # time for a gradient at stage s to finish stage 0's backward
+    for s in range(1, stages):
+        reach_f[s] = reach_f[s - 1] + f[s - 1] + hop[s - 1]
+        back_b[s] = back_b[s - 1] + b[s - 1] + hop[s - 1]
+    split = layout.schedule in ("zbh1", "zbv")
+    best = 0.0
+    for chunks in rank_chunks(layout.schedule, layout.pp, layout.vpp):
+        busy = m * sum(f[c] + b[c] for c in chunks)
+        tail = 0.0 if split else back_b[min(chunks)]
+        best = max(best, min(reach_f[c] for c in chunks) + busy + tail)
+    return best + _tail(costs)
+
+
+def _rank_of_stage(layout: Layout, s: int) -> int:
+    p = layout.pp
+    if layout.schedule == "zbv":
+        return s if s < p else 2 * p - 1 - s
+    return s % p
+
+
+def _tail(costs: StageCosts) -> float:
+    return max(d + o for d, o in zip(costs.dp_exposed, costs.optimizer)) + costs.embedding_sync
+
+
+def estimate(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
+             eff: Efficiency | None = None, simulate: bool = True, detail: bool = True) -> Estimate:
+    """Everything about one layout. `simulate=False` stops after memory (and the lower bound);
+    `detail` runs one more simulation without point-to-point cost to split the pipeline's
+    idle time into bubble and exposed transfers."""
+    eff = eff or Efficiency()
+    problem = layout_problem(spec, job, layout, cluster.num_gpus)
+    if problem:
+        return Estimate(layout, False, problem)
+    m = layout.microbatches(job)
+    inflight = list(peak_inflight(layout.schedule, layout.pp, layout.vpp, m))
+    memory = stage_memory(spec, layout, job, inflight)
+    problem = memory_problem(memory, cluster.gpu.mem_gb)
+    costs = stage_costs(spec, layout, job, cluster, eff)
+    est = Estimate(layout, problem is None, problem or fits_reason(memory, cluster), memory, microbatches=m,
+                   lower_bound_s=lower_bound(costs, layout, cluster, m))
+    if simulate:
+        finish_estimate(est, spec, job, cluster, costs, detail)
+    return est
+
+
+def fits_reason(memory: list[StageMemory], cluster: Cluster) -> str:
+    worst = max(memory, key=lambda s: s.total_gb)
+    return (f"fits: largest stage (pipeline rank {worst.rank}) needs {worst.total_gb:.1f} of "
+            f"{cluster.gpu.mem_gb:.0f} GB")
+
+
+def step_time(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster, eff: Efficiency) -> float:
+    """Predicted step time in seconds, whether or not the layout fits in memory (calibration
+    prices measured runs, which evidently fit)."""
+    problem = layout_problem(spec, job, layout, cluster.num_gpus)
+    if problem:
+        raise ValueError(f"{layout.short()}: {problem}")
+    est = Estimate(layout, True, "", microbatches=layout.microbatches(job))
+    costs = stage_costs(spec, layout, job, cluster, eff)
+    return finish_estimate(est, spec, job, cluster, costs, detail=False).step_time_s
+
+
+def finish_estimate(est: Estimate, spec: ModelSpec, job: Job, cluster: Cluster, costs: StageCosts,
+                    detail: bool = True) -> Estimate:
+    layout, m = est.layout, est.microbatches
+    args = cost_table_args(costs, layout, cluster)
+    makespan_ms, busy_ms = simulate_step(layout.schedule, layout.pp, layout.vpp, m, **args)
+    tails = [d + o for d, o in zip(costs.dp_exposed, costs.optimizer)]
+    worst = max(range(layout.pp), key=lambda r: tails[r])
+    step = makespan_ms / 1e3 + tails[worst] + costs.embedding_sync
+    rb = max(range(layout.pp), key=lambda r: busy_ms[r])
+    chunks = chunk_stages(layout, rb)
+    per = {k: m * sum(getattr(costs, a)[c] + getattr(costs, b_)[c] for c in chunks)
+           for k, a, b_ in (("tp", "tp_f", "tp_b"), ("cp", "cp_f", "cp_b"))}
+    compute = m * sum(costs.comp_f[c] + costs.comp_i[c] + costs.comp_w[c] for c in chunks)
+    idle = makespan_ms / 1e3 - busy_ms[rb] / 1e3
+    p2p = 0.0
+    if detail and layout.pp > 1:
+        free = dict(args, latency_ms=0.0, bandwidth_gbps=1e12)
+        span0, _ = simulate_step(layout.schedule, layout.pp, layout.vpp, m, **free)
+        p2p = max(0.0, (makespan_ms - span0) / 1e3)
+    est.breakdown = {"compute": compute, "tp": per["tp"], "cp": per["cp"],
+                     "pp_bubble": max(0.0, idle - p2p), "pp_p2p": min(p2p, idle),
+                     "dp": costs.dp_exposed[worst], "optimizer": costs.optimizer[worst],
+                     "embedding_sync": costs.embedding_sync}
+    est.step_time_s = step
+    est.bubble_fraction = sum(1 - b / makespan_ms for b in busy_ms) / len(busy_ms)
+    tokens = job.global_batch * job.seq_len
+    n = layout.gpus
+    est.tflops_per_gpu = flops_per_token(spec, job.seq_len) * tokens / step / n / 1e12
+    hw = hardware_flops_per_token(spec, job.seq_len, layout.recompute, job.uses_flash(spec))
+    est.hw_tflops_per_gpu = hw * tokens / step / n / 1e12
+    est.mfu = est.tflops_per_gpu / cluster.gpu.tflops
+    return est

@@ -1,0 +1,95 @@
+"""GPU table: peak dense bf16 TFLOP/s, memory, HBM and link bandwidths per accelerator.
+
+Every number is a vendor datasheet value (peak, dense, no sparsity); links are per direction.
+Achievable fractions of these peaks live in the cost model (`timing.Efficiency`,
+`cluster.Cluster`), never here.
+
+    >>> resolve_gpu("h100").tflops
+    989.0
+    >>> resolve_gpu("name=mi300x,tflops=1307,mem_gb=192").mem_gb
+    192.0
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    tflops: float        # peak dense bf16 tensor-core TFLOP/s
+    mem_gb: float        # HBM capacity in GB as marketed; treated as GiB (2**30 B) of usable memory
+    hbm_gbps: float      # HBM bandwidth, decimal GB/s
+    nvlink_gbps: float   # NVLink bandwidth per GPU per direction, decimal GB/s
+    nic_gbps: float      # default scale-out bandwidth per GPU (one NIC per GPU), decimal GB/s
+
+    @property
+    def ridge_flop_per_byte(self) -> float:
+        """Roofline ridge point: arithmetic intensity at which a kernel stops being HBM-bound."""
+        return self.tflops * 1e12 / (self.hbm_gbps * 1e9)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+# Sources (peak dense bf16 = half the "with sparsity" figure of the datasheets):
+# - A100: NVIDIA A100 Tensor Core GPU datasheet (2021): BF16 312 TFLOPS, 40GB HBM2 1,555 GB/s,
+#   80GB HBM2e 2,039 GB/s, NVLink 3 600 GB/s bidirectional. NIC: DGX A100 user guide, eight
+#   ConnectX-6 200 Gb/s HDR InfiniBand ports for compute = 25 GB/s per GPU.
+# - H100 SXM5: NVIDIA H100 Tensor Core GPU datasheet: BF16 1,979 TFLOPS with sparsity (989 dense),
+#   80GB HBM3 3.35 TB/s, NVLink 4 900 GB/s. NIC: DGX H100 datasheet, eight ConnectX-7 400 Gb/s
+#   (NDR) = 50 GB/s per GPU.
+# - H200 SXM: NVIDIA H200 datasheet: same compute as H100 (989 dense), 141GB HBM3e 4.8 TB/s,
+#   NVLink 900 GB/s; HGX H200 ships with 400 Gb/s NICs per GPU.
+# - B200: NVIDIA DGX B200 datasheet: 72 PFLOPS FP8 training for 8 GPUs = 9 PF FP8 sparse per GPU,
+#   i.e. 4.5 PF FP8 dense and 2.25 PF bf16 dense; HGX B200 192GB HBM3e 8 TB/s; NVLink 5 1.8 TB/s
+#   bidirectional; eight ConnectX-7 400 Gb/s.
+GPUS: dict[str, GPU] = {
+    "a100-40gb": GPU("a100-40gb", 312.0, 40.0, 1555.0, 300.0, 25.0),
+    "a100-80gb": GPU("a100-80gb", 312.0, 80.0, 2039.0, 300.0, 25.0),
+    "h100": GPU("h100", 989.0, 80.0, 3350.0, 450.0, 50.0),
+    "h200": GPU("h200", 989.0, 141.0, 4800.0, 450.0, 50.0),
+    "b200": GPU("b200", 2250.0, 192.0, 8000.0, 900.0, 50.0),
+}
+ALIASES = {"a100": "a100-80gb", "a100-80": "a100-80gb", "a100-40": "a100-40gb",
+           "h100-sxm": "h100", "h100-80gb": "h100", "h200-141gb": "h200", "b200-192gb": "b200"}
+
+# Defaults for a custom entry that does not give them: A100-class memory system and links.
+_CUSTOM_DEFAULTS = {"hbm_gbps": 2000.0, "nvlink_gbps": 300.0, "nic_gbps": 25.0}
+_CUSTOM_KEYS = ("name", "tflops", "mem_gb", "hbm_gbps", "nvlink_gbps", "nic_gbps")
+
+
+def resolve_gpu(text: str) -> GPU:
+    """A table name (`h100`, `a100-80gb`, ...) or a custom entry
+    `name=foo,tflops=..,mem_gb=..[,hbm_gbps=..,nvlink_gbps=..,nic_gbps=..]`."""
+    if "=" not in text:
+        key = ALIASES.get(text.lower(), text.lower())
+        if key not in GPUS:
+            raise ValueError(f"unknown GPU {text!r}; use one of {', '.join(GPUS)} or a custom "
+                             "entry like name=foo,tflops=500,mem_gb=96")
+        return GPUS[key]
+    values: dict[str, str] = {}
+    for part in text.split(","):
+        if not part.strip():
+            continue
+        if "=" not in part:
+            raise ValueError(f"malformed GPU field {part!r}: write key=value, e.g. tflops=500")
+        k, v = (s.strip() for s in part.split("=", 1))
+        if k not in _CUSTOM_KEYS:
+            raise ValueError(f"unknown GPU field {k!r}; known fields: {', '.join(_CUSTOM_KEYS)}")
+        values[k] = v
+    missing = [k for k in ("tflops", "mem_gb") if k not in values]
+    if missing:
+        raise ValueError(f"custom GPU {text!r} is missing {', '.join(missing)}; "
+                         "give at least name=..,tflops=..,mem_gb=..")
+    nums: dict[str, float] = {}
+    for k in _CUSTOM_KEYS[1:]:
+        raw = values.get(k, _CUSTOM_DEFAULTS.get(k))
+        try:
+            nums[k] = float(raw)
+        except (TypeError, ValueError):
+            raise ValueError(f"GPU field {k}={raw!r} is not a number") from None
+        if nums[k] <= 0:
+            raise ValueError(f"GPU field {k}={raw} must be positive")
+    return GPU(values.get("name", "custom"), **nums)

@@ -1,0 +1,159 @@
+"""A layout to price (`Layout`), the job it runs (`Job`), and which layouts are valid.
+
+Validity follows `ParallelDims.check_model` / `check_batch` (heads, KV heads and vocabulary
+divisible by tp; seq_len divisible by 2*cp; pp*vpp <= layers; global batch divisible by
+micro_batch_size*dp) plus each schedule's own constraints, so a layout the planner proposes is
+one `commpipe train` accepts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from commpipe.models.spec import ModelSpec
+from commpipe.parallel.dims import ParallelDims
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")
+RECOMPUTE = ("none", "selective", "full")
+PRECISIONS = ("bf16", "fp32")
+# The search skips context parallelism below 256 tokens per rank: ring attention then moves
+# more K/V than it computes on (Llama 3 used CP16 only at 128K tokens); `estimate` still
+# prices any cp that ParallelDims accepts.
+MIN_CP_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class Job:
+    """What is trained, independent of the layout."""
+
+    global_batch: int           # sequences per optimizer step
+    seq_len: int
+    precision: str = "bf16"     # bf16: mixed precision with fp32 master weights; fp32: all fp32
+    zero1: bool = False         # shard optimizer states (and fp32 master) over the dp*cp group
+    dp_overlap: bool = True     # overlap the DP gradient all-reduce with the last backward pass
+    sequence_parallel: bool = True  # Megatron SP: RS+AG instead of all-reduce, norms sharded
+    flash_attention: bool | None = None  # None: on for llama shapes, off for gpt (Megatron-DS era)
+    grad_fp32: bool = False     # Megatron-LM's default: accumulate and reduce gradients in fp32
+
+    def __post_init__(self):
+        if self.global_batch < 1 or self.seq_len < 1:
+            raise ValueError("--global-batch and --seq-len must be positive")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision {self.precision!r} is unknown; use one of {PRECISIONS}")
+
+    def uses_flash(self, spec: ModelSpec) -> bool:
+        return spec.arch == "llama" if self.flash_attention is None else self.flash_attention
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: int = 1
+    micro_batch_size: int = 1
+    schedule: str = "1f1b"
+    recompute: str = "none"
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    def dims(self) -> ParallelDims:
+        return ParallelDims(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp)
+
+    def microbatches(self, job: Job) -> int:
+        return job.global_batch // (self.dp * self.micro_batch_size)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def short(self) -> str:
+        s = f"TP{self.tp} CP{self.cp} PP{self.pp} DP{self.dp}"
+        if self.vpp > 1:
+            s += f" VPP{self.vpp}"
+        return f"{s} mbs{self.micro_batch_size} {self.schedule} rc={self.recompute}"
+
+
+def schedule_problem(schedule: str, pp: int, vpp: int, m: int) -> str | None:
+    """Why (schedule, pp, vpp, m) cannot run, or None. Mirrors the generators' constraints."""
+    if schedule not in SCHEDULES:
+        return f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}"
+    if schedule in ("gpipe", "1f1b", "zbh1") and vpp != 1:
+        return f"{schedule} runs one chunk per rank; use --vpp 1 (or --schedule interleaved/zbv)"
+    if schedule == "interleaved" and vpp < 2:
+        return "interleaved needs --vpp >= 2 chunks per rank"
+    if schedule == "zbv" and vpp != 2:
+        return "zbv places exactly two chunks per rank in a V; use --vpp 2"
+    if pp == 1 and schedule != "1f1b":
+        return f"pp=1 has no pipeline; {schedule} adds nothing over 1f1b (use --schedule 1f1b)"
+    if schedule in ("1f1b", "zbh1") and pp > 1 and m < pp:
+        return f"{schedule} needs micro-batches m={m} >= pp={pp}; lower dp or micro-batch size"
+    if schedule == "zbv" and m < 2 * pp - 1:
+        return f"zbv needs micro-batches m={m} >= 2*pp-1={2 * pp - 1}; lower dp or micro-batch size"
+    if schedule == "interleaved" and m % pp:
+        return f"interleaved needs micro-batches m={m} divisible by pp={pp}"
+    return None
+
+
+def layout_problem(spec: ModelSpec, job: Job, layout: Layout, num_gpus: int | None = None) -> str | None:
+    """Why a layout is invalid (divisibility, schedule), or None."""
+    if layout.recompute not in RECOMPUTE:
+        return f"recompute {layout.recompute!r} is unknown; use one of {', '.join(RECOMPUTE)}"
+    dims = layout.dims()
+    try:
+        if num_gpus is not None:
+            dims.check_world(num_gpus)
+        dims.check_model(spec, job.seq_len, vpp=layout.vpp)
+        m = dims.check_batch(job.global_batch, layout.micro_batch_size)
+    except ValueError as e:
+        return str(e)
+    return schedule_problem(layout.schedule, layout.pp, layout.vpp, m)
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(spec: ModelSpec, job: Job, num_gpus: int, fixed: dict | None = None,
+                      schedules=SCHEDULES, recomputes=RECOMPUTE, max_vpp: int = 8) -> list[Layout]:
+    """Every valid layout for `num_gpus`; `fixed` pins any of tp, cp, pp, dp, vpp,
+    micro_batch_size, schedule, recompute."""
+    fixed = {k: v for k, v in (fixed or {}).items() if v is not None}
+    out: list[Layout] = []
+    tps = [t for t in divisors(num_gpus) if spec.heads % t == 0 and spec.kv_heads % t == 0
+           and spec.vocab % t == 0]
+    for tp in _pick(tps, fixed.get("tp")):
+        rest_tp = num_gpus // tp
+        cps = [c for c in divisors(rest_tp) if job.seq_len % (2 * c) == 0
+               and (c == 1 or job.seq_len // c >= MIN_CP_TOKENS)]
+        for cp in _pick(cps, fixed.get("cp")):
+            rest_cp = rest_tp // cp
+            pps = [p for p in divisors(rest_cp) if p <= spec.layers]
+            for pp in _pick(pps, fixed.get("pp")):
+                dp = rest_cp // pp
+                if "dp" in fixed and fixed["dp"] != dp:
+                    continue
+                if job.global_batch % dp:
+                    continue
+                for mbs in _pick(divisors(job.global_batch // dp), fixed.get("micro_batch_size")):
+                    m = job.global_batch // (dp * mbs)
+                    for sched in _pick(list(schedules), fixed.get("schedule")):
+                        vpps = [1] if sched in ("gpipe", "1f1b", "zbh1") else \
+                            [2] if sched == "zbv" else [v for v in range(2, max_vpp + 1)
+                                                        if pp * v <= spec.layers]
+                        for vpp in _pick(vpps, fixed.get("vpp")):
+                            if schedule_problem(sched, pp, vpp, m):
+                                continue
+                            if pp * vpp > spec.layers:
+                                continue
+                            for rc in _pick(list(recomputes), fixed.get("recompute")):
+                                out.append(Layout(tp, cp, pp, dp, vpp, mbs, sched, rc))
+    return out
+
+
+def _pick(options: list, value):
+    if value is None:
+        return options
+    return [value] if value in options else []

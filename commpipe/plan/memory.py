@@ -1,0 +1,215 @@
+"""Memory per pipeline rank: weights, gradients, optimizer states, activations, reserve.
+
+States (bytes per parameter held by a rank):
+    bf16 mixed precision: bf16 weights 2 + bf16 grads 2 + fp32 master 4 + Adam m 4 + v 4 = 16
+    fp32:                 fp32 weights 4 + fp32 grads 4 + Adam m 4 + v 4                  = 16
+ZeRO-1 shards the optimizer part (12 resp. 8 bytes) over the dp*cp ranks that hold the same
+weights (Megatron's distributed optimizer shards over the data-parallel group *with* CP, since CP
+ranks reduce gradients together). Megatron-LM by default accumulates gradients in fp32
+(18 bytes/param, `Job.grad_fp32`); commpipe reduces them in the parameter dtype, hence 16.
+
+Activations per transformer layer and micro-batch, with T = b*s/cp tokens on the rank, t = tp,
+a = heads, 2-byte activations (Korthikanti et al. 2022, "Reducing Activation Recomputation in
+Large Transformer Models", Sec. 4):
+    GPT, no flash attention:  T*h*(34 + 5*a*s/h) / t  with SP     [their sbh(34 + 5as/h)/t]
+                              T*h*(10 + 24/t + 5*a*s/(h*t))  without SP (tp > 1)
+    LLaMA with flash attention (no dropout, SwiGLU, GQA), derived the same way:
+        attention: norm input 2 + QKV input 2 + Q 2 + K,V 4*kv/h + output O 2   = 8 + 4kv/h
+        MLP:       norm input 2 + MLP input 2 + gate, up 4f/h + SiLU out 2f/h
+                   + product 2f/h                                             = 4 + 8f/h
+        total T*h*(12 + 4*kv/h + 8*f/h) / t with SP (41 T h for llama3-8b); the flash
+        log-sum-exp (4 bytes per head and token) is added; without flash the softmax output
+        (2*a*T*s bytes, no dropout) is stored instead.
+Recompute: "selective" recomputes what is cheap and large: the attention core (Korthikanti's
+choice: drops the a*s terms) and, for SwiGLU, the SiLU output and the product (drops 4f/h);
+"full" keeps only each layer's input, 2*T*h/t bytes (SP-sharded), plus one layer's full
+activations while that layer's backward runs.
+A rank holds `inflight` micro-batches' worth of its layers at its peak: the simulator's
+`peak_activations`, in units of one micro-batch through the rank's whole share of the model
+(for 1F1B rank r holds p - r; a chunk of an interleaved schedule counts 1/vpp). The last stage
+also holds the fp32 softmax of the vocabulary-parallel cross-entropy (4*T*V/t per micro-batch
+whose loss backward has not run: m for GPipe, 1 for the 1F1B family, which runs the loss
+backward right after its forward) plus the transient bf16 logits (2*T*V/t).
+
+Reserve: 1.5 GiB fixed (CUDA context ~0.5-0.8 GiB, cuBLAS workspaces, NCCL communicator
+buffers) plus 10% of the tensors for caching-allocator fragmentation (PyTorch's reserved vs
+allocated gap in practice). GB in this module means GiB (2**30 bytes), as torch.cuda reports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from functools import lru_cache
+
+from commpipe.models.spec import ModelSpec, layer_param_count
+from commpipe.parallel.dims import split_layers
+from commpipe.plan.layout import Job, Layout
+
+GIB = 2**30
+RESERVE_FIXED_GIB = 1.5
+FRAGMENTATION = 0.10
+
+
+@dataclass
+class StageMemory:
+    rank: int               # pipeline rank
+    layers: int             # transformer layers held (all chunks)
+    params: float           # parameters held (count)
+    weights_gb: float
+    grads_gb: float
+    optimizer_gb: float
+    activations_gb: float
+    logits_gb: float
+    reserve_gb: float
+    inflight: float         # peak micro-batches in flight (units of the rank's share)
+
+    @property
+    def total_gb(self) -> float:
+        return (self.weights_gb + self.grads_gb + self.optimizer_gb + self.activations_gb
+                + self.logits_gb + self.reserve_gb)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["total_gb"] = self.total_gb
+        return d
+
+
+def _replicated_layer_params(spec: ModelSpec) -> int:
+    """Per-layer parameters TP does not split: norm weights (and GPT's LN biases and the biases
+    of the row-parallel output and second MLP matrix, which are added after the reduction)."""
+    h = spec.hidden
+    return 2 * h if spec.arch == "llama" else 4 * h + 2 * h
+
+
+def layer_params_per_rank(spec: ModelSpec, tp: int) -> float:
+    rep = _replicated_layer_params(spec)
+    return (layer_param_count(spec) - rep) / tp + rep
+
+
+def stage_params(spec: ModelSpec, layout: Layout, job: Job) -> list[tuple[int, float]]:
+    """(layers, parameters) per pipeline rank, chunks placed as the schedule places them."""
+    stages = layout.pp * layout.vpp
+    counts = stage_layer_counts(spec.layers, stages)
+    per_layer = layer_params_per_rank(spec, layout.tp)
+    h, v, t = spec.hidden, spec.vocab, layout.tp
+    out = []
+    for chunks in rank_chunks(layout.schedule, layout.pp, layout.vpp):
+        layers = sum(counts[s] for s in chunks)
+        params = layers * per_layer
+        if 0 in chunks:
+            params += v * h / t + (job.seq_len * h if spec.arch == "gpt" else 0)
+        if stages - 1 in chunks:
+            # llama: untied head + final norm; gpt: a copy of the tied embedding when pp > 1
+            if spec.arch == "llama":
+                params += v * h / t + h
+            else:
+                params += (v * h / t if layout.pp > 1 else 0) + 2 * h
+        out.append((layers, params))
+    return out
+
+
+def chunk_stages(layout: Layout, rank: int) -> tuple[int, ...]:
+    """Virtual stages held by a pipeline rank: looped for interleaved, V-shaped for zbv."""
+    return rank_chunks(layout.schedule, layout.pp, layout.vpp)[rank]
+
+
+@lru_cache(maxsize=4096)
+def rank_chunks(schedule: str, pp: int, vpp: int) -> tuple[tuple[int, ...], ...]:
+    if schedule == "zbv":
+        return tuple((r, 2 * pp - 1 - r) for r in range(pp))
+    return tuple(tuple(r + k * pp for k in range(vpp)) for r in range(pp))
+
+
+@lru_cache(maxsize=4096)
+def stage_layer_counts(layers: int, stages: int) -> tuple[int, ...]:
+    """Layers per virtual stage, split as `commpipe.parallel.dims.split_layers` splits them."""
+    return tuple(len(r) for r in split_layers(layers, stages))
+
+
+def layer_activation_bytes(spec: ModelSpec, layout: Layout, job: Job, recompute: str | None = None) -> float:
+    """Bytes one transformer layer keeps for backward, per micro-batch (see module docstring)."""
+    rc = layout.recompute if recompute is None else recompute
+    t, s = layout.tp, job.seq_len
+    tokens = layout.micro_batch_size * s / layout.cp
+    h, a = spec.hidden, spec.heads
+    sp = job.sequence_parallel or t == 1
+    flash = job.uses_flash(spec)
+    if rc == "full":
+        return 2 * tokens * h / (t if sp else 1)
+    if spec.arch == "gpt":
+        per_h = 34.0
+        # Korthikanti Table 2: without SP, norms, dropouts and the first GEMM's input (10 sbh)
+        # are replicated; everything else is split
+        base = tokens * h * (per_h / t if sp else 10 + 24 / t)
+        score = 0.0 if (flash or rc == "selective") else 5 * a * tokens * s / t
+        lse = 4 * a * tokens / t if flash else 0.0
+        return base + score + lse
+    kv, f = spec.kv_dim, spec.ffn_hidden
+    mlp_act = 4 * f / h if rc == "selective" else 8 * f / h
+    split = 4 + 4 * kv / h + mlp_act      # Q, O, K/V, MLP intermediates: split by TP
+    repl = 8.0                              # norm inputs, QKV and MLP inputs: split only by SP
+    base = tokens * h * ((split + repl) / t if sp else repl + split / t)
+    if flash:
+        score = 4 * a * tokens / t          # fp32 log-sum-exp per head and token
+    else:
+        score = 0.0 if rc == "selective" else 2 * a * tokens * s / t
+    return base + score
+
+
+def stage_memory(spec: ModelSpec, layout: Layout, job: Job, inflight: list[float]) -> list[StageMemory]:
+    """Memory of every pipeline rank. `inflight[r]`: rank r's peak micro-batches in flight."""
+    if len(inflight) != layout.pp:
+        raise ValueError(f"need one in-flight count per pipeline rank ({layout.pp}), got {len(inflight)}")
+    stages = layout.pp * layout.vpp
+    act_layer = layer_activation_bytes(spec, layout, job)
+    full_layer = layer_activation_bytes(spec, layout, job, recompute="none")
+    tokens = layout.micro_batch_size * job.seq_len / layout.cp
+    if job.precision == "bf16":
+        w_b, g_b, o_b = 2, (4 if job.grad_fp32 else 2), 12
+    else:
+        w_b, g_b, o_b = 4, 4, 8
+    shard = layout.dp * layout.cp if job.zero1 else 1
+    out = []
+    all_chunks = rank_chunks(layout.schedule, layout.pp, layout.vpp)
+    for rank, (layers, params) in enumerate(stage_params(spec, layout, job)):
+        chunks = all_chunks[rank]
+        act = inflight[rank] * layers * act_layer
+        if layout.recompute == "full":
+            act += full_layer                   # one layer rematerialised during its backward
+        logits = 0.0
+        if stages - 1 in chunks:
+            # fp32 softmax saved per micro-batch whose backward has not run yet, plus the
+            # transient bf16 logits of the one being computed; the final norm's input too
+            last_inflight = layout.microbatches(job) if layout.schedule == "gpipe" else 1
+            logits = (4 * last_inflight + 2) * tokens * spec.vocab / layout.tp
+            act += last_inflight * 2 * tokens * spec.hidden / layout.tp
+        w, g, o = params * w_b, params * g_b, params * o_b / shard
+        tensors = w + g + o + act + logits
+        reserve = RESERVE_FIXED_GIB * GIB + FRAGMENTATION * tensors
+        out.append(StageMemory(rank, layers, params, w / GIB, g / GIB, o / GIB, act / GIB,
+                               logits / GIB, reserve / GIB, inflight[rank]))
+    return out
+
+
+def static_memory_gb(spec: ModelSpec, layout: Layout, job: Job) -> float:
+    """Weights, gradients and optimizer states of the heaviest rank plus the reserve: a lower
+    bound on its memory that needs no schedule walk (the search prunes with it first)."""
+    per_param = (2 + (4 if job.grad_fp32 else 2)) if job.precision == "bf16" else 8
+    opt = (12 if job.precision == "bf16" else 8) / (layout.dp * layout.cp if job.zero1 else 1)
+    params = max(p for _, p in stage_params(spec, layout, job))
+    tensors = params * (per_param + opt)
+    return (RESERVE_FIXED_GIB * GIB + (1 + FRAGMENTATION) * tensors) / GIB
+
+
+def memory_problem(stages: list[StageMemory], capacity_gb: float) -> str | None:
+    """Why the layout does not fit, naming the worst stage and its largest part, or None."""
+    worst = max(stages, key=lambda s: s.total_gb)
+    if worst.total_gb <= capacity_gb:
+        return None
+    parts = {"weights": worst.weights_gb, "gradients": worst.grads_gb,
+             "optimizer states": worst.optimizer_gb, "activations": worst.activations_gb,
+             "logits": worst.logits_gb}
+    big = max(parts, key=parts.get)
+    return (f"out of memory: pipeline rank {worst.rank} needs {worst.total_gb:.1f} GB > "
+            f"{capacity_gb:.0f} GB ({big} {parts[big]:.1f} GB, {worst.inflight:g} micro-batches "
+            f"in flight); use more tp/pp, zero1 or activation recompute")

@@ -1,0 +1,70 @@
+"""Human-readable output of `commpipe plan` and `commpipe estimate`."""
+
+from __future__ import annotations
+
+from commpipe.plan.estimate import Estimate
+from commpipe.plan.search import SearchResult, describe, explain_loss
+
+HEADER = (f"{'#':>2}  {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>5} {'vpp':>3} {'mbs':>3} {'schedule':<11} "
+          f"{'recomp':<9} {'step s':>8} {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7} {'bubble':>7} {'comm':>6}")
+
+
+def row(n: int | str, e: Estimate) -> str:
+    lay = e.layout
+    b = e.breakdown.get("pp_bubble", 0.0) / e.step_time_s if e.breakdown else float("nan")
+    return (f"{n:>2}  {lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.dp:>5} {lay.vpp:>3} "
+            f"{lay.micro_batch_size:>3} {lay.schedule:<11} {lay.recompute:<9} {e.step_time_s:>8.4g} "
+            f"{e.tflops_per_gpu:>8.1f} {e.mfu:>6.1%} {e.memory_gb_per_gpu:>7.1f} {b:>7.1%} "
+            f"{e.exposed_comm_fraction:>6.1%}")
+
+
+def print_plan(result: SearchResult, spec, job, cluster) -> None:
+    print(f"{spec.name} on {cluster.num_gpus} x {cluster.gpu.name} ({cluster.gpus_per_node} per node; "
+          f"links: intra {cluster.intra.bandwidth_gbps:.0f} GB/s, inter {cluster.inter.bandwidth_gbps:.0f}"
+          f" GB/s per GPU, from {cluster.source}); global batch {job.global_batch} x {job.seq_len} tokens")
+    print(f"layouts considered {result.considered}, fit in memory {result.feasible}, "
+          f"simulated {result.simulated}")
+    if not result.top:
+        print("no layout fits in memory" + (f"; e.g. {result.example_rejection}"
+                                            if result.example_rejection else ""))
+        return
+    print()
+    print(HEADER)
+    for n, e in enumerate(result.top, 1):
+        print(row(n, e))
+    print("(step s: predicted step time; TFLOP/s: model FLOPs per GPU; mem GB: largest stage; "
+          "bubble: pipeline idle share; comm: exposed communication share)")
+    print()
+    best = result.top[0]
+    for n, e in enumerate(result.top, 1):
+        why = describe(e, cluster) if n == 1 else explain_loss(e, best, cluster)
+        print(f" {n}. {why}")
+    if result.alternatives:
+        print("\nwhy common alternatives lose:")
+        for label, alt, why in result.alternatives:
+            if alt is None:
+                continue
+            what = alt.layout.short()
+            if alt.feasible:
+                print(f" - {label}: best is {what}, {alt.step_time_s:.4g} s; {why}")
+            else:
+                print(f" - {label}: {what}: {why}")
+
+
+def print_estimate(e: Estimate, cluster) -> None:
+    lay = e.layout
+    print(f"layout {lay.short()} on {lay.gpus} x {cluster.gpu.name}: "
+          f"{e.reason if e.feasible else 'REJECTED: ' + e.reason}")
+    if e.memory:
+        print("memory per pipeline rank (GB): weights grads optimizer activations logits reserve = total")
+        shown = e.memory if len(e.memory) <= 8 else e.memory[:4] + e.memory[-4:]
+        for s in shown:
+            print(f"  rank {s.rank:>3} ({s.layers:>3} layers): {s.weights_gb:7.2f} {s.grads_gb:6.2f} "
+                  f"{s.optimizer_gb:8.2f} {s.activations_gb:10.2f} {s.logits_gb:6.2f} {s.reserve_gb:6.2f}"
+                  f" = {s.total_gb:7.2f}  ({s.inflight:g} micro-batches in flight)")
+    if e.step_time_s == e.step_time_s:
+        print(f"step {e.step_time_s:.4f} s, {e.microbatches} micro-batches; model "
+              f"{e.tflops_per_gpu:.1f} TFLOP/s/GPU (MFU {e.mfu:.1%}), hardware "
+              f"{e.hw_tflops_per_gpu:.1f} TFLOP/s/GPU")
+        parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in e.breakdown.items() if v > 0)
+        print(f"breakdown on the busiest rank: {parts}")

@@ -1,0 +1,230 @@
+"""Time per action: compute from FLOPs and a GEMM-shape efficiency curve, plus communication.
+
+Compute. Every matmul of a layer is priced on its own shape after TP/CP sharding:
+    time = 2*M*K*N / (peak * eff),   eff = e_max * x / (x + x_half),
+    x = arithmetic intensity M*K*N / (M*K + K*N + M*N)   (FLOP per byte, 2-byte operands),
+    x_half = ai_half_ridge * (peak FLOP/s / HBM byte/s)  (the GPU's roofline ridge point).
+Since flops / x is the bytes a GEMM moves, this is time = flops/(e_max*peak) + bytes*const:
+an additive roofline whose two constants (e_max, ai_half_ridge) are dimensionless and carry
+over between GPUs. Backward GEMMs (input and weight gradient) have the same shapes as the
+forward, so each costs one forward. Flash attention is priced at the counted (full s x s)
+FLOPs on half the work (causal blocks are skipped) at `attn_rel` of e_max (FlashAttention-2,
+Dao 2023: ~70% of A100 peak vs ~85% for large GEMMs); without flash the score and value
+products are batched GEMMs of shape (s/cp, d, s) per head.
+Non-GEMM work (norms, activations, softmax, dropout, residual adds) is HBM-bound: forward time
+= `elementwise` * (bytes the layer stores for backward) / HBM bandwidth, backward twice that.
+A fixed `overhead_s` per layer and pass stands for kernel launches.
+
+Communication (priced by `cluster.Cluster`, groups placed by rank order tp, cp, dp, pp):
+- TP: per layer 2 collectives in forward and 2 in backward (all-reduce, or with sequence
+  parallelism reduce-scatter + all-gather, the same bus traffic), 2 more when full recompute
+  replays the forward; of [b*s/cp, h] bf16 activations. Not overlapped (Megatron default).
+- CP (ring attention): K and V chunks circulate over cp-1 steps in forward, K,V and their
+  gradients in backward; each step overlaps the attention on the previous chunk, so only
+  (cp-1) * max(0, step transfer - step attention) is exposed.
+- PP: the stage output [b*s/cp, h]/tp (SP-sharded, or Megatron's scatter-gather) per
+  micro-batch per boundary, on the link the two stage ranks share; timed by the simulator.
+- DP: gradients of the rank's parameters all-reduced over the dp*cp group (ZeRO-1: reduce-
+  scatter of gradients + all-gather of weights, the same traffic); overlapped with the last
+  micro-batch's backward when `job.dp_overlap`.
+- Optimizer: HBM-bound Adam, 28 bytes touched per (sharded) parameter in bf16 mixed
+  precision (read+write fp32 master, m, v; read grad; write bf16 weight), 24 in fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from commpipe.models.spec import ModelSpec
+from commpipe.plan.cluster import Cluster
+from commpipe.plan.layout import Job, Layout
+from commpipe.plan.memory import layer_activation_bytes, rank_chunks, stage_layer_counts, stage_params
+
+HBM_EFFICIENCY = 0.8   # STREAM-like kernels reach ~80-90% of datasheet HBM bandwidth
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Calibratable compute-efficiency parameters (see module docstring)."""
+
+    e_max: float = 0.8            # fraction of peak a large GEMM reaches (cuBLAS, A100/H100)
+    ai_half_ridge: float = 0.5    # intensity at half efficiency, in units of the ridge point
+    attn_rel: float = 0.8         # flash-attention efficiency relative to e_max
+    elementwise: float = 1.0      # HBM bytes of non-GEMM ops per stored activation byte
+    overhead_s: float = 20e-6     # per layer and pass (tens of kernel launches at ~1 us)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class StageCosts:
+    """Per virtual stage (chunk) and micro-batch, seconds. f = comp_f + tp_f + cp_f,
+    i = comp_i + tp_b + cp_b, w = comp_w, b = i + w (communication exposed, not overlapped)."""
+
+    comp_f: list[float]
+    comp_i: list[float]
+    comp_w: list[float]
+    tp_f: list[float]
+    tp_b: list[float]
+    cp_f: list[float]
+    cp_b: list[float]
+    p2p_bytes: float                        # per micro-batch per stage boundary
+    pp_stride: int                          # global-rank distance between neighbouring stages
+    dp_exposed: list[float] = field(default_factory=list)   # per pipeline rank, per step
+    dp_total: list[float] = field(default_factory=list)
+    optimizer: list[float] = field(default_factory=list)
+    embedding_sync: float = 0.0
+
+    @property
+    def f(self) -> list[float]:
+        return [a + b + c for a, b, c in zip(self.comp_f, self.tp_f, self.cp_f)]
+
+    @property
+    def i(self) -> list[float]:
+        return [a + b + c for a, b, c in zip(self.comp_i, self.tp_b, self.cp_b)]
+
+    @property
+    def w(self) -> list[float]:
+        return list(self.comp_w)
+
+    @property
+    def b(self) -> list[float]:
+        return [x + y for x, y in zip(self.i, self.w)]
+
+
+def gemm_time(flops: float, m: float, k: float, n: float, peak: float, eff: Efficiency,
+              ridge: float) -> float:
+    ai = m * k * n / (m * k + k * n + m * n)
+    x_half = eff.ai_half_ridge * ridge
+    return flops / (peak * eff.e_max * ai / (ai + x_half))
+
+
+def layer_compute(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
+                  eff: Efficiency) -> dict[str, float]:
+    """Forward seconds of one layer for one micro-batch: 'gemm' (weight matmuls), 'attn'
+    (scores and values), 'elem' (HBM-bound ops)."""
+    gpu = cluster.gpu
+    peak, ridge = gpu.tflops * 1e12, gpu.ridge_flop_per_byte
+    t, s, h = layout.tp, job.seq_len, spec.hidden
+    tokens = layout.micro_batch_size * s / layout.cp
+    kv, f, d = spec.kv_dim, spec.ffn_hidden, spec.head_dim
+    shapes = [(tokens, h, (h + 2 * kv) / t), (tokens, h / t, h)]
+    if spec.arch == "llama":
+        shapes += [(tokens, h, 2 * f / t), (tokens, f / t, h)]
+    else:
+        shapes += [(tokens, h, f / t), (tokens, f / t, h)]
+    gemm = sum(gemm_time(2 * m * k * n, m, k, n, peak, eff, ridge) for m, k, n in shapes)
+    heads = layout.micro_batch_size * spec.heads / t
+    q_len = s / layout.cp
+    attn_flops = 2 * 2 * q_len * s * d * heads          # QK^T and AV, full s x s (Megatron count)
+    if job.uses_flash(spec):
+        attn = 0.5 * attn_flops / (peak * eff.e_max * eff.attn_rel)
+    else:
+        attn = 2 * heads * gemm_time(2 * q_len * d * s, q_len, d, s, peak, eff, ridge)
+    stored = layer_activation_bytes(spec, layout, job, recompute="none")
+    elem = eff.elementwise * stored / (gpu.hbm_gbps * 1e9 * HBM_EFFICIENCY)
+    return {"gemm": gemm, "attn": attn, "elem": elem}
+
+
+def head_compute(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
+                 eff: Efficiency) -> tuple[float, float]:
+    """Forward seconds of the vocabulary-head GEMM and of the cross-entropy, one micro-batch."""
+    gpu = cluster.gpu
+    tokens = layout.micro_batch_size * job.seq_len / layout.cp
+    v = spec.vocab / layout.tp
+    g = gemm_time(2 * tokens * spec.hidden * v, tokens, spec.hidden, v, gpu.tflops * 1e12, eff,
+                  gpu.ridge_flop_per_byte)
+    # loss: read bf16 logits, write and re-read the fp32 softmax (~10 bytes per logit)
+    loss = 10 * tokens * v / (gpu.hbm_gbps * 1e9 * HBM_EFFICIENCY)
+    return g, loss
+
+
+def _group_strides(layout: Layout) -> dict[str, tuple[int, int]]:
+    """(size, stride) of each group in the rank order tp (innermost), cp, dp, pp."""
+    t, c, d = layout.tp, layout.cp, layout.dp
+    return {"tp": (t, 1), "cp": (c, t), "dp_cp": (c * d, t), "pp": (layout.pp, t * c * d)}
+
+
+def stage_costs(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
+                eff: Efficiency) -> StageCosts:
+    stages = layout.pp * layout.vpp
+    counts = stage_layer_counts(spec.layers, stages)
+    groups = _group_strides(layout)
+    t, s, h = layout.tp, job.seq_len, spec.hidden
+    tokens = layout.micro_batch_size * s / layout.cp
+    act_bytes = 2 * tokens * h                                      # [b, s/cp, h] bf16
+    lc = layer_compute(spec, layout, job, cluster, eff)
+    comp_f = lc["gemm"] + lc["attn"] + lc["elem"] + eff.overhead_s
+    # TP: AR per collective (RS+AG with SP has the same bus traffic)
+    tp_one = cluster.all_reduce(act_bytes, *groups["tp"])
+    tp_f, tp_b = 2 * tp_one, 2 * tp_one
+    # CP ring attention: K,V chunk [b, s/cp, 2*kv/tp] per step, overlapped with attention
+    cp_size, cp_stride = groups["cp"]
+    cp_f = cp_b = 0.0
+    if cp_size > 1:
+        chunk = 2 * tokens * 2 * spec.kv_dim / t                     # K and V, bf16
+        bw, link = cluster.bus_bandwidth(cp_size, cp_stride)
+        step = chunk / bw + link.latency_s
+        cp_f = (cp_size - 1) * max(step - lc["attn"] / cp_size, 0.0)
+        cp_b = (cp_size - 1) * max(2 * step - 2 * lc["attn"] / cp_size, 0.0)
+    # recompute replays part of the forward inside the backward
+    if layout.recompute == "full":
+        re_comp, re_tp, re_cp = comp_f, tp_f, cp_f
+    elif layout.recompute == "selective":
+        full = layer_activation_bytes(spec, layout, job, recompute="none")
+        kept = layer_activation_bytes(spec, layout, job, recompute="selective")
+        dropped = (full - kept) / full if full else 0.0
+        re_comp = lc["elem"] * dropped + (0.0 if job.uses_flash(spec) else lc["attn"])
+        re_tp = re_cp = 0.0
+    else:
+        re_comp = re_tp = re_cp = 0.0
+    layer_i = lc["gemm"] + 2 * lc["attn"] + 2 * lc["elem"] + eff.overhead_s + re_comp
+    head_gemm, loss = head_compute(spec, layout, job, cluster, eff)
+    head_tp = cluster.all_gather(act_bytes, *groups["tp"])          # gather the head input (SP)
+    embed_tp = cluster.all_reduce(act_bytes, *groups["tp"]) / 2     # vocab-parallel lookup (RS)
+    out = StageCosts([], [], [], [], [], [], [], act_bytes / t, groups["pp"][1])
+    for st in range(stages):
+        n = counts[st]
+        cf, ci, cw = n * comp_f, n * layer_i, n * lc["gemm"]
+        tf, tb = n * tp_f, n * (tp_b + re_tp)
+        if st == 0:
+            tf += embed_tp
+        if st == stages - 1:
+            cf += head_gemm + loss
+            ci += head_gemm + loss              # input-gradient GEMM + loss backward
+            cw += head_gemm
+            tf += head_tp
+            tb += head_tp
+        out.comp_f.append(cf)
+        out.comp_i.append(ci)
+        out.comp_w.append(cw)
+        out.tp_f.append(tf)
+        out.tp_b.append(tb)
+        out.cp_f.append(n * cp_f)
+        out.cp_b.append(n * (cp_b + re_cp))
+    _dp_and_optimizer(spec, layout, job, cluster, out, groups)
+    return out
+
+
+def _dp_and_optimizer(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
+                      costs: StageCosts, groups: dict) -> None:
+    grad_b = 2 if job.precision == "bf16" and not job.grad_fp32 else 4
+    shard = layout.dp * layout.cp if job.zero1 else 1
+    bytes_per_param_opt = 28 if job.precision == "bf16" else 24
+    hbm = cluster.gpu.hbm_gbps * 1e9 * HBM_EFFICIENCY
+    b = costs.b
+    chunks = rank_chunks(layout.schedule, layout.pp, layout.vpp)
+    for rank, (_, params) in enumerate(stage_params(spec, layout, job)):
+        ar = cluster.all_reduce(params * grad_b, *groups["dp_cp"])
+        window = sum(b[s] for s in chunks[rank]) if job.dp_overlap else 0.0
+        # the last bucket can never hide: Megatron's default bucket is 40M parameters
+        tail = ar * min(1.0, 40e6 / max(params, 1.0))
+        costs.dp_total.append(ar)
+        costs.dp_exposed.append(max(ar - window, tail if job.dp_overlap else ar))
+        costs.optimizer.append(params / shard * bytes_per_param_opt / hbm)
+    if spec.arch == "gpt" and layout.pp > 1:
+        # tied embedding: first and last stage all-reduce the word-embedding gradient
+        pp_size, pp_stride = groups["pp"]
+        last = (pp_size - 1) * pp_stride
+        costs.embedding_sync = 2 * cluster.p2p(spec.vocab * spec.hidden / layout.tp * grad_b, 0, last)
