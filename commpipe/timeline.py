@@ -36,7 +36,8 @@ def events_from_dicts(rows) -> list[Event]:
     return [Event(**r) for r in rows]
 
 
-def chrome_trace(events: list[Event], rank: int | None = None, world_size: int | None = None) -> dict:
+def chrome_trace(events: list[Event], rank: int | None = None, world_size: int | None = None,
+                 distributed_info: dict | None = None) -> dict:
     """A Chrome trace object ({"traceEvents": [...]}) for `events` (all ranks or one)."""
     out = []
     tids = {s: i for i, s in enumerate(STREAMS)}
@@ -57,13 +58,14 @@ def chrome_trace(events: list[Event], rank: int | None = None, world_size: int |
                     "args": {"step": e.step, **e.args}})
     trace = {"traceEvents": out, "displayTimeUnit": "ms"}
     if rank is not None:
-        trace["distributedInfo"] = {"rank": rank, "world_size": world_size or 1, "backend": "gloo"}
+        trace["distributedInfo"] = {"rank": rank, "world_size": world_size or 1,
+                                    **(distributed_info or {})}
     return trace
 
 
 def write_chrome_trace(events: list[Event], path, rank: int | None = None,
-                       world_size: int | None = None) -> Path:
+                       world_size: int | None = None, distributed_info: dict | None = None) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(chrome_trace(events, rank, world_size)))
+    path.write_text(json.dumps(chrome_trace(events, rank, world_size, distributed_info)))
     return path

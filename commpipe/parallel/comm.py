@@ -40,6 +40,7 @@ class CommCall:
     t_post: float = 0.0           # time.perf_counter() when issued
     t_done: float = 0.0           # when observed complete
     dtype: str = ""
+    tag: int = 0                  # point-to-point tag (messages pair by (peer, tag) on gloo)
     extra: dict = field(default_factory=dict)
 
     @property
@@ -51,7 +52,7 @@ class Handle:
     """An in-flight async op; `wait()` completes it and notifies observers exactly once."""
 
     def __init__(self, comm: Comm, work, call: CommCall, ctxs: list, on_done=None):
-        self._comm, self._work, self.call, self._ctxs = comm, work, call, ctxs
+        self._comm, self._work, self.call, self._ctxs = comm, work, call, ctxs  # (observer, ctx)
         self._on_done = on_done
         self.done = False
 
@@ -105,19 +106,20 @@ class Comm:
         return self.dims.rank_of(pp=pp_rank, dp=c["dp"], cp=c["cp"], tp=c["tp"])
 
     # -- observer plumbing ----------------------------------------------------------------------
-    def _start(self, dim, op, tensor, group=(), peer=None) -> tuple[CommCall, list]:
-        key = (dim, op, peer if peer is not None else group)
+    def _start(self, dim, op, tensor, group=(), peer=None, tag: int = 0) -> tuple[CommCall, list]:
+        key = (dim, op, peer if peer is not None else group, tag)
         seq = self._seq.get(key, 0)
         self._seq[key] = seq + 1
         call = CommCall(dim=dim, op=op, nbytes=tensor.numel() * tensor.element_size(),
-                        group=tuple(group), peer=peer, seq=seq, dtype=str(tensor.dtype))
-        ctxs = [o.begin(call) for o in self.observers] if self.observers else []
+                        group=tuple(group), peer=peer, seq=seq, dtype=str(tensor.dtype), tag=tag)
+        # the observers present now are the ones told of the end, even if the list changes
+        pairs = [(o, o.begin(call)) for o in self.observers] if self.observers else []
         call.t_post = time.perf_counter()
-        return call, ctxs
+        return call, pairs
 
-    def _finish(self, call: CommCall, ctxs: list) -> None:
+    def _finish(self, call: CommCall, pairs: list) -> None:
         call.t_done = time.perf_counter()
-        for o, ctx in zip(self.observers, ctxs):
+        for o, ctx in pairs:
             o.end(ctx, call)
 
     def _pg_of(self, dim: str):
@@ -192,12 +194,12 @@ class Comm:
         between the same pair (activations and gradients of a V schedule): gloo matches by
         tag; NCCL ignores tags and matches in issue order."""
         tensor = tensor.contiguous()
-        call, ctxs = self._start(dim, "send", tensor, peer=peer)
+        call, ctxs = self._start(dim, "send", tensor, peer=peer, tag=tag)
         work = dist.isend(tensor, dst=peer, tag=tag)
         return Handle(self, work, call, ctxs, lambda: tensor)
 
     def irecv(self, tensor: torch.Tensor, peer: int, dim: str = "pp", tag: int = 0) -> Handle:
-        call, ctxs = self._start(dim, "recv", tensor, peer=peer)
+        call, ctxs = self._start(dim, "recv", tensor, peer=peer, tag=tag)
         work = dist.irecv(tensor, src=peer, tag=tag)
         return Handle(self, work, call, ctxs, lambda: tensor)
 

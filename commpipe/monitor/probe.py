@@ -1,0 +1,258 @@
+"""`commpipe probe`: measure link latency and bandwidth before training.
+
+    commpipe probe --nproc 4 --ranks-per-node 2 --out probe.json        # spawns 4 local ranks
+    torchrun --nnodes 2 --nproc-per-node 8 ... -m commpipe probe --out probe.json
+
+Point-to-point: rank 0 ping-pongs messages of every size with rank 1 (same node) and with
+rank R (the first rank of the next node; node = rank // ranks_per_node, ranks_per_node from
+--ranks-per-node or torchrun's LOCAL_WORLD_SIZE); one-way time = median round trip / 2.
+All-reduce: every block of g consecutive ranks all-reduces together, for g = 2, 4, ... up to
+the world (all blocks at once, as data-parallel groups do); rank 0's group is reported.
+
+Each size series is fitted with t(bytes) = latency + bytes / bandwidth by least squares on the
+relative error (so small messages weigh as much as large ones): latency = fitted intercept,
+bandwidth = 1 / fitted slope, in ms and decimal GB/s.
+
+JSON written by --out (schema "commpipe-probe/1", loadable by the cost model):
+  {"schema", "world_size", "ranks_per_node", "backend", "device", "fit",
+   "pairs": {"intra_node": {"ranks": [0, 1], "latency_ms", "bandwidth_gbps", "bandwidth_from",
+                            "sizes": [{"bytes", "time_ms", "bandwidth_gbps"}, ...]} | null,
+             "inter_node": {...} | null},
+   "allreduce": [{"group_size", "ranks", "latency_ms", "busbw_gbps", "bandwidth_from",
+                  "sizes": [{"bytes", "time_ms", "algbw_gbps", "busbw_gbps"}, ...]}, ...]}
+A class is null when the layout has no such pair (one node, or one rank per node).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+
+DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
+          "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--nproc", type=int, default=2,
+                   help="local processes to spawn when not under torchrun (default 2)")
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="ranks per node (default: LOCAL_WORLD_SIZE under torchrun, else --nproc)")
+    p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"message sizes (default {DEFAULT_SIZES})")
+    p.add_argument("--iters", type=int, default=5, help="timed repetitions per size (default 5)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed repetitions per size (default 1)")
+    p.add_argument("--backend", default=None, help="gloo | nccl (default: nccl with a GPU, else gloo)")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+
+
+def parse_sizes(text: str) -> list[int]:
+    sizes = []
+    for token in str(text).split(","):
+        t = token.strip().upper()
+        digits = t.rstrip("BKMGI")
+        unit = t[len(digits):]
+        try:
+            value = int(float(digits) * _UNITS[unit])
+        except (ValueError, KeyError):
+            raise ValueError(f"--sizes: cannot read {token.strip()!r}; write sizes like 4K,1M,64M") from None
+        if value < 1:
+            raise ValueError(f"--sizes: {token.strip()!r} must be at least 1 byte")
+        sizes.append(value)
+    if len(sizes) < 2:
+        raise ValueError("--sizes needs at least two sizes to fit latency and bandwidth")
+    return sorted(set(sizes))
+
+
+def fit_latency_bandwidth(sizes: list[int], times_s: list[float]) -> tuple[float, float, str]:
+    """(latency_s, bandwidth_bytes_per_s, how) of t = latency + bytes / bandwidth, by least
+    squares on relative residuals (t_i - a - b s_i) / t_i; latency is clamped at 0.
+
+    When the bytes term explains under 1% of the largest message's time (times that do not
+    grow with size: noise, or sizes too small to see the bandwidth), the bandwidth falls back
+    to the largest message's bytes / time, a lower bound, and `how` says so.
+    """
+    import numpy as np
+
+    s = np.asarray(sizes, dtype=float)
+    t = np.asarray(times_s, dtype=float)
+    a_mat = np.stack([1.0 / t, s / t], axis=1)
+    (a, b), *_ = np.linalg.lstsq(a_mat, np.ones_like(t), rcond=None)
+    i = int(np.argmax(s))
+    if b * s[i] >= 0.01 * t[i]:
+        return max(float(a), 0.0), 1.0 / float(b), "fit"
+    return max(float(a), 0.0), float(s[i] / t[i]), "largest message (time does not grow with size)"
+
+
+def _check(args, world: int) -> int:
+    if world < 2:
+        raise ValueError(f"probe needs at least 2 ranks (world size {world}); "
+                         "use --nproc 2 or torchrun --nproc-per-node 2")
+    rpn = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if not 1 <= rpn <= world:
+        raise ValueError(f"--ranks-per-node {rpn} must be between 1 and the world size {world}")
+    if args.iters < 1 or args.warmup < 0:
+        raise ValueError("--iters must be >= 1 and --warmup >= 0")
+    return rpn
+
+
+def run(args) -> int:
+    parse_sizes(args.sizes)
+    if "WORLD_SIZE" in os.environ:
+        _check(args, int(os.environ["WORLD_SIZE"]))
+        _probe(args)
+        return 0
+    _check(args, args.nproc)
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_spawned, args=(args.nproc, port, vars(args)), nprocs=args.nproc, join=True)
+    return 0
+
+
+def _spawned(rank: int, world: int, port: int, arg_dict: dict) -> None:
+    import argparse
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    _probe(argparse.Namespace(**{k: v for k, v in arg_dict.items() if not k.startswith("_")}))
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _pingpong(comm, a: int, b: int, nbytes: int, iters: int, warmup: int) -> float | None:
+    """Median one-way time (s) from rank a's view; None on other ranks."""
+    import torch
+
+    if comm.rank not in (a, b):
+        return None
+    buf = torch.zeros(nbytes, dtype=torch.uint8, device=comm.device)
+    times = []
+    for i in range(warmup + iters):
+        if comm.rank == a:
+            t0 = time.perf_counter()
+            comm.send(buf, b, dim="world")
+            comm.recv(buf, b, dim="world")
+            _sync(comm.device)
+            if i >= warmup:
+                times.append((time.perf_counter() - t0) / 2.0)
+        else:
+            comm.recv(buf, a, dim="world")
+            comm.send(buf, a, dim="world")
+    return statistics.median(times) if times else None
+
+
+def _allreduce(comm, nbytes: int, iters: int, warmup: int) -> float:
+    import torch
+
+    buf = torch.zeros(max(nbytes // 4, 1), dtype=torch.float32, device=comm.device)
+    times = []
+    for i in range(warmup + iters):
+        comm.barrier()
+        t0 = time.perf_counter()
+        comm.all_reduce(buf, "dp")
+        _sync(comm.device)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _probe(args) -> None:
+    import torch
+
+    from commpipe.monitor.records import busbw_factor
+    from commpipe.parallel.comm import Comm, init_distributed
+    from commpipe.parallel.dims import ParallelDims
+
+    rank, world = init_distributed(args.backend)
+    rpn = _check(args, world)
+    sizes = parse_sizes(args.sizes)
+    on_gpu = torch.cuda.is_available() and args.backend != "gloo"
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_gpu else torch.device("cpu")
+    comm = Comm(ParallelDims(dp=world), rank, device=device)
+    pairs = {"intra_node": (0, 1) if rpn >= 2 else None, "inter_node": (0, rpn) if rpn < world else None}
+    result = {"schema": "commpipe-probe/1", "world_size": world, "ranks_per_node": rpn,
+              "backend": "nccl" if on_gpu else "gloo", "device": str(device),
+              "fit": "t(bytes) = latency + bytes / bandwidth; least squares on relative error",
+              "pairs": {}, "allreduce": []}
+    for name, pair in pairs.items():
+        if pair is None:
+            result["pairs"][name] = None
+            continue
+        times = [_pingpong(comm, *pair, n, args.iters, args.warmup) for n in sizes]
+        comm.barrier()
+        if rank == 0:
+            lat, bw, how = fit_latency_bandwidth(sizes, times)
+            result["pairs"][name] = {
+                "ranks": list(pair), "latency_ms": lat * 1e3, "bandwidth_gbps": bw / 1e9,
+                "bandwidth_from": how,
+                "sizes": [{"bytes": n, "time_ms": t * 1e3, "bandwidth_gbps": n / t / 1e9}
+                          for n, t in zip(sizes, times)]}
+    g = 2
+    group_sizes = []
+    while g <= world:
+        if world % g == 0:
+            group_sizes.append(g)
+        g *= 2
+    if world not in group_sizes:
+        group_sizes.append(world)
+    for g in group_sizes:
+        # dp blocks of g consecutive ranks: ParallelDims puts dp inside pp
+        sub = Comm(ParallelDims(dp=g, pp=world // g), rank, device=device)
+        times = [_allreduce(sub, n, args.iters, args.warmup) for n in sizes]
+        if rank == 0:
+            f = busbw_factor("all_reduce", g)
+            lat, bw, how = fit_latency_bandwidth(sizes, times)
+            result["allreduce"].append({
+                "group_size": g, "ranks": list(range(g)), "latency_ms": lat * 1e3,
+                "busbw_gbps": bw * f / 1e9, "bandwidth_from": how,
+                "sizes": [{"bytes": n, "time_ms": t * 1e3, "algbw_gbps": n / t / 1e9,
+                           "busbw_gbps": n / t * f / 1e9} for n, t in zip(sizes, times)]})
+    if rank == 0:
+        print(format_table(result))
+        if args.out:
+            with open(args.out, "w") as fh:
+                json.dump(result, fh, indent=2)
+            print(f"wrote {args.out}")
+    comm.barrier()
+    # tear the process group down on every rank before the interpreter exits, so no backend
+    # thread is left behind
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+def format_table(result: dict) -> str:
+    lines = [f"probe: {result['world_size']} ranks, {result['ranks_per_node']} per node, "
+             f"{result['backend']} on {result['device']}  ({result['fit']})", ""]
+    lines.append(f"{'link':<22}{'ranks':>8}{'latency ms':>12}{'GB/s':>10}   per size: bytes -> GB/s")
+    for name, p in result["pairs"].items():
+        if p is None:
+            lines.append(f"{name:<22}{'-':>8}   (no such pair in this layout)")
+            continue
+        per = "  ".join(f"{_human(s['bytes'])}:{s['bandwidth_gbps']:.3g}" for s in p["sizes"])
+        lines.append(f"{name:<22}{'-'.join(map(str, p['ranks'])):>8}{p['latency_ms']:>12.4f}"
+                     f"{p['bandwidth_gbps']:>10.3f}   {per}")
+    for a in result["allreduce"]:
+        per = "  ".join(f"{_human(s['bytes'])}:{s['busbw_gbps']:.3g}" for s in a["sizes"])
+        lines.append(f"{'all-reduce n=' + str(a['group_size']) + ' (busbw)':<22}"
+                     f"{'0-' + str(a['group_size'] - 1):>8}{a['latency_ms']:>12.4f}"
+                     f"{a['busbw_gbps']:>10.3f}   {per}")
+    return "\n".join(lines)
+
+
+def _human(n: int) -> str:
+    for unit, size in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= size and n % size == 0:
+            return f"{n // size}{unit}"
+    return str(n)
