@@ -3,6 +3,8 @@
     python -m commpipe train --preset tiny --steps 5
     torchrun --nproc-per-node 8 -m commpipe train --tp 2 --cp 2 --pp 2 --schedule 1f1b \
         --microbatches 4 --steps 10 --out runs/t
+    commpipe train --data data/wikitext-103 --eval-every 50 --save-every 100 --out runs/w
+    torchrun --nproc-per-node 4 -m commpipe train --pp 4 --out runs/w --resume   # any layout
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import os
 
 from commpipe.parallel.dims import ParallelDims
 from commpipe.train.config import OptimConfig, TrainConfig
+from commpipe.train.failures import parse_fail_at, run_rank
+from commpipe.train.source import open_data
 
 
 def add_layout_arguments(p) -> None:
@@ -46,10 +50,35 @@ def add_arguments(p) -> None:
     g.add_argument("--warmup", type=int, default=2, help="warm-up steps")
     g.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip (0: off)")
     g.add_argument("--zero1", action="store_true", help="shard optimizer states across DP")
+    g = p.add_argument_group("data and evaluation")
     g.add_argument("--data", default=None, help="corpus directory (see `commpipe tokenize`); "
-                   "synthetic tokens when absent")
+                   "synthetic tokens when absent. The model vocabulary becomes the tokenizer's, "
+                   "rounded up to a multiple of 64 (and of tp)")
+    g.add_argument("--tokenizer", default=None, metavar="PATH",
+                   help="tokenizer.json for --data (default: the one in the data directory)")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="use (one process: train if missing) DIR/tokenizer-<N>.json")
+    g.add_argument("--eval-every", type=int, default=0, metavar="N",
+                   help="validation loss every N steps and after the last (0: off); logged as "
+                        "val_loss")
+    g.add_argument("--eval-batches", type=int, default=4, metavar="K",
+                   help="global batches of the valid split per evaluation (default 4)")
+    g = p.add_argument_group("checkpoints and failures")
+    g.add_argument("--save-every", type=int, default=0, metavar="N",
+                   help="checkpoint every N steps and after the last into OUT/checkpoints "
+                        "(0: only on SIGTERM/SIGINT)")
+    g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
+                   help="continue from the latest checkpoint in OUT/checkpoints (a fresh start "
+                        "if there is none), or from PATH; any layout may load it")
+    g.add_argument("--timeout-s", type=float, default=300.0,
+                   help="process-group timeout: a rank that stops answering fails the job "
+                        "after this long (default 300)")
+    g.add_argument("--fail-at", default=None, metavar="RANK:STEP",
+                   help="fault drill: rank RANK raises at step STEP, to check that the job "
+                        "fails loudly on your cluster")
+    g = p.add_argument_group("output")
     g.add_argument("--out", default=None, help="run folder: metrics.jsonl, config.json, "
-                   "monitor/, trace/")
+                   "checkpoints/, monitor/, trace/")
     g.add_argument("--monitor", default="off", help="off | sample=0.1 | all")
     g.add_argument("--trace", action="store_true",
                    help="record the per-action timeline of the last step into OUT/trace/")
@@ -91,17 +120,29 @@ def config_from_args(args) -> TrainConfig:
                        microbatches=args.microbatches, micro_batch_size=args.micro_batch_size,
                        global_batch=args.global_batch, seq_len=args.seq_len, steps=args.steps,
                        seed=args.seed, stage_layers=stage_layers, optim=optim, data=args.data,
-                       out=args.out, monitor=monitor, trace=args.trace, log_every=args.log_every,
-                       device=args.device)
+                       tokenizer=args.tokenizer, vocab_size=args.vocab_size,
+                       eval_every=args.eval_every, eval_batches=args.eval_batches,
+                       save_every=args.save_every, resume=args.resume, timeout_s=args.timeout_s,
+                       fail_at=parse_fail_at(args.fail_at), out=args.out, monitor=monitor,
+                       trace=args.trace, log_every=args.log_every, device=args.device)
 
 
 def run(args) -> int:
     cfg = config_from_args(args)
-    # validate everything before any process group starts
-    cfg.resolve(int(os.environ.get("WORLD_SIZE", "1")))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    # validate everything before any process group starts: layout, data, resume checkpoint
+    source = None
+    if cfg.data:
+        cfg.dims.check_world(world)
+        source = open_data(cfg, world)
+    cfg.resolve(world)
+    from commpipe.train.checkpoint import resolve_resume
+
+    resolve_resume(cfg, source)
     from commpipe.parallel.comm import shutdown_distributed
     from commpipe.train.loop import train
 
-    train(cfg)
+    code = run_rank(lambda: train(cfg, source=source), rank, world)
     shutdown_distributed()
-    return 0
+    return code

@@ -37,7 +37,15 @@ class TrainConfig:
     stage_layers: list[int] | None = None
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: str | None = None
-    vocab: int | None = None
+    tokenizer: str | None = None      # a tokenizer.json for --data (default: the one in DIR)
+    vocab_size: int | None = None     # choose/train tokenizer-<N>.json in the data directory
+    vocab: int | None = None          # model vocabulary (with --data: the tokenizer's, padded)
+    eval_every: int = 0               # validation loss every N steps (0: never)
+    eval_batches: int = 4             # global batches of the valid split per evaluation
+    save_every: int = 0               # checkpoint every N steps into OUT/checkpoints (0: never)
+    resume: str | None = None         # "latest" (OUT/checkpoints) or a checkpoint path
+    timeout_s: float = 300.0          # process-group timeout: a rank that stops answering
+    fail_at: tuple[int, int] | None = None  # fault drill: (rank, step) raises at that step
     out: str | None = None
     monitor: float | None = None
     trace: bool = False
@@ -75,12 +83,30 @@ class TrainConfig:
         self.microbatches = m
         if self.steps < 1:
             raise ValueError(f"--steps {self.steps} must be >= 1")
+        self._check_run_options()
         self.spec = spec
         prog = self.program()  # the schedule validates m against p and v
         d.check_model(spec, self.seq_len, self.stage_layers, prog.num_stages // d.pp)
         if world_size is not None:  # last: a wrong layout is worth more to hear about
             d.check_world(world_size)
         return self
+
+    def _check_run_options(self) -> None:
+        for flag, value in (("--eval-every", self.eval_every), ("--save-every", self.save_every)):
+            if value < 0:
+                raise ValueError(f"{flag} {value} must be >= 0 (0 turns it off)")
+        if self.eval_batches < 1:
+            raise ValueError(f"--eval-batches {self.eval_batches} must be >= 1")
+        if self.timeout_s <= 0:
+            raise ValueError(f"--timeout-s {self.timeout_s} must be positive")
+        if self.save_every and not self.out:
+            raise ValueError("--save-every writes into OUT/checkpoints; give --out DIR")
+        if self.resume == "latest" and not self.out:
+            raise ValueError("--resume without a path reads OUT/checkpoints; give --out DIR or "
+                             "--resume PATH")
+        if (self.tokenizer or self.vocab_size) and not self.data:
+            raise ValueError("--tokenizer and --vocab-size choose the tokenizer of --data DIR; "
+                             "give --data")
 
     def _stage_multiplier(self) -> int:
         if self.schedule in ("zbv", "dualpipev"):

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,7 +27,11 @@ from commpipe.parallel.pipeline import build_stages
 from commpipe.parallel.tensor import apply_tp, make_loss_fn
 from commpipe.runtime.executor import PipelineRuntime
 from commpipe.timeline import write_chrome_trace
+from commpipe.train import checkpoint
 from commpipe.train.config import TrainConfig
+from commpipe.train.evaluate import ForwardRunner, evaluate
+from commpipe.train.failures import StopSignals, TrainingDiverged, check_finite_params, is_finite
+from commpipe.train.source import check_vocab, make_source
 
 
 def pick_device(name: str) -> torch.device:
@@ -78,14 +83,17 @@ class Trainer:
     named_params: list = field(default_factory=list)
     capture_grads: bool = False      # keep the last step's reduced, clipped gradients (tests)
     last_grads: dict = field(default_factory=dict)
+    forward_runner: ForwardRunner | None = None   # validation: the schedule's forwards only
 
     @classmethod
-    def build(cls, cfg: TrainConfig, comm: Comm | None = None) -> Trainer:
+    def build(cls, cfg: TrainConfig, comm: Comm | None = None, source=None) -> Trainer:
+        """This rank's stages, runtime, optimizer and data. `source`: an already opened batch
+        source (the CLI opens --data before the process group starts); made here otherwise."""
         device = pick_device(cfg.device)
         if comm is None:
-            rank, world = init_distributed()
+            rank, world = init_distributed(timeout_s=cfg.timeout_s)
             cfg.resolve(world)
-            comm = Comm(cfg.dims, rank, device=device)
+            comm = Comm(cfg.dims, rank, device=device, timeout_s=cfg.timeout_s)
         elif cfg.spec is None:
             cfg.resolve(comm.dims.world_size)
         spec = cfg.spec
@@ -104,11 +112,14 @@ class Trainer:
                                   (cfg.micro_batch_size, seq_local, spec.hidden), device,
                                   autocast_dtype=autocast)
         optimizer = make_optimizer(params, cfg, comm)
-        from commpipe.train.source import make_source
-
-        source = make_source(cfg, spec)
+        if source is None:
+            source = make_source(cfg, spec)
+        else:
+            check_vocab(source, spec, cfg.data)
         trainer = cls(cfg, comm, stages, runtime, optimizer, GradReducer(params, comm), params,
                       source, device)
+        trainer.forward_runner = ForwardRunner(program, stages, comm, loss_fn,
+                                               runtime.act_shape, device, autocast_dtype=autocast)
         trainer.named_params = [(n, p) for s in sorted(stages) for n, p in stages[s].named_parameters()]
         if cfg.monitor is not None and cfg.out:
             from commpipe.monitor import Monitor
@@ -125,13 +136,9 @@ class Trainer:
     def train_step(self) -> dict:
         cfg, comm = self.cfg, self.comm
         t0 = time.perf_counter()
-        dp_rank, cp_rank, cp = comm.local_rank("dp"), comm.local_rank("cp"), comm.size("cp")
-        inputs, labels = self.source.batch(self.step, cfg.global_batch, dp_rank, comm.size("dp"))
-        inputs = cp_split(inputs, cp, cp_rank).to(self.device)     # [B/dp, s/cp]
-        labels = cp_split(labels, cp, cp_rank).to(self.device)
-        positions = cp_positions(cfg.seq_len, cp, cp_rank).to(self.device)
-        mb_inputs = list(inputs.split(cfg.micro_batch_size))
-        mb_labels = list(labels.split(cfg.micro_batch_size))
+        inputs, labels = self.source.batch(self.step, cfg.global_batch, comm.local_rank("dp"),
+                                           comm.size("dp"))
+        mb_inputs, mb_labels, positions = self.shard_batch(inputs, labels)
         # every micro-batch loss is divided by the tokens of the whole global batch, so that
         # gradients simply add up across micro-batches, CP chunks and DP ranks
         scale = 1.0 / (cfg.global_batch * cfg.seq_len)
@@ -143,7 +150,10 @@ class Trainer:
         grad_norm = clip_grad_norm_(self.params, cfg.optim.clip, comm)
         if self.capture_grads:
             self.last_grads = {n: p.grad.detach().clone() for n, p in self.named_params}
-        self.optimizer.step()
+        # a NaN/inf gradient (every rank sees the same global norm) must not reach the
+        # parameters: the step is skipped and the loop stops on the non-finite record
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         # the loss lives on the last stage; sum it over the DP and CP ranks that computed it
         loss_t = loss.detach().double().reshape(1)
@@ -166,6 +176,20 @@ class Trainer:
         self.step += 1
         return record
 
+    def shard_batch(self, inputs: torch.Tensor, labels: torch.Tensor):
+        """This rank's CP slice of a DP-local batch [B/dp, s], cut into micro-batches."""
+        cfg, comm = self.cfg, self.comm
+        cp_rank, cp = comm.local_rank("cp"), comm.size("cp")
+        inputs = cp_split(inputs, cp, cp_rank).to(self.device)     # [B/dp, s/cp]
+        labels = cp_split(labels, cp, cp_rank).to(self.device)
+        positions = cp_positions(cfg.seq_len, cp, cp_rank).to(self.device)
+        return (list(inputs.split(cfg.micro_batch_size)), list(labels.split(cfg.micro_batch_size)),
+                positions)
+
+    def evaluate(self) -> float:
+        """Validation loss of the current parameters (see commpipe.train.evaluate)."""
+        return evaluate(self)
+
     @property
     def is_logger(self) -> bool:
         """The last pipeline stage of DP rank 0 (cp and tp rank 0) writes metrics."""
@@ -185,33 +209,120 @@ class Trainer:
                 f.write(json.dumps(e.to_dict()) + "\n")
 
 
-def train(cfg: TrainConfig, comm: Comm | None = None, log=print) -> list[dict]:
-    """Train for cfg.steps; returns the per-step metric records (on every rank)."""
-    trainer = Trainer.build(cfg, comm)
+def _format(rec: dict) -> str:
+    line = (f"step {rec['step']:>5} | loss {rec['loss']:.4f} | {rec['step_time_s'] * 1e3:8.1f} ms"
+            f" | {rec['tokens_per_s']:9.0f} tok/s | {rec['tflops_per_gpu']:.4f} TFLOP/s/GPU"
+            f" | lr {rec['lr']:.2e}")
+    return line + (f" | val {rec['val_loss']:.4f}" if "val_loss" in rec else "")
+
+
+def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) -> list[dict]:
+    """Train until cfg.steps (resuming from cfg.resume if given), evaluating and saving as
+    configured; returns this run's per-step metric records (on every rank).
+
+    Stops early, on every rank after the same step, when any rank gets SIGTERM or SIGINT: a
+    checkpoint is saved (with --out) and the function returns normally. Raises
+    TrainingDiverged when the loss, gradient norm or parameters stop being finite; nothing
+    is saved then, so the last checkpoint is the last good state.
+    """
+    trainer = Trainer.build(cfg, comm, source)
+    comm = trainer.comm
+    say = log if (log and comm.rank == 0) else (lambda *_: None)
     out = Path(cfg.out) if cfg.out else None
+    ckpt_root = checkpoint.checkpoints_dir(out) if out else None
+    start = checkpoint.resolve_resume(cfg)
+    saved_at = None
+    if start is not None:
+        checkpoint.load(trainer, start)
+        saved_at = trainer.step
+        say(f"resumed from {start} at step {trainer.step}")
+    elif cfg.resume:
+        say(f"no checkpoint in {ckpt_root} yet: starting at step 0")
     metrics_file = None
     if out is not None and trainer.is_logger:
         out.mkdir(parents=True, exist_ok=True)
         cfg.save(out / "config.json")
         metrics_file = open(out / "metrics.jsonl", "a")
+    signals = StopSignals().install()
+    together = False  # did every rank leave the loop together (collective clean-up is safe)?
     try:
         while trainer.step < cfg.steps:
+            if cfg.fail_at == (comm.rank, trainer.step):
+                raise RuntimeError(f"fault drill: --fail-at {comm.rank}:{trainer.step}")
             if trainer.runtime.events is not None:  # keep only the last step's timeline
                 trainer.runtime.events.clear()
             rec = trainer.train_step()
+            finite = is_finite(rec["loss"], rec["grad_norm"])
+            done = trainer.step == cfg.steps
+            if finite and cfg.eval_every and (trainer.step % cfg.eval_every == 0 or done):
+                with _unmonitored(trainer):
+                    rec["val_loss"] = trainer.evaluate()
             trainer.history.append(rec)
             if trainer.is_logger:
                 if metrics_file:
                     metrics_file.write(json.dumps(rec) + "\n")
                     metrics_file.flush()
-                if log and (rec["step"] % cfg.log_every == 0 or rec["step"] == cfg.steps - 1):
-                    log(f"step {rec['step']:>5} | loss {rec['loss']:.4f} | "
-                        f"{rec['step_time_s'] * 1e3:8.1f} ms | {rec['tokens_per_s']:9.0f} tok/s"
-                        f" | {rec['tflops_per_gpu']:.4f} TFLOP/s/GPU | lr {rec['lr']:.2e}")
+                if log and (rec["step"] % cfg.log_every == 0 or done or not finite):
+                    log(_format(rec))
+            if not finite:
+                raise TrainingDiverged(_diverged(rec, ckpt_root))
+            with _unmonitored(trainer):
+                stop = signals.agreed(comm)
+                due = cfg.save_every and (trainer.step % cfg.save_every == 0 or done)
+                if ckpt_root is not None and (due or stop) and saved_at != trainer.step:
+                    if not check_finite_params(trainer.params, comm):
+                        raise TrainingDiverged(
+                            f"parameters became NaN or inf in the update of step {rec['step']} "
+                            f"(loss {rec['loss']:.4f}); not saved. " + _last_good(ckpt_root))
+                    path = checkpoint.save(trainer, ckpt_root)
+                    saved_at = trainer.step
+                    say(f"saved {path}")
+            if stop:
+                where = f"; resume with --resume (checkpoint step {saved_at})" if out else \
+                    " (no --out: nothing saved)"
+                say(f"commpipe: {signals.requested or 'a signal on another rank'}: stopped after "
+                    f"step {rec['step']}{where}")
+                break
         trainer.write_trace()
+        together = True
+    except TrainingDiverged:
+        together = True  # every rank decided it from the same all-reduced values
+        raise
     finally:
+        signals.restore()
         if metrics_file:
             metrics_file.close()
         if trainer.monitor is not None:
-            trainer.monitor.close()
+            # closing is collective: after a failure of this rank alone it would wait for
+            # peers that never come, so only stop observing
+            if together:
+                trainer.monitor.close()
+            else:
+                trainer.monitor.detach()
     return trainer.history
+
+
+@contextmanager
+def _unmonitored(trainer):
+    """Evaluation, checkpoints and the stop-flag all-reduce happen between steps: keep their
+    traffic out of the monitor's per-step link records."""
+    if trainer.monitor is None:
+        yield
+        return
+    trainer.monitor.detach()
+    try:
+        yield
+    finally:
+        trainer.monitor.attach()
+
+
+def _last_good(ckpt_root: Path | None) -> str:
+    last = checkpoint.latest_in(ckpt_root) if ckpt_root is not None and ckpt_root.is_dir() else None
+    if last is None:
+        return "There is no checkpoint to go back to."
+    return f"The last good checkpoint is {last}; resume from it with a lower --lr or more --warmup."
+
+
+def _diverged(rec: dict, ckpt_root: Path | None) -> str:
+    return (f"loss is {rec['loss']} (gradient norm {rec['grad_norm']}) at step {rec['step']}; "
+            f"training stopped without applying that step. " + _last_good(ckpt_root))

@@ -1,0 +1,317 @@
+"""Checkpoints that load under any layout: torch.distributed.checkpoint (DCP) of full tensors.
+
+Layout of a run folder:
+
+    OUT/checkpoints/step_000200/      one complete checkpoint (after 200 optimizer steps)
+        .metadata, __<rank>_0.distcp  DCP: tensors
+        commpipe.json                 step, model shape, layout, data position, LR settings
+    OUT/checkpoints/step_000400.tmp/  a save in progress (never read)
+    OUT/checkpoints/latest            name of the newest complete checkpoint, written last
+
+What is saved, under the parameter's logical name (`layers.<i>.…`, whatever stage holds it):
+    model.<name>               the full tensor: TP shards all-gathered (through Comm) along the
+                               parameter's `_tp_dim`, written by the dp=0, cp=0, tp=0 rank only
+    optim.<name>.exp_avg       AdamW first and second moments, full tensors, and its step count,
+    optim.<name>.exp_avg_sq    written by the rank holding them (dp=0, or the ZeRO-1 owner of
+    optim.<name>.step          the parameter), cp=0, tp=0
+    rng.rank<r>.cpu (.cuda)    each rank's torch RNG state
+Loading reads, on each rank, the full tensors of the parameters its stages hold and keeps its
+TP slice, so tp, cp, pp (stage split, schedule, vpp), dp and ZeRO-1 may all differ between
+save and load. What cannot be resharded (another model shape or vocabulary, a missing tensor)
+is refused, before any process group starts, with the difference named.
+
+Atomic: every rank writes into step_N.tmp; after a barrier rank 0 adds commpipe.json, renames
+the folder to step_N and then rewrites `latest`. A crash during a save leaves a .tmp folder
+that is ignored, and the previous checkpoint stays the one `--resume` picks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+from commpipe.models.spec import ModelSpec
+
+FORMAT = 1
+META = "commpipe.json"
+LATEST = "latest"
+# model fields that decide the parameters' shapes and meaning (the preset's name does not)
+SHAPE_FIELDS = ("arch", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",
+                "norm_eps", "rope_theta")
+
+
+def step_dirname(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def checkpoints_dir(out) -> Path:
+    return Path(out) / "checkpoints"
+
+
+# -- finding checkpoints ---------------------------------------------------------------------------
+def is_complete(path: Path) -> bool:
+    return (path.is_dir() and not path.name.endswith(".tmp") and (path / META).is_file()
+            and (path / ".metadata").is_file())
+
+
+def latest_in(root: Path) -> Path | None:
+    """The newest complete checkpoint under `root` (the `latest` marker, else a scan)."""
+    marker = root / LATEST
+    if marker.is_file():
+        named = root / marker.read_text().strip()
+        if named.name and is_complete(named):
+            return named
+    found = sorted((p for p in root.glob("step_*") if is_complete(p)), key=lambda p: p.name)
+    return found[-1] if found else None
+
+
+def find_checkpoint(path) -> Path | None:
+    """A checkpoint folder from a checkpoint, a checkpoints folder or a run folder."""
+    path = Path(path)
+    if is_complete(path):
+        return path
+    for root in (path, path / "checkpoints"):
+        if root.is_dir():
+            found = latest_in(root)
+            if found is not None:
+                return found
+    return None
+
+
+def resolve_resume(cfg, source=None) -> Path | None:
+    """The checkpoint `cfg.resume` names, checked against the run's model and data (and against
+    `source`, the opened batch source, if given); None for `--resume` (latest) when OUT has no
+    checkpoint yet, so a requeued job may always pass it."""
+    if not cfg.resume:
+        return None
+    if cfg.resume == "latest":
+        found = find_checkpoint(checkpoints_dir(cfg.out))
+        if found is None:
+            return None
+    else:
+        found = find_checkpoint(cfg.resume)
+    if found is None:
+        raise FileNotFoundError(f"--resume {cfg.resume}: no complete checkpoint there (a folder "
+                                f"with {META} and .metadata, or a run folder holding checkpoints/)")
+    meta = read_meta(found)
+    check_compatible(meta, cfg, found)
+    if source is None and not cfg.data:
+        from commpipe.data import SyntheticTokens
+
+        source = SyntheticTokens(vocab=cfg.spec.vocab, seed=cfg.seed, seq_len=cfg.seq_len)
+    if source is not None:
+        try:  # the same tokenizer, corpus, --seq-len and --seed (the position is set again on load)
+            source.load_state_dict(meta["data"])
+        except ValueError as e:
+            raise ValueError(f"cannot resume from {found}: {e}") from None
+    return found
+
+
+def read_meta(path: Path) -> dict:
+    meta = json.loads((path / META).read_text())
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{path} has checkpoint format {meta.get('format')}, this commpipe "
+                         f"reads format {FORMAT}")
+    return meta
+
+
+def check_compatible(meta: dict, cfg, path: Path) -> None:
+    """Refuse what resharding cannot bridge: another model shape, vocabulary or data kind."""
+    spec: ModelSpec = cfg.spec
+    saved = meta["model"]
+    diffs = [f"{k}={saved.get(k)} (checkpoint) vs {getattr(spec, k)} (this run)"
+             for k in SHAPE_FIELDS if saved.get(k) != getattr(spec, k)]
+    if diffs:
+        hint = " (with --data the vocabulary is the tokenizer's padded to 64; resume with the " \
+               "same tokenizer)" if saved.get("vocab") != spec.vocab else ""
+        raise ValueError(f"cannot load {path}: the model differs: {'; '.join(diffs)}{hint}. "
+                         f"A checkpoint reshards across layouts, not across model shapes")
+    kind = "corpus" if cfg.data else "synthetic"
+    if meta["data"].get("kind") != kind:
+        raise ValueError(f"cannot load {path}: it was trained on {meta['data'].get('kind')} data, "
+                         f"this run reads {kind} data; resume with the same --data")
+    if meta["step"] > cfg.steps:
+        raise ValueError(f"{path} is at step {meta['step']}, beyond --steps {cfg.steps}; "
+                         f"give a larger --steps")
+
+
+# -- tensors: full logical tensors from TP shards and back ------------------------------------------
+def gather_tp(t: torch.Tensor, tp_dim: int | None, comm) -> torch.Tensor:
+    """The full tensor from this TP group's shards (all-gather through Comm along tp_dim)."""
+    if tp_dim is None or comm.size("tp") == 1:
+        return t.detach().clone()
+    moved = t.detach().movedim(tp_dim, 0).contiguous()     # Comm gathers along dim 0
+    return comm.all_gather(moved, "tp").movedim(0, tp_dim).contiguous()
+
+
+def shard_tp(full: torch.Tensor, tp_dim: int | None, comm) -> torch.Tensor:
+    if tp_dim is None or comm.size("tp") == 1:
+        return full
+    return full.chunk(comm.size("tp"), dim=tp_dim)[comm.local_rank("tp")]
+
+
+def full_shape(p: torch.Tensor, comm) -> tuple[int, ...]:
+    shape = list(p.shape)
+    tp_dim = getattr(p, "_tp_dim", None)
+    if tp_dim is not None:
+        shape[tp_dim] *= comm.size("tp")
+    return tuple(shape)
+
+
+def adam_and_holder(trainer):
+    """(the AdamW holding this rank's states, predicate: does this rank hold p's states)."""
+    from commpipe.parallel.data import Zero1
+
+    opt = trainer.optimizer
+    if isinstance(opt, Zero1):
+        mine = opt.comm.local_rank("dp")
+        owned = {id(p) for p, r in zip(opt.params, opt.owner) if r == mine}
+        return opt.optimizer, lambda p: id(p) in owned
+    dp0 = trainer.comm.local_rank("dp") == 0
+    return opt, lambda p: dp0
+
+
+def _rng_keys(rank: int) -> dict[str, torch.Tensor]:
+    keys = {f"rng.rank{rank}.cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        keys[f"rng.rank{rank}.cuda"] = torch.cuda.get_rng_state()
+    return keys
+
+
+# -- save -------------------------------------------------------------------------------------------
+def save(trainer, root) -> Path:
+    """Save `trainer` after `trainer.step` steps into root/step_N (collective: every rank)."""
+    comm = trainer.comm
+    root = Path(root)
+    final = root / step_dirname(trainer.step)
+    tmp = root / f"{final.name}.tmp"
+    if comm.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)          # left by a save that crashed
+    comm.barrier()
+    c = comm.coords
+    model_writer = c["dp"] == 0 and c["cp"] == 0       # gathers TP shards; tp=0 writes
+    state: dict[str, torch.Tensor] = {}
+    for name, p in trainer.named_params:
+        if model_writer:
+            full = gather_tp(p, getattr(p, "_tp_dim", None), comm)
+            if c["tp"] == 0:
+                state[f"model.{name}"] = full.cpu()
+    adam, holds = adam_and_holder(trainer)
+    for name, p in trainer.named_params:
+        st = adam.state.get(p) if holds(p) and c["cp"] == 0 else None
+        if not st:
+            continue  # same answer on every rank of this TP group: the gathers stay matched
+        tp_dim = getattr(p, "_tp_dim", None)
+        for key in ("exp_avg", "exp_avg_sq"):
+            full = gather_tp(st[key], tp_dim, comm)
+            if c["tp"] == 0:
+                state[f"optim.{name}.{key}"] = full.cpu()
+        if c["tp"] == 0:
+            state[f"optim.{name}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1)
+    state.update(_rng_keys(comm.rank))
+    with _quiet_single_process():
+        dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=comm.dims.world_size == 1)
+    comm.barrier()                                      # every rank's files are on disk
+    if comm.rank == 0:
+        _write_json(tmp / META, _meta(trainer))
+        if final.exists():                              # a rerun reached this step again
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _write_text(root / LATEST, final.name + "\n")
+    comm.barrier()
+    return final
+
+
+def _meta(trainer) -> dict:
+    from commpipe.train.loop import lr_at
+
+    cfg, d = trainer.cfg, trainer.cfg.dims
+    return {
+        "format": FORMAT, "step": trainer.step, "model": cfg.spec.to_dict(),
+        "layout": {"tp": d.tp, "cp": d.cp, "pp": d.pp, "dp": d.dp, "schedule": cfg.schedule,
+                   "vpp": cfg.vpp, "stage_layers": cfg.stage_layers, "zero1": cfg.optim.zero1},
+        "world_size": d.world_size, "seed": cfg.seed, "seq_len": cfg.seq_len,
+        "global_batch": cfg.global_batch,
+        "lr": {"steps": cfg.steps, "lr": cfg.optim.lr, "min_lr": cfg.optim.min_lr,
+               "warmup_steps": cfg.optim.warmup_steps,
+               "last": lr_at(trainer.step - 1, cfg) if trainer.step else None},
+        "data": trainer.source.state_dict(),
+    }
+
+
+@contextlib.contextmanager
+def _quiet_single_process():
+    """DCP warns that it assumes one process when no process group exists: that is the case."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _write_json(path: Path, obj) -> None:
+    _write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+# -- load -------------------------------------------------------------------------------------------
+def load(trainer, path) -> dict:
+    """Load a checkpoint saved under any layout into `trainer` (collective: every rank)."""
+    path = Path(path)
+    comm, cfg = trainer.comm, trainer.cfg
+    meta = read_meta(path)
+    check_compatible(meta, cfg, path)
+    stored = FileSystemReader(path).read_metadata().state_dict_metadata
+    adam, holds = adam_and_holder(trainer)
+    want: dict[str, torch.Tensor] = {}
+    for name, p in trainer.named_params:
+        key, shape = f"model.{name}", full_shape(p, comm)
+        if key not in stored:
+            raise ValueError(f"cannot load {path}: it holds no parameter {name}")
+        if tuple(stored[key].size) != shape:
+            raise ValueError(f"cannot load {path}: parameter {name} is {tuple(stored[key].size)} "
+                             f"there, {shape} in this model")
+        want[key] = torch.empty(shape, dtype=p.dtype)
+        if holds(p) and f"optim.{name}.exp_avg" in stored:
+            for k in ("exp_avg", "exp_avg_sq"):
+                want[f"optim.{name}.{k}"] = torch.empty(shape, dtype=p.dtype)
+            want[f"optim.{name}.step"] = torch.empty(1)
+    same_world = meta["world_size"] == comm.dims.world_size
+    if same_world:  # RNG streams are per rank: restored when the ranks are the same ones
+        want.update({k: torch.empty_like(v) for k, v in _rng_keys(comm.rank).items()
+                     if k in stored})
+    with _quiet_single_process():
+        dcp.load(want, storage_reader=FileSystemReader(path), no_dist=comm.dims.world_size == 1)
+    with torch.no_grad():
+        for name, p in trainer.named_params:
+            tp_dim = getattr(p, "_tp_dim", None)
+            p.copy_(shard_tp(want[f"model.{name}"], tp_dim, comm))
+            if f"optim.{name}.step" in want:
+                adam.state[p] = {
+                    "step": want[f"optim.{name}.step"].reshape(()).clone(),
+                    "exp_avg": shard_tp(want[f"optim.{name}.exp_avg"], tp_dim, comm).to(p.device).clone(),
+                    "exp_avg_sq": shard_tp(want[f"optim.{name}.exp_avg_sq"], tp_dim,
+                                           comm).to(p.device).clone(),
+                }
+    if f"rng.rank{comm.rank}.cpu" in want:
+        torch.set_rng_state(want[f"rng.rank{comm.rank}.cpu"])
+    if f"rng.rank{comm.rank}.cuda" in want:
+        torch.cuda.set_rng_state(want[f"rng.rank{comm.rank}.cuda"])
+    trainer.source.load_state_dict(meta["data"])
+    trainer.step = meta["step"]
+    return meta

@@ -1,0 +1,141 @@
+"""Stopping on request and failing loudly.
+
+Stop requests: SIGTERM (a scheduler's preemption notice) or SIGINT (Ctrl-C) only sets a flag;
+the training loop finishes the current step, and every rank learns whether *any* rank was
+signalled through one all-reduce of the flag per step (through Comm), so all ranks stop after
+the same step, save one checkpoint and exit 0. A second signal of the same kind kills at once.
+
+Failures: a rank whose code raises prints one line, `commpipe: rank R failed: <error>` (after
+its traceback) and leaves at once with a non-zero code. Its peers then see their connection to
+it closed inside a collective; that error is a consequence, not a cause, so they leave with
+code 1 without printing, 2 s later, so that torchrun sees the failed rank exit first. torchrun
+terminates the remaining workers (SIGTERM, then SIGKILL after 30 s) and names the first failed
+rank as the root cause in its summary, which is also the only report for a rank that was
+killed outright (SIGKILL, out of memory).
+A rank that hangs without dying is caught by the process-group timeout (`--timeout-s`): its
+peers' waits raise, and they report the timeout like any other error.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+
+import torch
+
+# Messages gloo and NCCL raise in a rank whose peer died (the peer's own report is the cause).
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+             "remote worker crashing", "NCCL communicator was aborted")
+PEER_LOST_EXIT_DELAY_S = 2.0
+
+
+class TrainingDiverged(RuntimeError):
+    """Loss, gradient norm or parameters became NaN or inf. Every rank decides this from the
+    same all-reduced values, so all of them raise it together; rank 0 reports it."""
+
+
+class StopSignals:
+    """SIGTERM / SIGINT set `requested`; installed only in the main thread of a process."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.requested: str | None = None
+        self._previous: dict = {}
+
+    def install(self) -> StopSignals:
+        if threading.current_thread() is not threading.main_thread():
+            return self
+        for sig in self.SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        name = signal.Signals(signum).name
+        if self.requested == name:  # asked twice: stop now, the default way
+            signal.signal(signum, self._previous.get(signum, signal.SIG_DFL))
+            signal.raise_signal(signum)
+            return
+        self.requested = name
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def agreed(self, comm) -> bool:
+        """True on every rank when any rank was signalled (one world all-reduce of the flag)."""
+        flag = comm.all_reduce_scalars([1.0 if self.requested else 0.0], "world", op="max")
+        return flag[0] > 0
+
+
+def check_finite_params(params, comm) -> bool:
+    """True when every parameter on every rank is finite (checked before saving)."""
+    bad = sum(0 if torch.isfinite(p.detach()).all() else 1 for p in params)
+    return comm.all_reduce_scalars([float(bad)], "world", op="max")[0] == 0
+
+
+def is_finite(*values: float) -> bool:
+    return all(math.isfinite(v) for v in values)
+
+
+def parse_fail_at(text: str | None) -> tuple[int, int] | None:
+    if not text:
+        return None
+    try:
+        rank, step = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise ValueError(f"--fail-at {text!r}: write RANK:STEP, e.g. 1:2") from None
+    return rank, step
+
+
+def peer_lost(exc: BaseException) -> bool:
+    text = str(exc)
+    return any(marker in text for marker in PEER_LOST)
+
+
+def exit_code_for(rank: int, world: int, exc: BaseException, err=None) -> int:
+    """Report `exc` as this rank's failure (or stay quiet when a peer's death caused it) and
+    return the process exit code."""
+    err = err or sys.stderr
+    if isinstance(exc, TrainingDiverged):
+        if rank == 0:
+            print(f"commpipe train: error: {exc}", file=err, flush=True)
+        return 3
+    if isinstance(exc, KeyboardInterrupt):
+        print(f"commpipe: rank {rank} interrupted", file=err, flush=True)
+        return 130
+    if world > 1 and peer_lost(exc):
+        # leave after the failed rank: torchrun (polling every 0.1 s) then records that rank
+        # alone as the first failure and names it as the root cause in its summary
+        time.sleep(PEER_LOST_EXIT_DELAY_S)
+        return 1
+    traceback.print_exception(exc, file=err)
+    hint = " (a peer stopped answering within --timeout-s)" if "Timed out" in str(exc) else ""
+    print(f"commpipe: rank {rank} failed: {type(exc).__name__}: {exc}{hint}", file=err, flush=True)
+    return 1
+
+
+def run_rank(fn, rank: int, world: int) -> int:
+    """Run `fn()` (the whole training job of this rank); 0 on success. In a multi-process job a
+    failure leaves the process at once (os._exit): waiting in interpreter shutdown for a process
+    group whose peers are gone would hold the whole job up."""
+    try:
+        fn()
+        return 0
+    except (ValueError, FileNotFoundError) as exc:
+        if world == 1:
+            raise  # one process: the CLI prints the clean one-line message
+        code = exit_code_for(rank, world, exc)
+    except BaseException as exc:  # noqa: BLE001 - every failure must end the job loudly
+        code = exit_code_for(rank, world, exc)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if world > 1 and code != 3:
+        os._exit(code)
+    return code

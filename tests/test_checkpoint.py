@@ -1,0 +1,297 @@
+"""Checkpoints: resume equals the uninterrupted run, and a checkpoint saved under one layout
+loads under another (model weights and AdamW states, with and without ZeRO-1).
+
+    python -m pytest tests/test_checkpoint.py -x -q
+
+One spawn of 4 gloo processes runs every multi-rank job; single-process checks run in-process.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from commpipe.cli import main
+from commpipe.data import SyntheticTokens
+from commpipe.models.llama import build_model
+from commpipe.parallel.dims import ParallelDims
+from commpipe.train import checkpoint
+from commpipe.train.config import OptimConfig, TrainConfig
+from tests.dist_harness import free_port
+
+GLOBAL_BATCH, SEQ, STEPS, EVAL_BATCHES = 4, 16, 4, 2
+
+
+def make_cfg(tp=1, pp=1, dp=1, zero1=False, schedule="1f1b", **kw) -> TrainConfig:
+    optim = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=1, eps=1e-4, zero1=zero1)
+    return TrainConfig(model="tiny", dims=ParallelDims(dp=dp, pp=pp, tp=tp), schedule=schedule,
+                       global_batch=GLOBAL_BATCH, micro_batch_size=1, seq_len=SEQ, steps=STEPS,
+                       seed=5, optim=optim, eval_batches=EVAL_BATCHES, **kw)
+
+
+# -- the spawned side -----------------------------------------------------------------------------
+def _snapshot(trainer) -> dict:
+    """This rank's parameters and the AdamW states it holds, with what is needed to reassemble."""
+    adam, holds = checkpoint.adam_and_holder(trainer)
+    opt = {}
+    for name, p in trainer.named_params:
+        st = adam.state.get(p)
+        if holds(p) and st:
+            opt[name] = (st["exp_avg"].clone(), st["exp_avg_sq"].clone(), float(st["step"]))
+    return {"coords": trainer.comm.coords, "step": trainer.step,
+            "params": {n: (p.detach().clone(), getattr(p, "_tp_dim", None))
+                       for n, p in trainer.named_params}, "opt": opt}
+
+
+def _build(cfg, rank):
+    from commpipe.parallel.comm import Comm
+    from commpipe.train.loop import Trainer
+
+    cfg.resolve(dist.get_world_size())
+    return Trainer.build(cfg, Comm(cfg.dims, rank))
+
+
+def _worker(rank: int, world: int, port: int, root: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from commpipe.train.loop import train
+
+    root = Path(root)
+    res = {}
+    try:
+        # A: tp=2 pp=2, four uninterrupted steps, saved after step 2 (in passing)
+        a = _build(make_cfg(tp=2, pp=2), rank)
+        losses = [a.train_step()["loss"] for _ in range(2)]
+        res["A@2"] = _snapshot(a)
+        res["A@2"]["val"] = a.evaluate()
+        ck2 = checkpoint.save(a, root / "a")
+        losses += [a.train_step()["loss"] for _ in range(2)]
+        res["A"] = {"losses": losses}
+        # resume in the same layout through the training loop (--resume PATH)
+        hist = train(make_cfg(tp=2, pp=2, resume=str(ck2)), log=None)
+        res["resume"] = {"losses": [r["loss"] for r in hist], "steps": [r["step"] for r in hist]}
+        # the same checkpoint under other layouts: weights, optimizer, then two more steps
+        # (zbv: four one-layer stages in a V over two ranks, the forward-only program included)
+        for key, cfg in (("pp4", make_cfg(pp=4)), ("dp2tp2z", make_cfg(dp=2, tp=2, zero1=True)),
+                         ("zbv", make_cfg(tp=2, pp=2, schedule="zbv"))):
+            t = _build(cfg, rank)
+            checkpoint.load(t, ck2)
+            res[key] = _snapshot(t)
+            res[key]["val"] = t.evaluate()
+            res[key]["losses"] = [t.train_step()["loss"] for _ in range(2)]
+        # ZeRO-1 on the saving side: dp=2 tp=2 saves after step 3, pp=4 loads it
+        c = _build(make_cfg(dp=2, tp=2, zero1=True), rank)
+        checkpoint.load(c, ck2)
+        c.train_step()
+        res["C@3"] = _snapshot(c)
+        ck3 = checkpoint.save(c, root / "c")
+        d = _build(make_cfg(pp=4), rank)
+        checkpoint.load(d, ck3)
+        res["D"] = _snapshot(d)
+        torch.save(res, root / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _cat(shards: dict, tp_dim: int | None) -> torch.Tensor:
+    """Full tensor from {tp_rank: shard}."""
+    order = [shards[t] for t in sorted(shards)]
+    return order[0] if tp_dim is None else torch.cat(order, tp_dim)
+
+
+def assemble(snapshots: list[dict]) -> tuple[dict, dict]:
+    """Full parameters and full AdamW states (exp_avg, exp_avg_sq, step) from every rank's
+    shards; asserts that replicas (DP, CP, ZeRO owners) agree."""
+    tp_dims = {n: v[1] for s in snapshots for n, v in s["params"].items()}
+    shards: dict = {}  # (kind, name, index) -> {(dp, cp): {tp: tensor}}
+    for snap in snapshots:
+        c = snap["coords"]
+        for name, (tensor, _) in snap["params"].items():
+            shards.setdefault(("p", name, 0), {}).setdefault((c["dp"], c["cp"]), {})[c["tp"]] = tensor
+        for name, (m, v, step) in snap["opt"].items():
+            for i, t in enumerate((m, v, torch.tensor(step))):
+                shards.setdefault(("o", name, i), {}).setdefault((c["dp"], c["cp"]), {})[c["tp"]] = t
+    full = {}
+    for (kind, name, i), replicas in shards.items():
+        dim = tp_dims[name] if i < 2 else None
+        values = [_cat(by_tp, dim) for by_tp in replicas.values()]
+        assert all(torch.equal(v, values[0]) for v in values), f"{name}: replicas differ"
+        full[(kind, name, i)] = values[0]
+    params = {name: t for (kind, name, _), t in full.items() if kind == "p"}
+    opt = {name: (full[("o", name, 0)], full[("o", name, 1)], full[("o", name, 2)].item())
+           for (kind, name, i) in full if kind == "o" and i == 0}
+    return params, opt
+
+
+@pytest.fixture(scope="module")
+def world4():
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_worker, args=(4, free_port(), tmp), nprocs=4, start_method="spawn")
+        per_rank = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(4)]
+        saved = Path(tmp) / "a" / checkpoint.step_dirname(2)
+        keep = Path(tempfile.mkdtemp()) / "ckpt"
+        shutil.copytree(saved, keep)
+    out = {}
+    for key in per_rank[0]:
+        snaps = [pr[key] for pr in per_rank]
+        out[key] = dict(snaps[-1])  # losses/val live on the last pipeline stage and agree
+        if "params" in snaps[0]:
+            out[key]["params"], out[key]["opt"] = assemble(snaps)
+        if "losses" in snaps[0]:
+            out[key]["losses"] = next(s["losses"] for s in snaps if s["losses"])
+    out["ckpt"] = keep
+    yield out
+    shutil.rmtree(keep.parent, ignore_errors=True)
+
+
+def assert_same_state(got: dict, want: dict, label: str) -> None:
+    """Loading copies tensors: parameters and optimizer states must be bit-identical."""
+    assert set(got["params"]) == set(want["params"]), label
+    for name, value in want["params"].items():
+        assert torch.equal(got["params"][name], value), f"{label}: parameter {name} differs"
+    assert set(got["opt"]) == set(want["opt"]), f"{label}: optimizer states for other parameters"
+    for name, (m, v, step) in want["opt"].items():
+        gm, gv, gstep = got["opt"][name]
+        assert torch.equal(gm, m) and torch.equal(gv, v), f"{label}: AdamW moments of {name}"
+        assert gstep == step, f"{label}: AdamW step of {name}"
+
+
+def test_resume_equals_uninterrupted_run(world4):
+    # a resumed run must continue exactly: same weights, optimizer, LR position and data
+    assert world4["resume"]["steps"] == [2, 3]
+    for got, want in zip(world4["resume"]["losses"], world4["A"]["losses"][2:]):
+        assert abs(got - want) <= 1e-6, (world4["resume"]["losses"], world4["A"]["losses"])
+
+
+@pytest.mark.parametrize("layout", ["pp4", "dp2tp2z", "zbv"])
+def test_reshard_to_another_layout(world4, layout):
+    got = world4[layout]
+    assert_same_state(got, world4["A@2"], f"tp2pp2 -> {layout}")
+    # training continues with the losses of the unchanged layout; another layout sums in
+    # another order, so agreement is to rounding (the tolerance of test_equivalence)
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(world4["A"]["losses"][2:]),
+                               rtol=1e-5, atol=0)
+
+
+def test_zero1_sharded_optimizer_saves_and_reshards(world4):
+    assert_same_state(world4["D"], world4["C@3"], "dp2tp2 zero1 -> pp4")
+    assert all(st[2] == 3.0 for st in world4["D"]["opt"].values())
+
+
+def reference_val_loss(params: dict, cfg: TrainConfig) -> float:
+    """Single-device validation loss: a whole model, plain cross-entropy, same batches."""
+    cfg.resolve(1)
+    model = build_model(cfg.spec, cfg.seed)
+    model.load_state_dict(params)
+    source = SyntheticTokens(vocab=cfg.spec.vocab, seed=cfg.seed, seq_len=cfg.seq_len)
+    losses = []
+    with torch.no_grad():
+        for inputs, labels in source.validation(cfg.global_batch, 0, 1, max_batches=EVAL_BATCHES):
+            logits = model(inputs)
+            losses.append(F.cross_entropy(logits.flatten(0, 1), labels.flatten()).item())
+    return sum(losses) / len(losses)
+
+
+def test_validation_loss_matches_single_device(world4):
+    ref = reference_val_loss(world4["A@2"]["params"], make_cfg())
+    for key in ("A@2", "pp4", "dp2tp2z", "zbv"):
+        assert math.isclose(world4[key]["val"], ref, rel_tol=1e-5), (key, world4[key]["val"], ref)
+
+
+def test_single_process_loads_a_tp_pp_checkpoint(world4, tmp_path):
+    from commpipe.train.loop import Trainer
+
+    cfg = make_cfg().resolve(1)
+    trainer = Trainer.build(cfg)
+    checkpoint.load(trainer, world4["ckpt"])
+    for name, p in trainer.named_params:
+        assert torch.equal(p.detach(), world4["A@2"]["params"][name]), name
+    assert trainer.step == 2 and trainer.source.state_dict()["step"] == 2
+
+
+# -- single process: the CLI loop, resume, refusals, atomicity --------------------------------------
+TINY = ["--seq-len", str(SEQ), "--global-batch", str(GLOBAL_BATCH), "--seed", "5"]
+
+
+def metrics(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    assert main(["train", *TINY, "--steps", "4", "--save-every", "2", "--out", str(out)]) == 0
+    return out
+
+
+def test_cli_saves_and_resumes_exactly(tiny_run, tmp_path):
+    root = tiny_run / "checkpoints"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000002", "step_000004"]
+    assert (root / "latest").read_text().strip() == "step_000004"
+    meta = checkpoint.read_meta(root / "step_000002")
+    assert meta["step"] == 2 and meta["data"]["step"] == 2
+    out = tmp_path / "resumed"
+    assert main(["train", *TINY, "--steps", "4", "--resume", str(root / "step_000002"),
+                 "--out", str(out)]) == 0
+    first = metrics(tiny_run)
+    again = metrics(out)
+    assert [r["step"] for r in again] == [2, 3]
+    for got, want in zip(again, first[2:]):
+        assert abs(got["loss"] - want["loss"]) <= 1e-6
+
+
+def test_resume_latest_skips_unfinished_saves(tiny_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    root = run / "checkpoints"
+    # a save that crashed: its .tmp folder, and a `latest` naming a folder that never appeared
+    (root / "step_000006.tmp").mkdir()
+    (root / "step_000006.tmp" / "__0_0.distcp").write_bytes(b"partial")
+    (root / "latest").write_text("step_000006\n")
+    assert checkpoint.find_checkpoint(run) == root / "step_000004"
+    shutil.rmtree(root / "step_000004")
+    (root / "latest").unlink()
+    assert checkpoint.find_checkpoint(run) == root / "step_000002"
+    # --resume without a checkpoint in OUT starts fresh (a requeued job may always pass it)
+    assert checkpoint.find_checkpoint(tmp_path / "empty") is None
+
+
+def test_refuses_another_model_shape(tiny_run, capsys):
+    other = "arch=llama,layers=2,hidden=64,heads=4,kv_heads=2,ffn_hidden=128,vocab=256"
+    assert main(["train", *TINY, "--model", other, "--steps", "4",
+                 "--resume", str(tiny_run)]) == 2
+    err = capsys.readouterr().err
+    assert "the model differs: layers=4 (checkpoint) vs 2 (this run)" in err
+    assert main(["train", *TINY, "--steps", "4", "--resume", str(tiny_run / "nowhere")]) == 2
+    assert "no complete checkpoint" in capsys.readouterr().err
+
+
+def test_nan_stops_and_keeps_the_last_good_checkpoint(tiny_run, tmp_path, capsys):
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    root = run / "checkpoints"
+    shutil.rmtree(root / "step_000004")
+    (root / "latest").write_text("step_000002\n")
+    # an infinite learning rate from step 2 on: the update of step 2 makes the weights inf
+    base = ["train", *TINY, "--steps", "6", "--lr", "inf", "--out", str(run), "--resume"]
+    assert main([*base, "--save-every", "1"]) == 3
+    err = capsys.readouterr().err
+    assert "parameters became NaN or inf in the update of step 2" in err
+    assert f"last good checkpoint is {root / 'step_000002'}" in err
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000002"]
+    # without a save in between, the next loss is NaN: stopped at that step, nothing saved
+    assert main(base) == 3
+    err = capsys.readouterr().err
+    assert "loss is nan" in err and "at step 3" in err
+    assert checkpoint.find_checkpoint(run) == root / "step_000002"
