@@ -111,6 +111,8 @@ def test_plan_local_is_standalone():
     ("[rank1]: Traceback\n[rank1]: ValueError: bad layout\ntorch.distributed.elastic.multiprocessing."
      "errors.ChildFailedError:\n", "ValueError: bad layout"),
     ("  exitcode  : -9 (pid: 12)\n", "killed by SIGKILL"),
+    ("[rank3]: Traceback\ncommpipe: rank 3 failed: RuntimeError: boom\n[rank3]: RuntimeError: boom\n",
+     "rank 3: RuntimeError: boom"),
 ])
 def test_explain_failure(log, expected):
     assert expected in explain_failure(log, 1)

@@ -211,6 +211,7 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
 
 _OOM = re.compile(r"OutOfMemoryError|out of memory|Cannot allocate memory|std::bad_alloc|MemoryError",
                   re.IGNORECASE)
+_RANK_FAILED = re.compile(r"commpipe: rank (\d+) failed: (.+)")
 _CLI_ERROR = re.compile(r"commpipe \w+: error: (.+)")
 _EXC = re.compile(r"^\s*(?:\[rank\d+\]:\s*)?([A-Za-z_.]*(?:Error|Exception)): (.+)$")
 _EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
@@ -219,6 +220,10 @@ _EXITCODE = re.compile(r"exitcode\s*:\s*(-?\d+)")
 def explain_failure(log: str, returncode: int | None) -> str:
     """One line saying why a run failed, from its log (the last 300 lines)."""
     lines = log.splitlines()[-300:]
+    for line in lines:  # a failing rank announces itself once: keep which rank it was
+        m = _RANK_FAILED.search(line)
+        if m:
+            return f"rank {m.group(1)}: {m.group(2).strip()[:300]}"
     for line in lines:
         m = _CLI_ERROR.search(line)
         if m:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+from commpipe.monitor.flag import parse_monitor_flag
 from commpipe.parallel.dims import ParallelDims
 from commpipe.train.config import OptimConfig, TrainConfig
 from commpipe.train.failures import parse_fail_at, run_rank
@@ -86,22 +87,6 @@ def add_arguments(p) -> None:
     g.add_argument("--log-every", type=int, default=1)
 
 
-def _parse_monitor(text: str) -> float | None:
-    text = text.strip().lower()
-    if text in ("off", "none", "0"):
-        return None
-    if text == "all":
-        return 1.0
-    if text.startswith("sample="):
-        try:
-            frac = float(text.split("=", 1)[1])
-        except ValueError:
-            frac = -1.0
-        if 0.0 < frac <= 1.0:
-            return frac
-    raise ValueError(f"--monitor {text!r}: use off, all, or sample=F with 0 < F <= 1")
-
-
 def config_from_args(args) -> TrainConfig:
     stage_layers = None
     if args.stage_layers:
@@ -113,7 +98,7 @@ def config_from_args(args) -> TrainConfig:
     dims = ParallelDims(dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp)
     optim = OptimConfig(lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup, clip=args.clip,
                         zero1=args.zero1)
-    monitor = _parse_monitor(args.monitor)
+    monitor = parse_monitor_flag(args.monitor)
     if (monitor is not None or args.trace) and not args.out:
         raise ValueError("--monitor and --trace write into the run folder; give --out DIR")
     return TrainConfig(model=args.model, dims=dims, schedule=args.schedule, vpp=args.vpp,
