@@ -36,3 +36,14 @@ def test_traced_run_is_compared_with_its_simulation(tmp_path):
     trace = json.loads(overlay_trace(cmp, tmp_path / "overlay.json").read_text())
     pids = {e["pid"] for e in trace["traceEvents"] if e["ph"] == "X"}
     assert {0, 1, 1000, 1001} <= pids
+
+
+def test_measured_bubble_is_mean_idle_share():
+    from commpipe.sim.compare import measured_bubble
+    from commpipe.timeline import Event
+
+    # window 0..4 ms; rank 0 computes 3 ms (idle 1/4), rank 1 computes 2 ms (idle 2/4);
+    # communication intervals do not count as busy
+    per_rank = {0: [Event(0, "compute", "0F0", 0, 2), Event(0, "compute", "0B0", 3, 4)],
+                1: [Event(1, "compute", "1F0", 1, 3), Event(1, "pp", "1RECV_F0", 0, 1)]}
+    assert measured_bubble(per_rank) == (0.25 + 0.5) / 2

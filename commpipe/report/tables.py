@@ -108,9 +108,10 @@ def summarize_run(run_dir: Path, warmup: int = 1) -> dict:
         row["step_time_ms"] = None if t is None else t * 1e3
         row["tokens_per_s"] = _median(m.get("tokens_per_s") for m in kept)
         row["final_loss"] = metrics[-1].get("loss")
-        for key in ("tp", "cp", "pp", "dp", "schedule"):
+        for key in ("tp", "cp", "pp", "dp", "schedule", "microbatches"):
             if key in metrics[-1]:
                 row[key] = metrics[-1][key]
+    row["bubble"] = _traced_bubble(run_dir)
     records = monitor_records(run_dir)
     for dim in DIMS:
         stats = dim_step_stats(records, dim)
@@ -121,6 +122,17 @@ def summarize_run(run_dir: Path, warmup: int = 1) -> dict:
             if value is not None:
                 row[f"{dim}_{col}"] = value
     return row
+
+
+def _traced_bubble(run_dir: Path) -> float | None:
+    """Measured pipeline idle share of the traced last step (None without --trace)."""
+    from commpipe.sim.compare import load_run, measured_bubble
+
+    try:
+        _, per_rank = load_run(run_dir)
+        return measured_bubble(per_rank)
+    except (FileNotFoundError, KeyError, ValueError):
+        return None
 
 
 def discover(sweep_dir) -> list[dict]:
@@ -187,7 +199,8 @@ def fmt(value, digits: int = 3) -> str:
     return str(value)
 
 
-HEADER = ["Layout", "TP", "CP", "PP", "DP", "TFLOP/s/GPU", "Step (ms)", "PP GB/s", "PP lat. (ms)",
+HEADER = ["Layout", "TP", "CP", "PP", "DP", "m", "TFLOP/s/GPU", "Step (ms)", "Bubble", "PP GB/s",
+          "PP lat. (ms)",
           "PP calls/step", "PP wait (ms)", "PP raw (ms)", "TP GB/s", "TP lat. (ms)", "CP GB/s",
           "CP lat. (ms)", "DP GB/s", "DP lat. (ms)", "Final loss", "Efficiency", "Status"]
 
@@ -195,8 +208,10 @@ HEADER = ["Layout", "TP", "CP", "PP", "DP", "TFLOP/s/GPU", "Step (ms)", "PP GB/s
 def table_cells(r: dict) -> list[str]:
     eff = r.get("efficiency")
     status = "ok" if r["status"] == "ok" else f"{r['status']}: {r.get('reason') or ''}".strip()
+    bubble = r.get("bubble")
     return [r.get("label") or r["name"], *(fmt(r.get(k)) for k in ("tp", "cp", "pp", "dp")),
-            fmt(r.get("tflops_per_gpu")), fmt(r.get("step_time_ms")), fmt(r.get("pp_bw_gbps")),
+            fmt(r.get("microbatches")), fmt(r.get("tflops_per_gpu")), fmt(r.get("step_time_ms")),
+            "–" if bubble is None else f"{bubble:.0%}", fmt(r.get("pp_bw_gbps")),
             fmt(r.get("pp_latency_ms")), fmt(r.get("pp_calls")), fmt(r.get("pp_wait_ms")),
             fmt(r.get("pp_raw_ms")), fmt(r.get("tp_bw_gbps")), fmt(r.get("tp_latency_ms")),
             fmt(r.get("cp_bw_gbps")), fmt(r.get("cp_latency_ms")), fmt(r.get("dp_bw_gbps")),

@@ -78,6 +78,16 @@ def load_run(run_dir) -> tuple[dict, dict[int, list[Event]]]:
     return cfg, per_stage
 
 
+def measured_bubble(per_rank: dict[int, list[Event]]) -> float:
+    """Idle share of the traced step, the simulator's bubble_fraction measured: the mean over
+    pipeline ranks of 1 - compute busy time / (last compute end - first compute start)."""
+    compute = {r: [e for e in evs if e.stream == "compute"] for r, evs in per_rank.items()}
+    start = min(e.start_ms for evs in compute.values() for e in evs)
+    end = max(e.end_ms for evs in compute.values() for e in evs)
+    return statistics.mean(1 - sum(e.dur_ms for e in evs) / (end - start)
+                           for evs in compute.values())
+
+
 def calibrate(program, per_rank: dict[int, list[Event]], activation_bytes: float) -> CostTable:
     """Median measured compute time per (stage, op); p2p from the fastest receives."""
     durations: dict[tuple[int, str], list[float]] = {}
