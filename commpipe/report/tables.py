@@ -28,7 +28,8 @@ from pathlib import Path
 DIMS = ("pp", "tp", "cp", "dp")
 P2P = ("send", "recv")
 COLUMNS = ["name", "label", "tp", "cp", "pp", "dp", "schedule", "microbatches", "placement", "status",
-           "reason", "steps", "tflops_per_gpu", "step_time_ms", "bubble", "tokens_per_s", "final_loss", "efficiency",
+           "reason", "steps", "tflops_per_gpu", "step_time_ms", "bubble", "tokens_per_s", "final_loss",
+           "efficiency",
            "pp_bw_gbps", "pp_latency_ms", "pp_wait_ms", "pp_raw_ms", "pp_calls",
            "tp_bw_gbps", "tp_latency_ms", "tp_wait_ms", "cp_bw_gbps", "cp_latency_ms", "cp_wait_ms",
            "dp_bw_gbps", "dp_latency_ms", "dp_wait_ms", "study_tflops_per_gpu"]
