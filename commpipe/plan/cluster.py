@@ -24,11 +24,11 @@ Bandwidths are decimal GB/s everywhere (bandwidth_gbps), as in the probe and mon
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from commpipe.jsonfile import read_json_object
 from commpipe.plan.gpus import GPU
 
 NVLINK_EFFICIENCY = 0.8
@@ -123,19 +123,6 @@ def default_cluster(gpu: GPU, num_gpus: int, gpus_per_node: int) -> Cluster:
                    Link(NIC_EFFICIENCY * gpu.nic_gbps, INTER_LATENCY_S))
 
 
-def _read_json(path: str | Path, what: str) -> dict:
-    p = Path(path)
-    if not p.exists():
-        raise FileNotFoundError(f"{what} file {p} does not exist")
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{what} file {p} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{what} file {p} must hold a JSON object")
-    return data
-
-
 def _link_from(entry: dict, where: str) -> Link:
     try:
         bw = float(entry["bandwidth_gbps"])
@@ -152,7 +139,7 @@ def apply_probe(cluster: Cluster, path: str | Path) -> Cluster:
     {"pairs": {"intra_node": {"latency_ms", "bandwidth_gbps"}, "inter_node": {...}},
      "allreduce": [...], "ranks_per_node", "world_size"}.
     A pair bandwidth is what one GPU pair achieves, which is what `Link` holds."""
-    data = _read_json(path, "probe")
+    data = read_json_object(path, "probe")
     pairs = data.get("pairs")
     if not isinstance(pairs, dict) or not pairs:
         raise ValueError(f"probe file {path} has no 'pairs' object with intra_node/inter_node entries")
@@ -192,4 +179,4 @@ def override_links(cluster: Cluster, intra_gbps=None, inter_gbps=None, intra_ms=
 
 
 def read_json(path: str | Path, what: str) -> dict:
-    return _read_json(path, what)
+    return read_json_object(path, what)

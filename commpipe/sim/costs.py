@@ -13,10 +13,10 @@ Pure Python: no torch import.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, fields
-from pathlib import Path
+
+from commpipe.jsonfile import read_json_object
 
 TP_MODES = ("exposed", "overlapped")
 
@@ -140,15 +140,7 @@ def parse_costs(text: str | None, program) -> CostTable:
     if not text:
         return CostTable.for_program(program)
     if text.endswith(".json"):
-        path = Path(text)
-        if not path.exists():
-            raise FileNotFoundError(f"cost file {path} does not exist")
-        try:
-            values = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise ValueError(f"cost file {path} is not valid JSON: {e}") from None
-        if not isinstance(values, dict):
-            raise ValueError(f"cost file {path} must hold a JSON object like {{\"f\": 1, \"b\": 2}}")
+        values = read_json_object(text, "cost", '{"f": 1, "b": 2}')
         return CostTable.for_program(program, **values)
     values: dict = {}
     for item in text.split(","):
