@@ -26,8 +26,10 @@ from commpipe.timeline import Event
 class PipelineRuntime:
     def __init__(self, program: Program, stages: dict, comm: Comm, loss_fn,
                  act_shape: tuple[int, ...], device: torch.device, act_dtype=torch.float32,
-                 autocast_dtype=None, on_compute=None):
+                 autocast_dtype=None, on_compute=None, forward_only: bool = False):
         self.program = program if program.is_lowered else lower(program)
+        # forward_only: a program of F actions (validation): no autograd graph, nothing kept
+        self.forward_only = forward_only
         self.stages = stages
         self.comm = comm
         self.loss_fn = loss_fn
@@ -66,6 +68,10 @@ class PipelineRuntime:
                  positions: torch.Tensor, loss_scale: float, step: int = 0) -> torch.Tensor:
         """Run one step's program; returns the summed scaled loss of the micro-batches whose
         last stage is on this rank (0 elsewhere). Gradients accumulate in the stage params."""
+        with torch.set_grad_enabled(not self.forward_only):
+            return self._run_actions(tokens, labels, positions, loss_scale, step)
+
+    def _run_actions(self, tokens, labels, positions, loss_scale, step):
         recvs, sends = {}, []
         inputs, outputs, grads_to_send = {}, {}, {}
         local_fwd, local_bwd, deferred = {}, {}, {}
@@ -92,7 +98,8 @@ class PipelineRuntime:
                 recvs[(a.op[-1], s, m)] = self.comm.irecv(buf, self._peer(src), tag=tag)
                 continue
             if a.op == "SEND_F":
-                sends.append(self.comm.isend(outputs[(s, m)].detach(), self._peer(s + 1),
+                out = outputs.pop((s, m)) if self.forward_only else outputs[(s, m)]
+                sends.append(self.comm.isend(out.detach(), self._peer(s + 1),
                                              tag=self._tag("F", s, m)))
                 continue
             if a.op == "SEND_B":
@@ -106,8 +113,9 @@ class PipelineRuntime:
                     x = tokens[m]
                 else:
                     x = wait(("F", s, m), a) if ("F", s, m) in recvs else local_fwd.pop((s, m))
-                    x = x.detach().requires_grad_(True)
-                    inputs[(s, m)] = x
+                    x = x.detach()
+                    if not self.forward_only:
+                        inputs[(s, m)] = x.requires_grad_(True)
             elif a.op in ("B", "I") and s != self.last_stage:
                 grad = wait(("B", s, m), a) if ("B", s, m) in recvs else local_bwd.pop((s, m))
             t0 = time.perf_counter()
@@ -117,9 +125,12 @@ class PipelineRuntime:
                     if s == self.last_stage:
                         out = self.loss_fn(out, labels[m]) * loss_scale
                         loss_total = loss_total + out.detach()
-                outputs[(s, m)] = out
-                if s != self.last_stage and self.program.rank_of(s + 1) == self.program.rank_of(s):
+                local_next = (s != self.last_stage
+                              and self.program.rank_of(s + 1) == self.program.rank_of(s))
+                if local_next:
                     local_fwd[(s + 1, m)] = out.detach()
+                if not self.forward_only or not (local_next or s == self.last_stage):
+                    outputs[(s, m)] = out  # kept for its backward, or until its SEND_F
             elif a.op in ("B", "I"):
                 out = outputs.pop((s, m))
                 self.wstore.deferring = a.op == "I"

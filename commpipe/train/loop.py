@@ -29,7 +29,7 @@ from commpipe.runtime.executor import PipelineRuntime
 from commpipe.timeline import write_chrome_trace
 from commpipe.train import checkpoint
 from commpipe.train.config import TrainConfig
-from commpipe.train.evaluate import ForwardRunner, evaluate
+from commpipe.train.evaluate import evaluate, forward_program
 from commpipe.train.failures import StopSignals, TrainingDiverged, check_finite_params, is_finite
 from commpipe.train.source import check_vocab, make_source
 
@@ -83,7 +83,7 @@ class Trainer:
     named_params: list = field(default_factory=list)
     capture_grads: bool = False      # keep the last step's reduced, clipped gradients (tests)
     last_grads: dict = field(default_factory=dict)
-    forward_runner: ForwardRunner | None = None   # validation: the schedule's forwards only
+    forward_runner: PipelineRuntime | None = None   # validation: the schedule's forwards only
 
     @classmethod
     def build(cls, cfg: TrainConfig, comm: Comm | None = None, source=None) -> Trainer:
@@ -118,8 +118,9 @@ class Trainer:
             check_vocab(source, spec, cfg.data)
         trainer = cls(cfg, comm, stages, runtime, optimizer, GradReducer(params, comm), params,
                       source, device)
-        trainer.forward_runner = ForwardRunner(program, stages, comm, loss_fn,
-                                               runtime.act_shape, device, autocast_dtype=autocast)
+        trainer.forward_runner = PipelineRuntime(forward_program(program), stages, comm, loss_fn,
+                                                 runtime.act_shape, device,
+                                                 autocast_dtype=autocast, forward_only=True)
         trainer.named_params = [(n, p) for s in sorted(stages) for n, p in stages[s].named_parameters()]
         if cfg.monitor is not None and cfg.out:
             from commpipe.monitor import Monitor
