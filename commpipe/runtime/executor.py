@@ -47,6 +47,17 @@ class PipelineRuntime:
                 raise ValueError(f"schedule {self.program.name} posts messages between a rank "
                                  f"pair in different orders on the two sides ({conflicts[0]}); "
                                  "NCCL would swap them. Use another schedule on NCCL, or gloo")
+        # Receive prefetch: the receives the *next* compute action needs are posted before the
+        # current one runs, so the transfer overlaps it; each is still waited for only by its
+        # consumer. Gloo matches by tag, so posting earlier cannot pair the wrong messages;
+        # NCCL orders operations on a stream, where moving a receive ahead of sends could
+        # make two ranks wait on each other, so there receives stay where the program puts them.
+        self.prefetch: dict[int, list[int]] = {}
+        if comm.backend != "nccl":
+            compute_at = [i for i, a in enumerate(self.actions) if a.is_compute]
+            for i, j in zip(compute_at, compute_at[1:]):
+                self.prefetch[i] = [k for k in range(i + 1, j)
+                                    if self.actions[k].op in ("RECV_F", "RECV_B")]
         self.wstore = WeightGradStore()
         if any(a.op in ("I", "W") for a in self.actions):
             for module in stages.values():
@@ -89,14 +100,22 @@ class PipelineRuntime:
             record("pp", Action("RECV_" + key[0], a.stage, a.microbatch), t0, time.perf_counter())
             return value
 
-        for a in self.actions:
+        def post(a):
+            buf = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
+            src = a.stage - 1 if a.op == "RECV_F" else a.stage + 1
+            tag = self._tag(a.op[-1], min(a.stage, src), a.microbatch)
+            recvs[(a.op[-1], a.stage, a.microbatch)] = self.comm.irecv(buf, self._peer(src), tag=tag)
+
+        posted = set()
+        for idx, a in enumerate(self.actions):
             s, m = a.stage, a.microbatch
             if a.op in ("RECV_F", "RECV_B"):
-                buf = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
-                src = s - 1 if a.op == "RECV_F" else s + 1
-                tag = self._tag(a.op[-1], min(s, src), m)
-                recvs[(a.op[-1], s, m)] = self.comm.irecv(buf, self._peer(src), tag=tag)
+                if idx not in posted:
+                    post(a)
                 continue
+            for k in self.prefetch.get(idx, ()):
+                post(self.actions[k])
+                posted.add(k)
             if a.op == "SEND_F":
                 out = outputs.pop((s, m)) if self.forward_only else outputs[(s, m)]
                 sends.append(self.comm.isend(out.detach(), self._peer(s + 1),

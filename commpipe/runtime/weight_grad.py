@@ -29,9 +29,13 @@ class WeightGradStore:
     def flush(items: list) -> None:
         """Run the stashed weight-gradient GEMMs: dW = grad_out^T x, accumulated."""
         for weight, x, grad_out in items:
-            gw = grad_out.reshape(-1, grad_out.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-            gw = gw.to(weight.dtype)
-            weight.grad = gw if weight.grad is None else weight.grad + gw
+            go2, x2 = grad_out.reshape(-1, grad_out.shape[-1]), x.reshape(-1, x.shape[-1])
+            if weight.grad is None:
+                weight.grad = (go2.t() @ x2).to(weight.dtype)
+            elif weight.grad.dtype == go2.dtype:
+                weight.grad.addmm_(go2.t(), x2)      # accumulate without a temporary
+            else:
+                weight.grad += (go2.t() @ x2).to(weight.dtype)
 
 
 class _Linear(torch.autograd.Function):
