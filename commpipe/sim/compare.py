@@ -89,7 +89,8 @@ def measured_bubble(per_rank: dict[int, list[Event]]) -> float:
 
 
 def calibrate(program, per_rank: dict[int, list[Event]], activation_bytes: float) -> CostTable:
-    """Median measured compute time per (stage, op); p2p from the fastest receives."""
+    """Median measured compute time per (stage, op) plus the median host time between compute
+    actions; point-to-point cost from the fastest receives."""
     durations: dict[tuple[int, str], list[float]] = {}
     recv_waits = []
     for events in per_rank.values():
@@ -104,11 +105,25 @@ def calibrate(program, per_rank: dict[int, list[Event]], activation_bytes: float
         vals = durations.get((stage, op))
         return statistics.median(vals) if vals else default
 
+    # the host loop's own time between two compute actions (posting receives and sends,
+    # Python) that was not spent waiting for a peer: charged to every compute action
+    gaps = []
+    for events in per_rank.values():
+        evs = sorted(events, key=lambda e: e.start_ms)
+        last_end, waited = None, 0.0
+        for e in evs:
+            if e.stream != "compute":
+                waited += e.dur_ms
+                continue
+            if last_end is not None:
+                gaps.append(max(e.start_ms - last_end - waited, 0.0))
+            last_end, waited = e.end_ms, 0.0
+    host = statistics.median(gaps) if gaps else 0.0
     n = program.num_stages
-    f = [med(s, "F") for s in range(n)]
-    i = [med(s, "I") for s in range(n)]
-    w = [med(s, "W") for s in range(n)]
-    b = [med(s, "B", i[s] + w[s]) for s in range(n)]
+    f = [med(s, "F") + host for s in range(n)]
+    i = [med(s, "I") + host for s in range(n)]
+    w = [med(s, "W") + host for s in range(n)]
+    b = [med(s, "B", i[s] + w[s] - host) + host for s in range(n)]
     split = any(durations.get((s, "I")) for s in range(n))
     # the quickest receives found their data waiting: what is left is the transfer itself
     recv_waits.sort()
