@@ -4,13 +4,13 @@
     monitor.attach()                                 # collective: aligns the ranks' clocks
     for step in ...:
         train_step()
-        monitor.end_step(step)                       # collective: writes that step's records
+        monitor.end_step(step)                       # collective: records, written in batches
     monitor.close()                                  # collective: flushes, writes traces
 
 Every call is tallied (calls, bytes) with a few attribute updates. A sampled call keeps its
-post and completion times (host perf_counter on CPU; pooled CUDA events on GPU). At each
-end_step the ranks exchange the post times of their sampled calls (one all_gather_object over
-the world, sampled calls only), so each side of a transfer can separate waiting for its peer
+post and completion times (host perf_counter on CPU; pooled CUDA events on GPU). Every
+`exchange_every` steps (default 20) and at close the ranks exchange the post times of their
+sampled calls (one all_gather_object over the world, sampled calls only), so each side of a transfer can separate waiting for its peer
 from moving data (see commpipe.monitor.records). Sampling decisions are a function of
 (seed, stream, seq) alone, so both ends of a send/recv, and all members of a collective, time
 the same calls. Messages are matched by (dim, src, dst, seq), or (dim, src, dst, tag, seq) for
@@ -72,17 +72,23 @@ class Monitor:
     """Observer of a `Comm` (see commpipe.parallel.comm for the begin/end protocol)."""
 
     def __init__(self, comm, out_dir, sample: float = 0.1, seed: int = 1234, ema_alpha: float = 0.3,
-                 trace: bool = False, resync_every: int = 100, max_lag: int = 2, sync_rounds: int = 8):
+                 trace: bool = False, resync_every: int = 100, max_lag: int = 2, sync_rounds: int = 8,
+                 exchange_every: int = 20):
         if not 0.0 <= sample <= 1.0:
             raise ValueError(f"sample={sample} must be a fraction in [0, 1] (0.1 times one call in ten)")
         if not 0.0 < ema_alpha <= 1.0:
             raise ValueError(f"ema_alpha={ema_alpha} must be in (0, 1]")
-        if resync_every < 1 or max_lag < 0:
-            raise ValueError("resync_every must be >= 1 and max_lag >= 0")
+        if resync_every < 1 or max_lag < 0 or exchange_every < 1:
+            raise ValueError("resync_every and exchange_every must be >= 1 and max_lag >= 0")
         self.comm, self.rank, self.world = comm, comm.rank, comm.dims.world_size
         self.out_dir = Path(out_dir)
         self.sample, self.seed, self.alpha, self.trace = sample, seed, ema_alpha, trace
         self.resync_every, self.max_lag, self.sync_rounds = resync_every, max_lag, sync_rounds
+        # the ranks exchange sampled post times once every `exchange_every` steps (and at
+        # close): records stay per step, written in batches, and the one collective the
+        # monitor adds to training is paid once per batch instead of once per step
+        self.exchange_every = exchange_every
+        self._closings: list = []             # (step, counts) of steps not yet exchanged
         self._streams: dict = {}
         self._finished: list[_Timed] = []     # sampled calls completed since the last end_step
         self._inflight: list[_Timed] = []     # sampled calls begun, post not yet shared
@@ -145,7 +151,7 @@ class Monitor:
         if self._synced:
             if self._cuda is not None:
                 torch.cuda.synchronize(self.comm.device)  # end of run: read every event
-            self._exchange(None, force=True)
+            self._exchange(force=True)
             if self.trace:
                 write_trace(self._events + lay_out(self._calls),
                             self.out_dir / "trace" / f"rank{self.rank}.json", self.rank,
@@ -229,7 +235,9 @@ class Monitor:
         self._unresolved.extend(self._finished)
         self._finished = []
         self._next_step = step + 1
-        self._exchange((step, counts), force=False)
+        self._closings.append((step, counts))
+        if (step + 1) % self.exchange_every == 0:
+            self._exchange(force=False)
         if (step + 1) % self.resync_every == 0:
             self._sync_clock()
 
@@ -257,7 +265,7 @@ class Monitor:
             return self._cuda.host_seconds(t.ev_post, t.anchor)
         return None
 
-    def _exchange(self, closing, force: bool) -> None:
+    def _exchange(self, force: bool) -> None:
         off = self.offset
         samples, still = [], []
         for t in self._unresolved:
@@ -278,9 +286,10 @@ class Monitor:
             else:
                 posts.append((t.stream.key, t.mid, post - off))
         self._inflight = keep
-        step = closing[0] if closing else self._next_step - 1
+        closings, self._closings = self._closings, []
+        step = self._next_step - 1
         mark = (min(t.step for t in still) - 1) if still else (float("inf") if force else step)
-        payload = (self.rank, closing, samples, posts, mark)
+        payload = (self.rank, closings, samples, posts, mark)
         for r, closed, r_samples, r_posts, r_mark in self.comm.gather_objects(payload, "world"):
             self._ingest(r, closed, r_samples, r_posts, r_mark, step)
         self._finalize(step, force)
@@ -289,10 +298,10 @@ class Monitor:
     def _builds(self, rank: int) -> bool:
         return self.rank == 0 or rank == self.rank
 
-    def _ingest(self, r, closed, samples, posts, mark, now) -> None:
+    def _ingest(self, r, closings, samples, posts, mark, now) -> None:
         if self._builds(r):
-            if closed is not None:
-                self._steps.setdefault((r, closed[0]), [None, []])[0] = closed[1]
+            for c_step, counts in closings:
+                self._steps.setdefault((r, c_step), [None, []])[0] = counts
             for s_step, key, mid, post, done, nbytes in samples:
                 if s_step > self._done_upto.get(r, -1):   # else it came after its step was written
                     self._steps.setdefault((r, s_step), [None, []])[1].append((key, mid, post, done, nbytes))
