@@ -10,11 +10,12 @@
 Every call is tallied (calls, bytes) with a few attribute updates. A sampled call keeps its
 post and completion times (host perf_counter on CPU; pooled CUDA events on GPU). Every
 `exchange_every` steps (default 20) and at close the ranks exchange the post times of their
-sampled calls (one all_gather_object over the world, sampled calls only), so each side of a transfer can separate waiting for its peer
-from moving data (see commpipe.monitor.records). Sampling decisions are a function of
-(seed, stream, seq) alone, so both ends of a send/recv, and all members of a collective, time
-the same calls. Messages are matched by (dim, src, dst, seq), or (dim, src, dst, tag, seq) for
-tagged point-to-point messages (CommCall.tag, when the Comm provides it).
+sampled calls (one all_gather_object over the world, sampled calls only), so each side of a
+transfer can separate waiting for its peer from moving data (see commpipe.monitor.records).
+Sampling decisions are a function of (seed, stream, seq) alone, so both ends of a send/recv,
+and all members of a collective, time the same calls. Messages are matched by (dim, src, dst,
+seq), or (dim, src, dst, tag, seq) for tagged point-to-point messages (CommCall.tag, when the
+Comm provides it).
 
 Output: OUT/monitor/rank{r}.jsonl (one record per step and (dim, op, peer or group)),
 OUT/monitor/links.jsonl on rank 0 (one record per step and link, both sides), and with
