@@ -5,7 +5,9 @@
 
 DIR may hold (any mix; DIR may also be a single file):
   - run folders DIR/*/config.json + metrics.jsonl (what `commpipe train --out` and `commpipe
-    sweep` write): the median step_time_s after the first two steps is the measurement;
+    sweep` write): the median step_time_s after the first two steps is the measurement, priced
+    as commpipe's runtime communicates (`layout.RUNTIME_JOB`), on the nodes the sweep placed
+    its ranks (`placement` in DIR/sweep.jsonl, when present);
   - `commpipe probe` JSON files: their link numbers are taken as measured, not fitted;
   - CSV files with one measured run per row, either vTrain's columns (ground_truth_multi.csv)
     or commpipe's names (model or layers/hidden/heads[/kv_heads/ffn_hidden/vocab], tp, cp, pp,
@@ -15,10 +17,11 @@ Settings a source does not state (recompute, sequence parallelism, flash attenti
 come from the command-line flags.
 
 Fit: Levenberg-Marquardt on r_j = log(predicted_j / measured_j) over the parameters
-e_max, ai_half_ridge, elementwise, overhead_s (timing.Efficiency) and, when no probe gave them
-and the runs use such groups, the intra- and inter-node bandwidths; all in log space, with a
-weak pull (weight 0.01 per e-fold) toward the defaults so that a parameter the data cannot see
-stays where the datasheets put it. Reported: mean absolute percentage error before and after.
+e_max, ai_half_ridge, elementwise, overhead_s (timing.Efficiency; `fit(params=...)` picks any
+Efficiency fields, e.g. the host terms) and, when no probe gave them and the runs use such
+groups, the intra- and inter-node bandwidths; all in log space, with a weak pull (weight 0.01
+per e-fold) toward the starting values so that a parameter the data cannot see stays where the
+datasheets put it. Reported: mean absolute percentage error before and after.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import numpy as np
 from commpipe.models.spec import ModelSpec, parse_model_fields, resolve_model
 from commpipe.plan.cluster import Cluster, Link, apply_probe, read_json
 from commpipe.plan.estimate import step_time
-from commpipe.plan.layout import SCHEDULES, Job, Layout
+from commpipe.plan.layout import RUNTIME_JOB, SCHEDULES, Job, Layout
 from commpipe.plan.timing import Efficiency
 
 EFF_PARAMS = ("e_max", "ai_half_ridge", "elementwise", "overhead_s")
@@ -51,6 +54,7 @@ class Point:
     job: Job
     measured_s: float
     source: str
+    node_of: tuple[int, ...] | None = None     # node of each rank, when not in rank order
 
 
 # -- loading -------------------------------------------------------------------------------------
@@ -136,10 +140,32 @@ def point_from_run(run: Path, defaults: dict) -> Point | None:
     layout = Layout(dims["tp"], dims["cp"], dims["pp"], dims["dp"], cfg.get("vpp", 1) or 1,
                     cfg["micro_batch_size"], cfg["schedule"], cfg.get("recompute") or defaults["recompute"])
     job = Job(cfg["global_batch"], cfg["seq_len"], precision=defaults["precision"],
-              zero1=bool(cfg.get("optim", {}).get("zero1", False)), dp_overlap=defaults["dp_overlap"],
-              sequence_parallel=defaults["sequence_parallel"], flash_attention=defaults["flash_attention"],
-              grad_fp32=defaults.get("grad_fp32", False))
-    return Point(spec, layout, job, statistics.median(times), str(run))
+              zero1=bool(cfg.get("optim", {}).get("zero1", False)),
+              flash_attention=defaults["flash_attention"], grad_fp32=defaults.get("grad_fp32", False),
+              **RUNTIME_JOB)
+    return Point(spec, layout, job, statistics.median(times), str(run), _node_of(run, layout))
+
+
+def _node_of(run: Path, layout: Layout) -> tuple[int, ...] | None:
+    """Where a sweep put the run's ranks (its sweep.jsonl record), when not in rank order."""
+    status = run.parent / "sweep.jsonl"
+    if not status.exists():
+        return None
+    rec = None
+    for line in status.read_text().splitlines():
+        if line.strip():
+            r = json.loads(line)
+            rec = r if r.get("name") == run.name else rec
+    placement = (rec or {}).get("placement")
+    rpn = ((rec or {}).get("cluster") or {}).get("ranks_per_node")
+    if not placement or not rpn:
+        return None
+    from commpipe.cluster.grids import Layout as GridLayout
+    from commpipe.cluster.grids import node_of_rank
+
+    grid = GridLayout(tp=layout.tp, cp=layout.cp, pp=layout.pp, dp=layout.dp, placement=placement)
+    nodes = node_of_rank(grid, rpn)
+    return None if nodes == [r // rpn for r in range(layout.gpus)] else tuple(nodes)
 
 
 def load_sources(path: str | Path, defaults: dict,
@@ -171,13 +197,13 @@ def load_sources(path: str | Path, defaults: dict,
 
 # -- fitting -------------------------------------------------------------------------------------
 def _defaults(eff: Efficiency, cluster: Cluster) -> dict[str, float]:
-    d = {k: getattr(eff, k) for k in EFF_PARAMS}
+    d = dict(eff.to_dict())
     d["intra_gbps"], d["inter_gbps"] = cluster.intra.bandwidth_gbps, cluster.inter.bandwidth_gbps
     return d
 
 
 def apply_params(values: dict, eff: Efficiency, cluster: Cluster) -> tuple[Efficiency, Cluster]:
-    eff = replace(eff, **{k: values[k] for k in EFF_PARAMS if k in values})
+    eff = replace(eff, **{k: values[k] for k in eff.to_dict() if k in values})
     intra = Link(values.get("intra_gbps", cluster.intra.bandwidth_gbps), cluster.intra.latency_s)
     inter = Link(values.get("inter_gbps", cluster.inter.bandwidth_gbps), cluster.inter.latency_s)
     return eff, replace(cluster, intra=intra, inter=inter)
@@ -186,7 +212,7 @@ def apply_params(values: dict, eff: Efficiency, cluster: Cluster) -> tuple[Effic
 def predict(points: list[Point], eff: Efficiency, cluster: Cluster) -> np.ndarray:
     out = []
     for p in points:
-        c = replace(cluster, num_gpus=p.layout.gpus)
+        c = replace(cluster, num_gpus=p.layout.gpus, node_of=p.node_of)
         out.append(step_time(p.spec, p.layout, p.job, c, eff))
     return np.array(out)
 
@@ -221,17 +247,26 @@ class FitResult:
 
 
 def fit(points: list[Point], eff: Efficiency, cluster: Cluster, fit_links: bool = True,
-        iters: int = 15) -> FitResult:
+        iters: int = 15, params: tuple[str, ...] = EFF_PARAMS) -> FitResult:
+    """Fit `params` (Efficiency fields, starting from and pulled weakly toward `eff`'s values,
+    which must be positive) and, with `fit_links`, the bandwidths of the link classes used."""
     if not points:
         raise ValueError("no measured runs to fit")
-    names = list(EFF_PARAMS) + (link_params_seen(points, cluster) if fit_links else [])
     base = _defaults(eff, cluster)
+    unknown = [k for k in params if k not in base or k in LINK_PARAMS]
+    if unknown:
+        raise ValueError(f"cannot fit {unknown}; fit Efficiency fields: {', '.join(eff.to_dict())}")
+    zero = [k for k in params if base[k] <= 0]
+    if zero:
+        raise ValueError(f"{zero} start at 0; the fit works in log space: give a positive start value")
+    names = list(params) + (link_params_seen(points, cluster) if fit_links else [])
     theta0 = np.log([base[k] for k in names])
     meas = np.array([p.measured_s for p in points])
 
     def residuals(theta):
         theta = theta.copy()
-        theta[names.index("e_max")] = min(theta[names.index("e_max")], 0.0)     # e_max <= 1
+        if "e_max" in names:
+            theta[names.index("e_max")] = min(theta[names.index("e_max")], 0.0)     # e_max <= 1
         e, c = apply_params(dict(zip(names, np.exp(theta))), eff, cluster)
         r = np.log(predict(points, e, c) / meas)
         return np.concatenate([r, PRIOR_WEIGHT * (theta - theta0)]), theta

@@ -19,6 +19,17 @@ bandwidth on DGX A100 reaches ~230-240 of 300 GB/s), NIC 90% of line rate, laten
 step inside a node and 10 us across (NCCL LL/Simple protocol ballpark). A `commpipe probe` JSON
 or a calibrated profile replaces them with measured values.
 
+Other clusters (all optional, defaults as above):
+- `nics_per_node`: scale-out NICs per node when fewer than GPUs; a group with k ranks per node then
+  drives min(k, nics_per_node) links (the emulated cluster of `commpipe sweep` has one per node).
+- `backend="gloo"`: gloo's all-reduce is a ring (gloo/allreduce.cc: reduce-scatter then
+  all-gather around the ring), so it pays 2(n-1) latency steps, all-gather/reduce-scatter n-1,
+  instead of NCCL's logarithmic trees. A probe from gloo sets it.
+- `node_of`: the node of every rank when ranks do not fill nodes in rank order (a sweep's
+  `placement`, e.g. TP across nodes); groups and pipeline links are placed by it.
+- `host_cores`: all ranks share one machine with this many cores (CPU training, or the emulated
+  cluster); `commpipe.plan.host` then prices the contention of more busy ranks than cores.
+
 Bandwidths are decimal GB/s everywhere (bandwidth_gbps), as in the probe and monitor records.
 """
 
@@ -35,6 +46,7 @@ NVLINK_EFFICIENCY = 0.8
 NIC_EFFICIENCY = 0.9
 INTRA_LATENCY_S = 5e-6
 INTER_LATENCY_S = 10e-6
+BACKENDS = ("nccl", "gloo")
 
 
 @dataclass(frozen=True)
@@ -54,10 +66,23 @@ class Cluster:
     intra: Link
     inter: Link
     source: str = "defaults"
+    nics_per_node: int | None = None        # None: one NIC per GPU
+    backend: str = "nccl"                   # nccl | gloo: latency steps of a collective
+    node_of: tuple[int, ...] | None = None  # node of each rank; None: rank // gpus_per_node
+    host_cores: int | None = None           # cores shared by all ranks; None: a device per rank
 
     def __post_init__(self):
         if self.num_gpus < 1 or self.gpus_per_node < 1:
             raise ValueError("--gpus and --gpus-per-node must be positive")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend {self.backend!r} is unknown; use one of {BACKENDS}")
+        if self.nics_per_node is not None and self.nics_per_node < 1:
+            raise ValueError("nics_per_node must be at least 1")
+        if self.host_cores is not None and self.host_cores < 1:
+            raise ValueError("host_cores must be at least 1")
+        if self.node_of is not None and len(self.node_of) < self.num_gpus:
+            raise ValueError(f"node_of names the node of {len(self.node_of)} ranks; the cluster has "
+                             f"{self.num_gpus}: give one node per rank")
         if self.num_gpus > self.gpus_per_node and self.num_gpus % self.gpus_per_node:
             raise ValueError(f"--gpus {self.num_gpus} is not a whole number of nodes of "
                              f"{self.gpus_per_node} GPUs; use a multiple of {self.gpus_per_node}")
@@ -72,14 +97,22 @@ class Cluster:
     def to_dict(self) -> dict:
         return {"gpu": self.gpu.to_dict(), "num_gpus": self.num_gpus,
                 "gpus_per_node": self.gpus_per_node, "intra_node": self.intra.to_dict(),
-                "inter_node": self.inter.to_dict(), "source": self.source}
+                "inter_node": self.inter.to_dict(), "source": self.source,
+                "nics_per_node": self.nics_per_node, "backend": self.backend,
+                "host_cores": self.host_cores}
 
     # -- where a group sits ---------------------------------------------------------------------
+    def node(self, rank: int) -> int:
+        return self.node_of[rank] if self.node_of is not None else rank // self.gpus_per_node
+
     def placement(self, size: int, stride: int) -> tuple[bool, int]:
         """(inside one node?, ranks per node) of the group {0, stride, ..., (size-1)*stride}:
         the group holding rank 0, representative when sizes are powers of two."""
         if size <= 1:
             return True, 1
+        if self.node_of is not None:
+            nodes = [self.node(i * stride) for i in range(size)]
+            return len(set(nodes)) == 1, max(nodes.count(n) for n in set(nodes))
         g = self.gpus_per_node
         per_node = min(size, -(-g // stride))      # members i with i * stride < g
         return (size - 1) * stride < g, max(1, per_node)
@@ -89,28 +122,33 @@ class Cluster:
         inside, per_node = self.placement(size, stride)
         if inside:
             return self.intra.bandwidth_gbps * 1e9, self.intra
-        bw = min(self.intra.bandwidth_gbps, per_node * self.inter.bandwidth_gbps)
+        links = per_node if self.nics_per_node is None else min(per_node, self.nics_per_node)
+        bw = min(self.intra.bandwidth_gbps, links * self.inter.bandwidth_gbps)
         return bw * 1e9, self.inter
+
+    def latency_steps(self, size: int, op: str = "all_reduce") -> int:
+        """Latency-bound steps of a collective: NCCL trees ~log2(n), gloo rings n-1 per phase."""
+        per_phase = size - 1 if self.backend == "gloo" else math.ceil(math.log2(size))
+        return 2 * per_phase if op == "all_reduce" else per_phase
 
     # -- prices, seconds ------------------------------------------------------------------------
     def all_reduce(self, nbytes: float, size: int, stride: int) -> float:
         if size <= 1 or nbytes <= 0:
             return 0.0
         bw, link = self.bus_bandwidth(size, stride)
-        return 2 * (size - 1) / size * nbytes / bw + 2 * math.ceil(math.log2(size)) * link.latency_s
+        return 2 * (size - 1) / size * nbytes / bw + self.latency_steps(size) * link.latency_s
 
     def all_gather(self, nbytes: float, size: int, stride: int) -> float:
         """All-gather (or reduce-scatter) whose full, gathered tensor has `nbytes`."""
         if size <= 1 or nbytes <= 0:
             return 0.0
         bw, link = self.bus_bandwidth(size, stride)
-        return (size - 1) / size * nbytes / bw + math.ceil(math.log2(size)) * link.latency_s
+        return (size - 1) / size * nbytes / bw + self.latency_steps(size, "all_gather") * link.latency_s
 
     reduce_scatter = all_gather
 
     def p2p_link(self, rank_a: int, rank_b: int) -> Link:
-        same = rank_a // self.gpus_per_node == rank_b // self.gpus_per_node
-        return self.intra if same else self.inter
+        return self.intra if self.node(rank_a) == self.node(rank_b) else self.inter
 
     def p2p(self, nbytes: float, rank_a: int, rank_b: int) -> float:
         link = self.p2p_link(rank_a, rank_b)
@@ -149,7 +187,9 @@ def apply_probe(cluster: Cluster, path: str | Path) -> Cluster:
     if pairs.get("inter_node"):
         inter = _link_from(pairs["inter_node"], f"probe {path} pairs.inter_node")
     gpn = int(data.get("ranks_per_node") or cluster.gpus_per_node)
-    return replace(cluster, intra=intra, inter=inter, gpus_per_node=gpn, source=f"probe:{path}")
+    backend = data.get("backend") if data.get("backend") in BACKENDS else cluster.backend
+    return replace(cluster, intra=intra, inter=inter, gpus_per_node=gpn, backend=backend,
+                   source=f"probe:{path}")
 
 
 def apply_links(cluster: Cluster, links: dict, source: str) -> Cluster:

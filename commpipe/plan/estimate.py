@@ -2,8 +2,10 @@
 
 Step time = simulated pipeline makespan (per-stage F/B/I/W costs with exposed TP/CP
 collectives, point-to-point transfers on their links, bubbles) + the DP gradient reduction
-left exposed + the optimizer step (+ the tied-embedding gradient sync of GPT shapes), taken on
-the pipeline rank where that tail is longest.
+left exposed + the optimizer step + the step's scalar all-reduces (`Job.step_syncs`) (+ the
+tied-embedding gradient sync of GPT shapes), taken on the pipeline rank where that tail is
+longest. When more ranks than `cluster.host_cores` share one machine, the host contention
+(`commpipe.plan.host`) is solved first.
 
     >>> from commpipe.models.spec import resolve_model
     >>> from commpipe.plan.cluster import default_cluster
@@ -19,10 +21,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from commpipe.models.spec import ModelSpec, flops_per_token
+from commpipe.plan import host
 from commpipe.plan.cluster import Cluster
 from commpipe.plan.layout import Job, Layout, layout_problem
 from commpipe.plan.memory import StageMemory, chunk_stages, memory_problem, rank_chunks, stage_memory
-from commpipe.plan.pipeline import peak_inflight, simulate_step
+from commpipe.plan.pipeline import busy_overlap, peak_inflight, simulate_step
 from commpipe.plan.timing import Efficiency, StageCosts, stage_costs
 
 
@@ -40,6 +43,13 @@ class Estimate:
     breakdown: dict = field(default_factory=dict)     # seconds per step, on the bottleneck rank
     microbatches: int = 0
     lower_bound_s: float = float("nan")
+    host_contention: float = 1.0     # busy ranks per host core (plan.host); 1: no contention
+    cpu_s: list[float] = field(default_factory=list)    # per pipeline rank: host CPU time in
+    optimizer_s: list[float] = field(default_factory=list)   # the pipeline; in the optimizer
+    busy_overlap: float = 1.0        # pipeline ranks using the CPU at once, seen by one of them
+    presence_overlap: float = 1.0    # pipeline ranks inside an action at once, seen by one of them
+    busy_s: list[float] = field(default_factory=list)   # per pipeline rank: inside actions
+    wake_contention: float = 1.0     # ranks in play per host core (plan.host)
 
     @property
     def memory_gb_per_gpu(self) -> float:
@@ -62,6 +72,7 @@ class Estimate:
                  bubble_fraction=_num(self.bubble_fraction),
                  exposed_comm_fraction=_num(self.exposed_comm_fraction),
                  breakdown_s={k: _num(v) for k, v in self.breakdown.items()},
+                 host_contention=self.host_contention,
                  memory_gb_per_stage=[round(s.total_gb, 3) for s in self.memory])
         return d
 
@@ -131,8 +142,14 @@ def _rank_of_stage(layout: Layout, s: int) -> int:
     return s % p
 
 
+def _tails(costs: StageCosts) -> list[float]:
+    """Per pipeline rank: exposed DP reduction + optimizer + scalar all-reduces."""
+    syncs = costs.step_sync or [0.0] * len(costs.dp_exposed)
+    return [d + o + y for d, o, y in zip(costs.dp_exposed, costs.optimizer, syncs)]
+
+
 def _tail(costs: StageCosts) -> float:
-    return max(d + o for d, o in zip(costs.dp_exposed, costs.optimizer)) + costs.embedding_sync
+    return max(_tails(costs)) + costs.embedding_sync
 
 
 def estimate(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
@@ -152,7 +169,7 @@ def estimate(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
     est = Estimate(layout, problem is None, problem or fits_reason(memory, cluster), memory, microbatches=m,
                    lower_bound_s=lower_bound(costs, layout, cluster, m))
     if simulate:
-        finish_estimate(est, spec, job, cluster, costs, detail)
+        finish_estimate(est, spec, job, cluster, costs, detail, eff)
     return est
 
 
@@ -170,16 +187,62 @@ def step_time(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster, eff: 
         raise ValueError(f"{layout.short()}: {problem}")
     est = Estimate(layout, True, "", microbatches=layout.microbatches(job))
     costs = stage_costs(spec, layout, job, cluster, eff)
-    return finish_estimate(est, spec, job, cluster, costs, detail=False).step_time_s
+    return finish_estimate(est, spec, job, cluster, costs, detail=False, eff=eff).step_time_s
 
 
 def finish_estimate(est: Estimate, spec: ModelSpec, job: Job, cluster: Cluster, costs: StageCosts,
-                    detail: bool = True) -> Estimate:
+                    detail: bool = True, eff: Efficiency | None = None) -> Estimate:
+    """Simulate the step; with `eff` and more ranks than `cluster.host_cores`, iterate the host
+    contention to its fixed point (commpipe.plan.host), re-pricing the costs each time."""
+    _finish_once(est, spec, job, cluster, costs, detail)
+    if eff is None or not host.oversubscribed(cluster, est.layout):
+        return est
+    kappa = wake = 1.0
+    for _ in range(host.MAX_ITERS):
+        lay = est.layout
+        args = cost_table_args(costs, lay, cluster)
+        est.busy_overlap = busy_overlap(lay.schedule, lay.pp, lay.vpp, est.microbatches, **args,
+                                        cpu_share=_cpu_share(costs))
+        est.presence_overlap = busy_overlap(lay.schedule, lay.pp, lay.vpp, est.microbatches, **args)
+        new, new_wake = host.contention(est, cluster)
+        if abs(new - kappa) <= host.TOLERANCE * kappa and abs(new_wake - wake) <= host.TOLERANCE * wake:
+            break
+        # damped: busy time itself grows with the contention
+        kappa, wake = (kappa + new) / 2, (wake + new_wake) / 2
+        c, e = host.contended(cluster, eff, kappa, wake)
+        costs = stage_costs(spec, lay, job, c, e)
+        _finish_once(est, spec, job, c, costs, detail)
+    est.host_contention, est.wake_contention = kappa, wake
+    est.mfu = est.tflops_per_gpu / cluster.gpu.tflops
+    return est
+
+
+def _cpu(costs: StageCosts) -> dict[str, list[float]]:
+    """Host CPU seconds of each action per stage: compute plus collective call overheads."""
+    host_f = costs.host_f or [0.0] * len(costs.comp_f)
+    host_i = costs.host_i or [0.0] * len(costs.comp_f)
+    i = [c + h for c, h in zip(costs.comp_i, host_i)]
+    return {"F": [c + h for c, h in zip(costs.comp_f, host_f)], "I": i, "W": list(costs.comp_w),
+            "B": [x + y for x, y in zip(i, costs.comp_w)]}
+
+
+def _cpu_share(costs: StageCosts) -> dict[str, list[float]]:
+    """Share of each action's simulated duration that uses the CPU (the rest is waiting)."""
+    cpu, dur = _cpu(costs), {"F": costs.f, "B": costs.b, "I": costs.i, "W": costs.w}
+    return {op: [min(1.0, c / d) if d > 0 else 1.0 for c, d in zip(cpu[op], dur[op])] for op in cpu}
+
+
+def _finish_once(est: Estimate, spec: ModelSpec, job: Job, cluster: Cluster, costs: StageCosts,
+                 detail: bool) -> Estimate:
     layout, m = est.layout, est.microbatches
     args = cost_table_args(costs, layout, cluster)
     makespan_ms, busy_ms = simulate_step(layout.schedule, layout.pp, layout.vpp, m, **args)
-    tails = [d + o for d, o in zip(costs.dp_exposed, costs.optimizer)]
+    tails = _tails(costs)
     worst = max(range(layout.pp), key=lambda r: tails[r])
+    cpu = _cpu(costs)
+    est.cpu_s = [m * sum(cpu["F"][c] + cpu["B"][c] for c in chunk_stages(layout, r))
+                 for r in range(layout.pp)]
+    est.optimizer_s, est.busy_s = list(costs.optimizer), [b / 1e3 for b in busy_ms]
     step = makespan_ms / 1e3 + tails[worst] + costs.embedding_sync
     rb = max(range(layout.pp), key=lambda r: busy_ms[r])
     chunks = chunk_stages(layout, rb)
@@ -195,6 +258,7 @@ def finish_estimate(est: Estimate, spec: ModelSpec, job: Job, cluster: Cluster, 
     est.breakdown = {"compute": compute, "tp": per["tp"], "cp": per["cp"],
                      "pp_bubble": max(0.0, idle - p2p), "pp_p2p": min(p2p, idle),
                      "dp": costs.dp_exposed[worst], "optimizer": costs.optimizer[worst],
+                     "step_sync": costs.step_sync[worst] if costs.step_sync else 0.0,
                      "embedding_sync": costs.embedding_sync}
     est.step_time_s = step
     est.bubble_fraction = sum(1 - b / makespan_ms for b in busy_ms) / len(busy_ms)

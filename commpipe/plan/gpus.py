@@ -61,12 +61,17 @@ _CUSTOM_KEYS = ("name", "tflops", "mem_gb", "hbm_gbps", "nvlink_gbps", "nic_gbps
 
 
 def resolve_gpu(text: str) -> GPU:
-    """A table name (`h100`, `a100-80gb`, ...) or a custom entry
+    """A table name (`h100`, `a100-80gb`, ...), `cpu` (this machine, measured by
+    `commpipe.plan.cpu`) or a custom entry
     `name=foo,tflops=..,mem_gb=..[,hbm_gbps=..,nvlink_gbps=..,nic_gbps=..]`."""
     if "=" not in text:
         key = ALIASES.get(text.lower(), text.lower())
+        if key == "cpu":
+            from commpipe.plan.cpu import this_cpu
+
+            return this_cpu()
         if key not in GPUS:
-            raise ValueError(f"unknown GPU {text!r}; use one of {', '.join(GPUS)} or a custom "
+            raise ValueError(f"unknown GPU {text!r}; use one of {', '.join(GPUS)}, cpu, or a custom "
                              "entry like name=foo,tflops=500,mem_gb=96")
         return GPUS[key]
     values: dict[str, str] = {}

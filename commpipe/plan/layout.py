@@ -16,6 +16,13 @@ from commpipe.parallel.dims import ParallelDims
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp32")
+CP_COMM = ("ring", "allgather")
+# What commpipe's own runtime does (commpipe/parallel, commpipe/train): TP without sequence
+# parallelism, full activations between stages, CP by all-gathering K and V (Llama 3's choice),
+# gradients all-reduced after the backward, and per step a grad-norm all-reduce over TP and PP and
+# a loss all-reduce over DP*CP and PP. On CPU it trains in fp32.
+RUNTIME_JOB = {"sequence_parallel": False, "pp_sharded": False, "cp_comm": "allgather",
+               "dp_overlap": False, "step_syncs": True}
 # The search skips context parallelism below 256 tokens per rank: ring attention then moves
 # more K/V than it computes on (Llama 3 used CP16 only at 128K tokens); `estimate` still
 # prices any cp that ParallelDims accepts.
@@ -34,12 +41,23 @@ class Job:
     sequence_parallel: bool = True  # Megatron SP: RS+AG instead of all-reduce, norms sharded
     flash_attention: bool | None = None  # None: on for llama shapes, off for gpt (Megatron-DS era)
     grad_fp32: bool = False     # Megatron-LM's default: accumulate and reduce gradients in fp32
+    # How the runtime communicates (defaults: Megatron-LM; `RUNTIME_JOB` has commpipe's own):
+    cp_comm: str = "ring"       # ring: K/V ring overlapped with attention; allgather: K/V gathered first
+    pp_sharded: bool = True     # pipeline sends [b, s/cp, h]/tp (SP or scatter-gather) vs the full tensor
+    step_syncs: bool = False    # price the step's scalar all-reduces (grad norm, loss)
 
     def __post_init__(self):
         if self.global_batch < 1 or self.seq_len < 1:
             raise ValueError("--global-batch and --seq-len must be positive")
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision {self.precision!r} is unknown; use one of {PRECISIONS}")
+        if self.cp_comm not in CP_COMM:
+            raise ValueError(f"cp_comm {self.cp_comm!r} is unknown; use one of {CP_COMM}")
+
+    @property
+    def activation_bytes(self) -> int:
+        """Bytes per activation element on the wire: bf16 under mixed precision, else fp32."""
+        return 2 if self.precision == "bf16" else 4
 
     def uses_flash(self, spec: ModelSpec) -> bool:
         return spec.arch == "llama" if self.flash_attention is None else self.flash_attention

@@ -133,3 +133,31 @@ def cache_clear() -> None:
     _SIM_CACHE.clear()
     _peak_at.cache_clear()
     lowered_program.cache_clear()
+
+
+def busy_overlap(schedule: str, pp: int, vpp: int, m: int, f: list[float], b: list[float],
+                 i: list[float], w: list[float], latency_ms: dict | float,
+                 bandwidth_gbps: dict | float, activation_bytes: float,
+                 cpu_share: dict[str, list[float]] | None = None) -> float:
+    """Pipeline ranks using the CPU at once, as a CPU-using rank sees it: the integral of
+    n(t)^2 over that of n(t), where each compute action contributes its CPU share (`cpu_share`
+    per op letter F/B/I/W and stage, default 1: the whole action) to n(t) while it runs (1 for
+    a single rank; p in a pipeline whose stages always overlap). Long runs use a
+    representative m (the steady state repeats), like `simulate_step`."""
+    mm = min(m, max(M_CAP_PER_STAGE * pp, M_CAP_MIN) + pp)
+    prog = lowered_program(schedule, pp, mm, vpp)
+    costs = CostTable(f=list(f), b=list(b), i=list(i), w=list(w), latency_ms=latency_ms,
+                      bandwidth_gbps=bandwidth_gbps, activation_bytes=activation_bytes)
+    res = simulate(prog, costs, check=False)
+    edges = []
+    for rank, k, start, end in res._compute:
+        act = prog.actions[rank][k]
+        share = cpu_share[act.op][act.stage] if cpu_share else 1.0
+        edges += [(start, share), (end, -share)]
+    edges.sort()
+    n, last, first, second = 0.0, 0.0, 0.0, 0.0
+    for t, step in edges:
+        first += n * (t - last)
+        second += n * n * (t - last)
+        n, last = n + step, t
+    return second / first if first > 0 else 1.0

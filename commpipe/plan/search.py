@@ -60,7 +60,8 @@ def _prepare(spec, job, cluster, eff, layout) -> Candidate | str:
     return Candidate(est, costs)
 
 
-def _branch_and_bound(cands: list[Candidate], k: int, spec, job, cluster) -> tuple[list[Estimate], int]:
+def _branch_and_bound(cands: list[Candidate], k: int, spec, job, cluster,
+                      eff=None) -> tuple[list[Estimate], int]:
     """The k fastest of `cands` (sorted by lower bound), simulating as few as possible."""
     cands = sorted(cands, key=lambda c: c.est.lower_bound_s)
     heap: list[tuple[float, int, Estimate]] = []       # max-heap on step time via negation
@@ -68,7 +69,7 @@ def _branch_and_bound(cands: list[Candidate], k: int, spec, job, cluster) -> tup
     for n, c in enumerate(cands):
         if len(heap) >= k and c.est.lower_bound_s > -heap[0][0]:
             break
-        finish_estimate(c.est, spec, job, cluster, c.costs, detail=False)
+        finish_estimate(c.est, spec, job, cluster, c.costs, detail=False, eff=eff)
         simulated += 1
         item = (-c.est.step_time_s, n, c.est)
         if len(heap) < k:
@@ -99,7 +100,7 @@ def search(spec: ModelSpec, job: Job, cluster: Cluster, eff: Efficiency | None =
     result = SearchResult([], len(layouts), len(cands), 0, rejected=rejected, example_rejection=example)
     if not cands:
         return result
-    best, simulated = _branch_and_bound(cands, top, spec, job, cluster)
+    best, simulated = _branch_and_bound(cands, top, spec, job, cluster, eff)
     for e in best:                      # split idle time into bubble and transfers for the table
         _detail(e, spec, job, cluster, eff)
     result.top, result.simulated = best, simulated
@@ -111,7 +112,7 @@ def search(spec: ModelSpec, job: Job, cluster: Cluster, eff: Efficiency | None =
 
 def _detail(e: Estimate, spec, job, cluster, eff) -> None:
     costs = stage_costs(spec, e.layout, job, cluster, eff)
-    finish_estimate(e, spec, job, cluster, costs, detail=True)
+    finish_estimate(e, spec, job, cluster, costs, detail=True, eff=eff)
 
 
 def _why_none(spec, job, cluster, fixed) -> str:
@@ -164,7 +165,7 @@ def _alternatives(best: Estimate, cands, spec, job, cluster, eff, layouts):
             rows.append((label, worst, worst.reason))
             continue
         fresh = [Candidate(replace(c.est), c.costs) for c in group]
-        top, n = _branch_and_bound(fresh, 1, spec, job, cluster)
+        top, n = _branch_and_bound(fresh, 1, spec, job, cluster, eff)
         extra += n
         alt = top[0]
         _detail(alt, spec, job, cluster, eff)

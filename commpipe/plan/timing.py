@@ -13,7 +13,8 @@ Dao 2023: ~70% of A100 peak vs ~85% for large GEMMs); without flash the score an
 products are batched GEMMs of shape (s/cp, d, s) per head.
 Non-GEMM work (norms, activations, softmax, dropout, residual adds) is HBM-bound: forward time
 = `elementwise` * (bytes the layer stores for backward) / HBM bandwidth, backward twice that.
-A fixed `overhead_s` per layer and pass stands for kernel launches.
+A fixed `overhead_s` per layer and pass stands for kernel launches (the vocabulary head with
+its loss counts as one more layer).
 
 Communication (priced by `cluster.Cluster`, groups placed by rank order tp, cp, dp, pp):
 - TP: per layer 2 collectives in forward and 2 in backward (all-reduce, or with sequence
@@ -29,6 +30,17 @@ Communication (priced by `cluster.Cluster`, groups placed by rank order tp, cp, 
   micro-batch's backward when `job.dp_overlap`.
 - Optimizer: HBM-bound Adam, 28 bytes touched per (sharded) parameter in bf16 mixed
   precision (read+write fp32 master, m, v; read grad; write bf16 weight), 24 in fp32.
+
+Host terms, zero by default (GPU kernels are launched asynchronously and hide them), fitted for
+a CPU or a launch-bound runtime: `coll_overhead_s` per collective call (gloo hands every call
+to a worker thread), `optimizer_overhead_s` per layer a rank holds, per step (an unfused
+optimizer loops over tensors), `wake_s` per blocking wait and per busy rank beyond the cores
+(commpipe.plan.host). Activations travel as bf16 under mixed precision and fp32 otherwise.
+The job names what the runtime sends (`Job.cp_comm`, `pp_sharded`, `sequence_parallel`,
+`step_syncs`): with sequence parallelism the embedding ends in a reduce-scatter and the head
+starts with an all-gather; without it, an all-reduce forward and one backward. The vocabulary-
+parallel cross-entropy all-reduces 3 per-token fp32 values (max, target logit, sum of
+exponentials; Megatron-LM's vocab_parallel_cross_entropy) when tp > 1.
 """
 
 from __future__ import annotations
@@ -52,6 +64,9 @@ class Efficiency:
     attn_rel: float = 0.8         # flash-attention efficiency relative to e_max
     elementwise: float = 1.0      # HBM bytes of non-GEMM ops per stored activation byte
     overhead_s: float = 20e-6     # per layer and pass (tens of kernel launches at ~1 us)
+    coll_overhead_s: float = 0.0  # host time per collective call
+    optimizer_overhead_s: float = 0.0   # host time per layer held, per optimizer step
+    wake_s: float = 0.0           # per blocking wait per unit of host contention (plan.host)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -60,7 +75,9 @@ class Efficiency:
 @dataclass
 class StageCosts:
     """Per virtual stage (chunk) and micro-batch, seconds. f = comp_f + tp_f + cp_f,
-    i = comp_i + tp_b + cp_b, w = comp_w, b = i + w (communication exposed, not overlapped)."""
+    i = comp_i + tp_b + cp_b, w = comp_w, b = i + w (communication exposed, not overlapped).
+    host_f / host_i: the part of tp_f + cp_f / tp_b + cp_b that keeps the host CPU busy (the
+    collectives' call overheads); the rest is waiting, during which a CPU rank sleeps."""
 
     comp_f: list[float]
     comp_i: list[float]
@@ -74,6 +91,9 @@ class StageCosts:
     dp_exposed: list[float] = field(default_factory=list)   # per pipeline rank, per step
     dp_total: list[float] = field(default_factory=list)
     optimizer: list[float] = field(default_factory=list)
+    step_sync: list[float] = field(default_factory=list)    # scalar all-reduces (Job.step_syncs)
+    host_f: list[float] = field(default_factory=list)
+    host_i: list[float] = field(default_factory=list)
     embedding_sync: float = 0.0
 
     @property
@@ -153,21 +173,27 @@ def stage_costs(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
     groups = _group_strides(layout)
     t, s, h = layout.tp, job.seq_len, spec.hidden
     tokens = layout.micro_batch_size * s / layout.cp
-    act_bytes = 2 * tokens * h                                      # [b, s/cp, h] bf16
+    act_bytes = job.activation_bytes * tokens * h                   # [b, s/cp, h]
     lc = layer_compute(spec, layout, job, cluster, eff)
     comp_f = lc["gemm"] + lc["attn"] + lc["elem"] + eff.overhead_s
+    tp_size = groups["tp"][0]
+    call = eff.coll_overhead_s
     # TP: AR per collective (RS+AG with SP has the same bus traffic)
-    tp_one = cluster.all_reduce(act_bytes, *groups["tp"])
+    tp_one = cluster.all_reduce(act_bytes, *groups["tp"]) + (call if tp_size > 1 else 0.0)
     tp_f, tp_b = 2 * tp_one, 2 * tp_one
-    # CP ring attention: K,V chunk [b, s/cp, 2*kv/tp] per step, overlapped with attention
     cp_size, cp_stride = groups["cp"]
     cp_f = cp_b = 0.0
-    if cp_size > 1:
-        chunk = 2 * tokens * 2 * spec.kv_dim / t                     # K and V, bf16
+    kv_bytes = job.activation_bytes * tokens * spec.kv_dim / t      # this rank's K (or V)
+    if cp_size > 1 and job.cp_comm == "ring":
+        # ring attention: K,V chunk [b, s/cp, 2*kv/tp] per step, overlapped with attention
         bw, link = cluster.bus_bandwidth(cp_size, cp_stride)
-        step = chunk / bw + link.latency_s
+        step = 2 * kv_bytes / bw + link.latency_s + call
         cp_f = (cp_size - 1) * max(step - lc["attn"] / cp_size, 0.0)
         cp_b = (cp_size - 1) * max(2 * step - 2 * lc["attn"] / cp_size, 0.0)
+    elif cp_size > 1:
+        # all-gather K and V before attention, reduce-scatter their gradients after: exposed
+        cp_f = 2 * (cluster.all_gather(cp_size * kv_bytes, cp_size, cp_stride) + call)
+        cp_b = 2 * (cluster.reduce_scatter(cp_size * kv_bytes, cp_size, cp_stride) + call)
     # recompute replays part of the forward inside the backward
     if layout.recompute == "full":
         re_comp, re_tp, re_cp = comp_f, tp_f, cp_f
@@ -181,21 +207,32 @@ def stage_costs(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
         re_comp = re_tp = re_cp = 0.0
     layer_i = lc["gemm"] + 2 * lc["attn"] + 2 * lc["elem"] + eff.overhead_s + re_comp
     head_gemm, loss = head_compute(spec, layout, job, cluster, eff)
-    head_tp = cluster.all_gather(act_bytes, *groups["tp"])          # gather the head input (SP)
-    embed_tp = cluster.all_reduce(act_bytes, *groups["tp"]) / 2     # vocab-parallel lookup (RS)
-    out = StageCosts([], [], [], [], [], [], [], act_bytes / t, groups["pp"][1])
+    head_f, head_b, embed_tp = _head_and_embedding_tp(spec, layout, job, cluster, act_bytes, call)
+    # collective calls per layer and pass (host CPU time = calls * coll_overhead_s)
+    layer_calls = (2 if tp_size > 1 else 0) + (2 if cp_size > 1 and job.cp_comm == "allgather" else 0)
+    head_calls_f = (3 + job.sequence_parallel) if tp_size > 1 else 0
+    head_calls_b = 1 if tp_size > 1 else 0
+    re_calls = layer_calls if layout.recompute == "full" else 0
+    p2p_bytes = act_bytes / t if job.pp_sharded else act_bytes
+    out = StageCosts([], [], [], [], [], [], [], p2p_bytes, groups["pp"][1])
     for st in range(stages):
         n = counts[st]
         cf, ci, cw = n * comp_f, n * layer_i, n * lc["gemm"]
         tf, tb = n * tp_f, n * (tp_b + re_tp)
+        hf, hb = n * layer_calls * call, n * (layer_calls + re_calls) * call
         if st == 0:
             tf += embed_tp
+            hf += call if tp_size > 1 else 0.0
         if st == stages - 1:
-            cf += head_gemm + loss
-            ci += head_gemm + loss              # input-gradient GEMM + loss backward
+            cf += head_gemm + loss + eff.overhead_s
+            ci += head_gemm + loss + eff.overhead_s     # input-gradient GEMM + loss backward
             cw += head_gemm
-            tf += head_tp
-            tb += head_tp
+            tf += head_f
+            tb += head_b
+            hf += head_calls_f * call
+            hb += head_calls_b * call
+        out.host_f.append(hf)
+        out.host_i.append(hb)
         out.comp_f.append(cf)
         out.comp_i.append(ci)
         out.comp_w.append(cw)
@@ -203,28 +240,63 @@ def stage_costs(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
         out.tp_b.append(tb)
         out.cp_f.append(n * cp_f)
         out.cp_b.append(n * (cp_b + re_cp))
-    _dp_and_optimizer(spec, layout, job, cluster, out, groups)
+    _dp_and_optimizer(spec, layout, job, cluster, out, groups, eff)
     return out
 
 
+def _head_and_embedding_tp(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
+                           act_bytes: float, call: float) -> tuple[float, float, float]:
+    """Exposed TP time of the head (forward, backward) and of the embedding (forward)."""
+    size, stride = layout.tp, 1
+    if size == 1:
+        return 0.0, 0.0, 0.0
+    tokens = layout.micro_batch_size * job.seq_len / layout.cp
+    # vocabulary-parallel cross-entropy: 3 all-reduces of one fp32 value per token
+    ce = 3 * (cluster.all_reduce(4 * tokens, size, stride) + call)
+    if job.sequence_parallel:
+        gather = cluster.all_gather(act_bytes, size, stride) + call     # head input (SP)
+        return gather + ce, gather, cluster.reduce_scatter(act_bytes, size, stride) + call
+    ar = cluster.all_reduce(act_bytes, size, stride) + call
+    return ce, ar, ar          # head: copy forward, all-reduce of its input gradient backward
+
+
 def _dp_and_optimizer(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
-                      costs: StageCosts, groups: dict) -> None:
+                      costs: StageCosts, groups: dict, eff: Efficiency) -> None:
     grad_b = 2 if job.precision == "bf16" and not job.grad_fp32 else 4
     shard = layout.dp * layout.cp if job.zero1 else 1
     bytes_per_param_opt = 28 if job.precision == "bf16" else 24
     hbm = cluster.gpu.hbm_gbps * 1e9 * HBM_EFFICIENCY
     b = costs.b
+    stages = layout.pp * layout.vpp
     chunks = rank_chunks(layout.schedule, layout.pp, layout.vpp)
-    for rank, (_, params) in enumerate(stage_params(spec, layout, job)):
+    call = eff.coll_overhead_s
+    for rank, (layers, params) in enumerate(stage_params(spec, layout, job)):
         ar = cluster.all_reduce(params * grad_b, *groups["dp_cp"])
+        ar += call if groups["dp_cp"][0] > 1 else 0.0
         window = sum(b[s] for s in chunks[rank]) if job.dp_overlap else 0.0
         # the last bucket can never hide: Megatron's default bucket is 40M parameters
         tail = ar * min(1.0, 40e6 / max(params, 1.0))
         costs.dp_total.append(ar)
         costs.dp_exposed.append(max(ar - window, tail if job.dp_overlap else ar))
-        costs.optimizer.append(params / shard * bytes_per_param_opt / hbm)
+        # the embedding and the head (with the final norm) count as one layer each
+        held = layers + (0 in chunks[rank]) + (stages - 1 in chunks[rank])
+        costs.optimizer.append(params / shard * bytes_per_param_opt / hbm
+                               + held * eff.optimizer_overhead_s)
+        costs.step_sync.append(_step_sync(job, cluster, groups, call))
     if spec.arch == "gpt" and layout.pp > 1:
         # tied embedding: first and last stage all-reduce the word-embedding gradient
         pp_size, pp_stride = groups["pp"]
         last = (pp_size - 1) * pp_stride
         costs.embedding_sync = 2 * cluster.p2p(spec.vocab * spec.hidden / layout.tp * grad_b, 0, last)
+
+
+def _step_sync(job: Job, cluster: Cluster, groups: dict, call: float) -> float:
+    """The step's scalar all-reduces: gradient norm over TP and PP, loss over DP*CP and PP."""
+    if not job.step_syncs:
+        return 0.0
+    total = 0.0
+    for name in ("tp", "pp", "dp_cp", "pp"):
+        size, stride = groups[name]
+        if size > 1:
+            total += cluster.all_reduce(8, size, stride) + call
+    return total
