@@ -16,7 +16,8 @@ from commpipe.report.cli import compare_study, spearman, write_report
 from commpipe.report.figures import load_events
 from commpipe.timeline import Event, write_chrome_trace
 
-STUDY_CSV = Path("/work/shared/data/study_perlmutter_llama8b.csv")
+# the reference data lives beside the repository, in ../shared/data
+STUDY_CSV = Path(__file__).resolve().parents[2] / "shared" / "data" / "study_perlmutter_llama8b.csv"
 
 
 def _jsonl(path: Path, rows) -> None:

@@ -26,7 +26,8 @@ from commpipe.cluster.sweep import (
     validate_layout,
 )
 
-STUDY_CSV = Path("/work/shared/data/study_perlmutter_llama8b.csv")
+# the reference data lives beside the repository, in ../shared/data
+STUDY_CSV = Path(__file__).resolve().parents[2] / "shared" / "data" / "study_perlmutter_llama8b.csv"
 
 FAKE_TRAIN = """
 import json, pathlib, sys, time
