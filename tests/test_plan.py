@@ -496,3 +496,18 @@ def test_cpu_entry_is_measured():
 
     g = measure_cpu(gemm=64, copy_mb=1, repeats=2)
     assert g.name == "cpu" and 0 < g.tflops < 100 and 0 < g.hbm_gbps < 10000 and g.mem_gb > 0
+
+
+def test_estimate_cli_prices_shared_host_cores(capsys):
+    """--host-cores: more busy ranks than cores slow every rank down (never speed it up)."""
+    base = ["estimate", "--model", "arch=llama,layers=8,hidden=64,heads=4,kv_heads=2,"
+            "ffn_hidden=128,vocab=256", "--gpu", "name=toy,tflops=1,mem_gb=16", "--gpus", "4",
+            "--gpus-per-node", "4", "--pp", "4", "--global-batch", "8", "--seq-len", "32",
+            "--schedule", "1f1b", "--backend", "gloo", "--json"]
+    times = []
+    for extra in ([], ["--host-cores", "4"], ["--host-cores", "1"]):
+        assert main(base + extra) == 0
+        times.append(json.loads(capsys.readouterr().out)["step_time_s"])
+    own, enough, shared = times
+    assert enough == pytest.approx(own, rel=1e-9)   # a core per rank: no contention
+    assert shared > 1.5 * own                       # four ranks on one core

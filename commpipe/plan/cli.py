@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 
 from commpipe.models.spec import resolve_model
 from commpipe.plan.cluster import apply_links, apply_probe, default_cluster, override_links
@@ -53,6 +54,11 @@ def add_common_arguments(p, require_layout: bool = False) -> None:
                    help="GPU-pair bandwidth across nodes (per GPU/NIC), decimal GB/s")
     c.add_argument("--intra-node-latency-ms", type=float)
     c.add_argument("--inter-node-latency-ms", type=float)
+    c.add_argument("--backend", default="nccl", choices=("nccl", "gloo"),
+                   help="collective library, for its latency steps (default nccl)")
+    c.add_argument("--host-cores", type=int, default=None,
+                   help="CPU cores all ranks share (CPU clusters with more ranks than cores); "
+                        "default: every rank has its own device")
     title = "layout" if require_layout else "layout (fix dimensions; the rest is searched)"
     lay = p.add_argument_group(title)
     lay.add_argument("--tp", type=int)
@@ -102,6 +108,7 @@ def cluster_from_args(args, num_gpus: int | None = None, profile_path: str | Non
             cluster = apply_links(cluster, links, f"profile:{profile_path}")
     cluster = override_links(cluster, args.intra_node_gbps, args.inter_node_gbps,
                              args.intra_node_latency_ms, args.inter_node_latency_ms)
+    cluster = replace(cluster, backend=args.backend, host_cores=args.host_cores)
     return cluster, eff
 
 
