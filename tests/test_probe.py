@@ -1,0 +1,41 @@
+"""`commpipe probe`: the latency/bandwidth fit against exact synthetic timings, and a real
+two-rank run writing the documented JSON schema."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+
+def test_probe_fit_recovers_latency_and_bandwidth():
+    from commpipe.monitor.probe import fit_latency_bandwidth, parse_sizes
+
+    sizes = parse_sizes("4K,64K,1M,16M")
+    assert sizes == [4096, 65536, 1 << 20, 16 << 20]
+    # t = 50 us + bytes / 10 GB/s exactly: the fit returns both back
+    lat, bw, how = fit_latency_bandwidth(sizes, [50e-6 + n / 10e9 for n in sizes])
+    assert how == "fit" and lat == pytest.approx(50e-6) and bw == pytest.approx(10e9)
+    # flat times (noise): the largest message's bytes / time, flagged
+    lat, bw, how = fit_latency_bandwidth(sizes, [1e-3] * 4)
+    assert how.startswith("largest") and bw == pytest.approx((16 << 20) / 1e-3)
+    with pytest.raises(ValueError, match="4K,1M"):
+        parse_sizes("4K,lots")
+
+
+def test_probe_cli_writes_schema(tmp_path, capfd):
+    from commpipe.cli import main
+
+    out = tmp_path / "probe.json"
+    assert main(["probe", "--nproc", "2", "--ranks-per-node", "1", "--sizes", "4K,256K",
+                 "--iters", "2", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert (res["world_size"], res["ranks_per_node"]) == (2, 1)
+    assert res["pairs"]["intra_node"] is None                     # one rank per node
+    inter = res["pairs"]["inter_node"]
+    assert inter["ranks"] == [0, 1] and inter["latency_ms"] >= 0 and inter["bandwidth_gbps"] > 0
+    assert [s["bytes"] for s in inter["sizes"]] == [4096, 262144]
+    (ar,) = res["allreduce"]
+    big = ar["sizes"][1]
+    assert ar["group_size"] == 2 and big["busbw_gbps"] == pytest.approx(big["algbw_gbps"])  # 2(n-1)/n = 1
+    assert "inter_node" in capfd.readouterr().out
