@@ -511,3 +511,28 @@ def test_estimate_cli_prices_shared_host_cores(capsys):
     own, enough, shared = times
     assert enough == pytest.approx(own, rel=1e-9)   # a core per rank: no contention
     assert shared > 1.5 * own                       # four ranks on one core
+
+
+def test_schedule_rules_mirror_the_generators():
+    """The planner checks schedule constraints without generating programs (too slow for
+    thousands of layouts); its rules must agree with the generators: it never proposes what
+    the runtime rejects, and (with a pipeline) never rejects what the runtime runs."""
+    from commpipe.plan.layout import schedule_problem
+    from commpipe.schedules import generate
+
+    for name in ("gpipe", "1f1b", "interleaved", "zbh1", "zbv"):
+        for pp in range(1, 6):
+            for vpp in (1, 2, 3):
+                for m in range(1, 13):
+                    try:
+                        generate(name, pp, m, vpp)
+                        runs = True
+                    except ValueError:
+                        runs = False
+                    proposed = schedule_problem(name, pp, vpp, m) is None
+                    case = (name, pp, vpp, m)
+                    assert runs or not proposed, f"planner proposes {case}, runtime rejects it"
+                    # pp=1 (nothing to schedule) and zbv's implicit vpp=1 -> 2 are the
+                    # planner's own deliberate narrowings
+                    if pp > 1 and not (name == "zbv" and vpp == 1):
+                        assert proposed or not runs, f"planner rejects {case}, runtime runs it"
