@@ -55,19 +55,20 @@ class ModelSpec:
         if self.hidden % self.heads:
             raise ValueError(
                 f"model hidden={self.hidden} is not divisible by heads={self.heads}; "
-                f"use heads in {_divisors(self.hidden, limit=256)}"
+                f"use heads in {divisors(self.hidden, limit=256)}"
             )
         if self.heads % self.kv_heads:
             raise ValueError(
                 f"model heads={self.heads} is not a multiple of kv_heads={self.kv_heads}; "
-                f"use kv_heads in {_divisors(self.heads)}"
+                f"use kv_heads in {divisors(self.heads)}"
             )
         if self.arch == "llama" and self.head_dim % 2:
             raise ValueError(f"rotary embeddings need an even head dim, got {self.head_dim}")
         return self
 
 
-def _divisors(n: int, limit: int | None = None) -> list[int]:
+def divisors(n: int, limit: int | None = None) -> list[int]:
+    """Every d that divides n (at most `limit`), ascending: the valid degrees error messages list."""
     out = [d for d in range(1, n + 1) if n % d == 0]
     return [d for d in out if limit is None or d <= limit]
 

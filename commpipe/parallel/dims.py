@@ -13,13 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from commpipe.models.spec import ModelSpec
+from commpipe.models.spec import ModelSpec, divisors
 
 DIM_NAMES = ("pp", "dp", "cp", "tp")  # outermost first
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _fmt(values: list[int]) -> str:
@@ -58,15 +54,15 @@ class ParallelDims:
     def check_model(self, spec: ModelSpec, seq_len: int, layers_per_stage: list[int] | None = None,
                     vpp: int = 1) -> None:
         if spec.heads % self.tp:
-            ok = [d for d in _divisors(spec.heads) if spec.kv_heads % d == 0]
+            ok = [d for d in divisors(spec.heads) if spec.kv_heads % d == 0]
             raise ValueError(f"tp={self.tp} does not divide {spec.heads} attention heads; "
                              f"use tp in {_fmt(ok)}")
         if spec.kv_heads % self.tp:
             raise ValueError(f"tp={self.tp} does not divide {spec.kv_heads} KV heads; "
-                             f"use tp in {_fmt(_divisors(spec.kv_heads))}")
+                             f"use tp in {_fmt(divisors(spec.kv_heads))}")
         if spec.vocab % self.tp:
             raise ValueError(f"tp={self.tp} does not divide vocab={spec.vocab} (vocabulary-parallel "
-                             f"embedding); use tp in {_fmt(_divisors(spec.vocab)[:12])}")
+                             f"embedding); use tp in {_fmt(divisors(spec.vocab)[:12])}")
         stages = self.pp * vpp
         if layers_per_stage is not None:
             if len(layers_per_stage) != stages:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from commpipe.models.spec import ModelSpec
+from commpipe.models.spec import ModelSpec, divisors
 from commpipe.parallel.dims import ParallelDims
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")
@@ -128,10 +128,6 @@ def layout_problem(spec: ModelSpec, job: Job, layout: Layout, num_gpus: int | No
     except ValueError as e:
         return str(e)
     return schedule_problem(layout.schedule, layout.pp, layout.vpp, m)
-
-
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def enumerate_layouts(spec: ModelSpec, job: Job, num_gpus: int, fixed: dict | None = None,
