@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import time
 from types import SimpleNamespace
 
@@ -37,6 +36,7 @@ from commpipe.monitor.records import (
 )
 from commpipe.parallel.comm import Comm, CommCall
 from commpipe.parallel.dims import ParallelDims
+from tests.dist_harness import free_port
 
 STALL = 0.3
 HTA_ARGS = ("Collective name", "In msg nelems", "Out msg nelems", "Group size", "dtype",
@@ -73,12 +73,6 @@ class StandInP2P:
 
 
 _ORIGINAL = StandInP2P._communicate
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _xfer(comm, src, dst, numel):
@@ -190,7 +184,7 @@ def _read_jsonl(path):
 @pytest.fixture(scope="module")
 def run2(tmp_path_factory):
     out = tmp_path_factory.mktemp("monitor2")
-    mp.spawn(_worker, args=(_free_port(), out), nprocs=2, join=True)
+    mp.spawn(_worker, args=(free_port(), out), nprocs=2, join=True)
     return out
 
 
