@@ -58,7 +58,7 @@ VALID_LAYOUTS = [Layout(tp=2, pp=2), Layout(cp=2, pp=2), Layout(pp=2, dp=2), Lay
                  Layout(tp=2, cp=2, dp=2), Layout(cp=2, pp=2, dp=2), Layout(dp=8), Layout(cp=4, pp=2)]
 # what the demo trains (commpipe.cluster.sweep.run_demo_sweep): every call monitored and traced
 TRAIN = {"model": DEMO_MODEL, "seq_len": 32, "global_batch": 8, "steps": 10, "trace": True,
-         "monitor": "all"}
+         "comm_monitor": "all"}
 PROBE_SIZES = "1K,4K,16K,64K,256K,1M"
 
 

@@ -208,7 +208,7 @@ def test_real_sweep_end_to_end(tmp_path):
     from commpipe.report.cli import write_report
 
     grid = Grid([Layout(tp=2, pp=2), Layout(tp=2, pp=2, placement="cp-dp-pp-tp", name="tp2x-pp2")],
-                {"model": "tiny", "seq_len": 16, "steps": 2, "monitor": "all", "trace": True})
+                {"model": "tiny", "seq_len": 16, "steps": 2, "comm_monitor": "all", "trace": True})
     ok, _ = netns.available()
     cluster = netns.EmulatedCluster(2, 2, 200, prefix=f"te{os.getpid() % 10000}") if ok else None
     try:

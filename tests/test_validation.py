@@ -26,7 +26,10 @@ BAD = [
                                          "vocab=256", tp=4), 4, ["tp=4", "KV heads", "{1, 2}"]),
     ("pp larger than layers", dict(pp=8, microbatches=8), 8, ["pp*vpp=8", "4 layers"]),
     ("world size mismatch", dict(tp=2, pp=2), 2, ["world size 2", "= 4", "--nproc-per-node 4"]),
-    ("seq not divisible by 2cp", dict(cp=2, seq_len=30), 2, ["2*cp=4", "seq_len=30"]),
+    ("seq not divisible by 2cp", dict(cp=2, seq_len=30), 2, ["2*cp=4", "seq_len=30", "--seq-len 28 or 32"]),
+    # an odd length fits no cp > 1: the message names lengths that do, not an empty set
+    ("odd seq with cp", dict(cp=2, seq_len=63), 2, ["--seq-len 60 or 64"]),
+    ("seq fits a smaller cp", dict(cp=4, seq_len=68), 4, ["--seq-len 64 or 72", "cp in {2}"]),
     ("1f1b with too few micro-batches", dict(pp=4, microbatches=2), 4,
      ["m=2 < p=4", "--microbatches >= 4"]),
     ("unknown preset", dict(model="llama9"), 1, ["unknown model 'llama9'", "tiny"]),
@@ -68,7 +71,7 @@ def test_cli_rejects_before_starting_processes(capsys):
     assert main(["train", "--tp", "2", "--steps", "1"]) == 2
     err = capsys.readouterr().err
     assert "world size 1" in err and "--nproc-per-node 2" in err
-    assert main(["train", "--monitor", "sample=2"]) == 2
+    assert main(["train", "--comm-monitor", "sample=2"]) == 2
     assert "sample=F with 0 < F <= 1" in capsys.readouterr().err
 
 

@@ -134,7 +134,7 @@ def layouts_from_dicts(entries: list[dict], where: str = "grid") -> list[Layout]
     layouts, names = [], set()
     for i, entry in enumerate(entries):
         at = f"{where} layout #{i + 1}"
-        extra = {k: v for k, v in entry.items() if k not in LAYOUT_KEYS}
+        extra = _renamed({k: v for k, v in entry.items() if k not in LAYOUT_KEYS})
         kwargs = {}
         for key in ("tp", "cp", "pp", "dp", "vpp", "microbatches"):
             if key in entry:
@@ -178,7 +178,15 @@ def load_grid(text_or_path: str) -> Grid:
     if unknown:
         raise ValueError(f"{path}: unknown top-level keys {sorted(unknown)}; use [[layout]] and [train]")
     return Grid(layouts_from_dicts(list(data.get("layout", [])), str(path)),
-                dict(data.get("train", {})), str(path))
+                _renamed(dict(data.get("train", {}))), str(path))
+
+
+# training keys of older grid files -> the `commpipe train` flag each became
+RENAMED_TRAIN_KEYS = {"monitor": "comm_monitor"}
+
+
+def _renamed(flags: dict) -> dict:
+    return {RENAMED_TRAIN_KEYS.get(k, k): v for k, v in flags.items()}
 
 
 # -- presets ----------------------------------------------------------------------------------

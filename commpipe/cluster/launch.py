@@ -56,7 +56,7 @@ class RunResult:
 
 
 def flag_list(flags: dict) -> list[str]:
-    """{"seq_len": 64, "trace": True, "monitor": "sample=0.1"} -> --seq-len 64 --trace --monitor ..."""
+    """{"seq_len": 64, "trace": True, "comm_monitor": "all"} -> --seq-len 64 --trace --comm-monitor all"""
     out = []
     for key, value in flags.items():
         if value is None or value is False:
@@ -76,9 +76,9 @@ def train_flags(layout: Layout, train: dict, out_dir) -> list[str]:
 
 
 def train_argv(layout: Layout, train: dict, out_dir) -> list[str]:
-    """torchrun's tail: `-m -- commpipe train ...`. The `--` ends torchrun's own options: its
-    parser accepts unambiguous prefixes, and without it `--monitor` is taken as an abbreviation
-    of torchrun's --monitor-interval (argparse: "ambiguous option")."""
+    """torchrun's tail: `-m -- commpipe train ...`. No `commpipe train` flag is a prefix of a
+    torchrun option (a test checks it against torchrun's own parser); the `--`, which ends
+    torchrun's options, keeps it so for flags passed through --train-arg too."""
     return ["-m", "--", "commpipe", "train", *train_flags(layout, train, out_dir)]
 
 

@@ -36,7 +36,7 @@ from commpipe.cluster.launch import (
 
 STATUS_FILE = "sweep.jsonl"
 TRAIN_FLAGS = ("model", "steps", "seq_len", "global_batch", "micro_batch_size", "microbatches", "seed",
-               "schedule", "monitor", "trace", "lr", "data", "device")
+               "schedule", "comm_monitor", "trace", "lr", "data", "device")
 
 
 # -- what a layout run needs ----------------------------------------------------------------------
@@ -242,7 +242,8 @@ def add_arguments(p) -> None:
                       ("microbatches", int), ("seed", int), ("lr", float)):
         g.add_argument(f"--{name}", type=typ, default=None)
     g.add_argument("--schedule", default=None, help="default schedule for layouts that name none")
-    g.add_argument("--monitor", default=None, help="off | sample=0.1 | all (default sample=0.1)")
+    g.add_argument("--comm-monitor", "--monitor", dest="comm_monitor", default=None,
+                   help="off | sample=0.1 | all (default sample=0.1)")
     g.add_argument("--trace", action="store_true", default=None)
     g.add_argument("--data", default=None)
     g.add_argument("--train-arg", action="append", default=[], metavar="KEY=VALUE",
@@ -286,7 +287,7 @@ DEFAULT_MONITOR = "sample=0.1"   # time one call in ten, as the study did; count
 
 def run(args) -> int:
     grid = load_grid(args.grid)
-    train = {"monitor": DEFAULT_MONITOR, **grid.train, **train_overrides(args)}
+    train = {"comm_monitor": DEFAULT_MONITOR, **grid.train, **train_overrides(args)}
     rates = parse_rates(args.inter_node_mbit)
     if args.cluster == "slurm":
         from commpipe.cluster.slurm import SlurmOptions, write_scripts
@@ -329,7 +330,7 @@ def run_demo_sweep(out_dir, nodes: int = 4, ranks_per_node: int = 2, inter_node_
     grid = demo8()
     # every call timed, so each layout's timeline shows all of its communication
     train = {"steps": steps, "seq_len": seq_len, "trace": True,
-             "monitor": "all"}
+             "comm_monitor": "all"}
     runner, emu = make_runner(cluster, nodes, ranks_per_node, inter_node_mbit, timeout_s, log=log)
     try:
         run_sweep(grid, out_dir, runner, train, progress=progress, log=log)

@@ -1,4 +1,4 @@
-"""`--monitor off|sample=F|all` parsing (no torch import, so CLIs can validate early)."""
+"""`--comm-monitor off|sample=F|all` parsing (no torch import, so CLIs can validate early)."""
 
 from __future__ import annotations
 
@@ -23,5 +23,5 @@ def parse_monitor_flag(text: str) -> float | None:
         frac = float("nan")
     if 0.0 < frac <= 1.0:
         return frac
-    raise ValueError(f"--monitor {raw!r}: use off, all, or sample=F with 0 < F <= 1 "
+    raise ValueError(f"--comm-monitor {raw!r}: use off, all, or sample=F with 0 < F <= 1 "
                      "(e.g. sample=0.1 times one call in ten)")

@@ -80,7 +80,9 @@ def add_arguments(p) -> None:
     g = p.add_argument_group("output")
     g.add_argument("--out", default=None, help="run folder: metrics.jsonl, config.json, "
                    "checkpoints/, monitor/, trace/")
-    g.add_argument("--monitor", default="off", help="off | sample=0.1 | all")
+    # not `--monitor`: torchrun would take that as an abbreviation of its --monitor-interval
+    g.add_argument("--comm-monitor", default="off", metavar="off|sample=F|all",
+                   help="time communication calls: off, all, or sample=0.1 (one call in ten)")
     g.add_argument("--trace", action="store_true",
                    help="record the per-action timeline of the last step into OUT/trace/")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
@@ -98,9 +100,9 @@ def config_from_args(args) -> TrainConfig:
     dims = ParallelDims(dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp)
     optim = OptimConfig(lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup, clip=args.clip,
                         zero1=args.zero1)
-    monitor = parse_monitor_flag(args.monitor)
+    monitor = parse_monitor_flag(args.comm_monitor)
     if (monitor is not None or args.trace) and not args.out:
-        raise ValueError("--monitor and --trace write into the run folder; give --out DIR")
+        raise ValueError("--comm-monitor and --trace write into the run folder; give --out DIR")
     return TrainConfig(model=args.model, dims=dims, schedule=args.schedule, vpp=args.vpp,
                        microbatches=args.microbatches, micro_batch_size=args.micro_batch_size,
                        global_batch=args.global_batch, seq_len=args.seq_len, steps=args.steps,
