@@ -74,11 +74,18 @@ class ParallelDims:
         elif spec.layers < stages:
             raise ValueError(f"pp*vpp={stages} stages exceeds the model's {spec.layers} layers; "
                              f"use pp*vpp <= {spec.layers}")
-        if seq_len < 1 or seq_len % (2 * self.cp):
-            valid = [c for c in (1, 2, 4, 8, 16) if seq_len % (2 * c) == 0]
+        if seq_len < 1:
+            raise ValueError(f"seq_len={seq_len} must be positive")
+        if self.cp > 1 and seq_len % (2 * self.cp):
+            # context parallelism cuts the sequence into 2*cp chunks (causal load balance)
+            fits = [c for c in (2, 4, 8, 16) if c < self.cp and seq_len % (2 * c) == 0]
+            chunk = 2 * self.cp
+            nearest = " or ".join(str(n) for n in (seq_len // chunk * chunk, -(-seq_len // chunk) * chunk)
+                                  if n > 0)
+            also = f", or cp in {_fmt(fits)}" if fits else ""
             raise ValueError(f"seq_len={seq_len} is not divisible by 2*cp={2 * self.cp} (context "
-                             f"parallelism splits the sequence into 2*cp chunks); use cp in "
-                             f"{_fmt(valid)} or a seq_len that is a multiple of {2 * self.cp}")
+                             f"parallelism cuts the sequence into 2*cp chunks); use --seq-len "
+                             f"{nearest}{also}")
 
     def check_batch(self, global_batch: int, micro_batch_size: int) -> int:
         """Return micro-batches per pipeline m = B / (b * dp), or explain why it is not whole."""
