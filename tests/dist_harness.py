@@ -31,14 +31,17 @@ def _worker(rank: int, world: int, port: int, jobs: list, outdir: str) -> None:
 
     results = {}
     try:
-        for key, cfg in jobs:
+        for key, cfg, *plant in jobs:
             cfg.resolve(world)
             trainer = Trainer.build(cfg, Comm(cfg.dims, rank))
             trainer.capture_grads = True
-            losses = [trainer.train_step()["loss"] for _ in range(cfg.steps)]
+            for bug in plant:      # tests of the tests: a deliberate bug, see test_mutations.py
+                bug(trainer)
+            records = [trainer.train_step() for _ in range(cfg.steps)]
             results[key] = {
                 "coords": trainer.comm.coords,
-                "losses": losses,
+                "losses": [r["loss"] for r in records],
+                "grad_norms": [r["grad_norm"] for r in records],
                 "params": {n: (p.detach().clone(), getattr(p, "_tp_dim", None))
                            for n, p in trainer.named_params},
                 "grads": trainer.last_grads,
@@ -49,12 +52,14 @@ def _worker(rank: int, world: int, port: int, jobs: list, outdir: str) -> None:
 
 
 def run_jobs(world: int, jobs: list) -> dict:
-    """jobs: [(key, TrainConfig)] -> {key: {"losses", "params", "grads", "replicas_equal"}}."""
+    """jobs: [(key, TrainConfig[, plant])] -> {key: {"losses", "grad_norms", "params", "grads",
+    "replicas_equal"}}; `plant(trainer)`, a module-level function, changes the built trainer
+    (a deliberate bug, to show that a comparison fails)."""
     with tempfile.TemporaryDirectory() as tmp:
         mp.start_processes(_worker, args=(world, free_port(), jobs, tmp), nprocs=world,
                            start_method="spawn")
         per_rank = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world)]
-    return {key: assemble([pr[key] for pr in per_rank]) for key, _ in jobs}
+    return {key: assemble([pr[key] for pr in per_rank]) for key, *_ in jobs}
 
 
 def assemble(rank_results: list) -> dict:
@@ -84,5 +89,6 @@ def assemble(rank_results: list) -> dict:
             replicas_equal &= torch.equal(value[0], first[0])
         params[name], grads[name] = first
     loss_holder = next(r for r in rank_results if r["losses"])
-    return {"losses": loss_holder["losses"], "params": params, "grads": grads,
+    return {"losses": loss_holder["losses"], "grad_norms": loss_holder["grad_norms"],
+            "params": params, "grads": grads,
             "replicas_equal": replicas_equal}

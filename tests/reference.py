@@ -17,14 +17,15 @@ from commpipe.train.source import make_source
 
 
 def reference_run(cfg: TrainConfig) -> dict:
-    """Losses per step, final parameters, and the clipped gradients of the last step."""
+    """Losses and pre-clip gradient norms per step, final parameters, and the gradients of the
+    last step before clipping."""
     cfg.resolve(cfg.dims.world_size)
     model = build_model(cfg.spec, cfg.seed)
     o = cfg.optim
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
                             weight_decay=o.weight_decay, foreach=False)
     source = make_source(cfg, cfg.spec)
-    losses, grads = [], {}
+    losses, norms, grads = [], [], {}
     for step in range(cfg.steps):
         inputs, labels = source.batch(step, cfg.global_batch, 0, 1)
         for g in opt.param_groups:
@@ -32,10 +33,11 @@ def reference_run(cfg: TrainConfig) -> dict:
         logits = model(inputs)
         loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), o.clip)
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        max_norm = o.clip if o.clip > 0 else float("inf")   # commpipe: clip=0 is off
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm).item())
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "params": params, "grads": grads}
+    return {"losses": losses, "grad_norms": norms, "params": params, "grads": grads}

@@ -1,12 +1,20 @@
-"""Every layout computes what one device computes: loss of each of 3 optimizer steps, the last
-step's gradients and the final parameters, against tests/reference.py (fp32, CPU, gloo).
+"""Every layout computes what one device computes: loss and pre-clip gradient norm of each of 3
+optimizer steps, the last step's gradients *before clipping* and the final parameters, against
+tests/reference.py (fp32, CPU, gloo).
 
 Layouts: every (tp, cp, pp, dp) in {1, 2}^4 with world size <= 8, plus pp=4, under GPipe and
-1F1B, with 8 sequences per step split into micro-batches (so averaging bugs cannot hide).
+1F1B, with 8 sequences per step split into micro-batches (so averaging bugs cannot hide), and
+ZeRO-1 with dp=2 beside every other dimension.
+
+Why pre-clip: every step of these runs has a gradient norm above the clip threshold, so clipped
+gradients (and hence parameters, and losses) are blind to a gradient scaled uniformly, e.g. a DP
+or CP reduction that counts twice. test_planted_bugs_are_caught shows the comparison failing on
+such bugs, planted into the same process launch.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 
 import pytest
@@ -48,27 +56,99 @@ def reference():
     return reference_run(make_cfg(ParallelDims(), "1f1b"))
 
 
-def check_against(reference: dict, got: dict, label: str) -> None:
+def check_losses(reference: dict, got: dict, label: str) -> None:
     torch.testing.assert_close(torch.tensor(got["losses"], dtype=torch.float64),
                                torch.tensor(reference["losses"], dtype=torch.float64),
                                rtol=LOSS_RTOL, atol=0, msg=lambda m: f"{label} loss: {m}")
-    assert got["replicas_equal"], f"{label}: DP/CP replicas diverged"
-    assert set(got["params"]) == set(reference["params"]), label
+
+
+def check_grads(reference: dict, got: dict, label: str) -> None:
+    """Pre-clip global gradient norms of every step, and the last step's pre-clip gradients."""
+    torch.testing.assert_close(torch.tensor(got["grad_norms"], dtype=torch.float64),
+                               torch.tensor(reference["grad_norms"], dtype=torch.float64),
+                               rtol=LOSS_RTOL, atol=0, msg=lambda m: f"{label} grad norm: {m}")
     for name, ref in reference["grads"].items():
         torch.testing.assert_close(got["grads"][name], ref, rtol=TENSOR_RTOL, atol=TENSOR_ATOL,
                                    msg=lambda m, n=name: f"{label} grad {n}: {m}")
+
+
+def check_params(reference: dict, got: dict, label: str) -> None:
+    assert got["replicas_equal"], f"{label}: DP/CP replicas diverged"
+    assert set(got["params"]) == set(reference["params"]), label
     for name, ref in reference["params"].items():
         torch.testing.assert_close(got["params"][name], ref, rtol=TENSOR_RTOL, atol=TENSOR_ATOL,
                                    msg=lambda m, n=name: f"{label} param {n}: {m}")
 
 
-@pytest.mark.parametrize("world", [1, 2, 4, 8])
-def test_layouts_match_single_device(world, reference):
+def check_against(reference: dict, got: dict, label: str) -> None:
+    check_losses(reference, got, label)
+    check_grads(reference, got, label)
+    check_params(reference, got, label)
+
+
+# -- planted bugs: each must make the comparison fail ------------------------------------------
+def plant_doubled_reduction(trainer) -> None:
+    """The DP/CP gradient reduction counts every contribution twice."""
+    reduce = trainer.reducer.reduce
+
+    def doubled():
+        reduce()
+        for p in trainer.params:
+            if p.grad is not None:
+                p.grad.mul_(2)
+
+    trainer.reducer.reduce = doubled
+
+
+def plant_dropped_microbatch(trainer) -> None:
+    """Micro-batch 0 of every step adds its loss but none of its gradient."""
+    loss_fn, calls, m = trainer.runtime.loss_fn, itertools.count(), trainer.cfg.microbatches
+
+    def dropping(logits, labels):
+        loss = loss_fn(logits, labels)
+        return loss.detach() + 0 * loss if next(calls) % m == 0 else loss
+
+    trainer.runtime.loss_fn = dropping
+
+
+PLANTED = {  # world 4: (layout, bug)
+    "doubled-dp": (ParallelDims(pp=2, dp=2), plant_doubled_reduction),
+    "doubled-cp": (ParallelDims(pp=2, cp=2), plant_doubled_reduction),
+    "dropped-mb": (ParallelDims(tp=2, pp=2), plant_dropped_microbatch),
+}
+
+
+@functools.cache
+def results_of(world: int) -> dict:
+    """Every job of one world size in one launch of `world` processes."""
     jobs = [(f"{d}-{sched}", make_cfg(d, sched)) for d in layouts_of(world)
             for sched in ("gpipe", "1f1b")]
     # ZeRO-1: optimizer states sharded across DP, updated parameters broadcast by their owner
     jobs += [(f"{d}-zero1", make_cfg(d, "1f1b", zero1=True)) for d in layouts_of(world)
-             if d.dp == 2 and d.pp <= 2 and d.cp == 1]
-    results = run_jobs(world, jobs)
+             if d.dp == 2 and d.pp <= 2]
+    if world == 4:
+        jobs += [(f"planted-{name}", make_cfg(d, "1f1b"), bug) for name, (d, bug) in PLANTED.items()]
+    return run_jobs(world, jobs)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8])
+def test_layouts_match_single_device(world, reference):
+    results = results_of(world)
     for key, got in results.items():
-        check_against(reference, got, key)
+        if not key.startswith("planted-"):
+            check_against(reference, got, key)
+
+
+@pytest.mark.parametrize("name", list(PLANTED))
+def test_planted_bugs_are_caught(name, reference):
+    got = results_of(4)[f"planted-{name}"]
+    with pytest.raises(AssertionError, match="grad"):
+        check_grads(reference, got, name)
+    if name.startswith("doubled"):
+        # clipping hides it: the norm is exactly twice the reference, losses still agree
+        ratios = torch.tensor(got["grad_norms"]) / torch.tensor(reference["grad_norms"])
+        torch.testing.assert_close(ratios, torch.full_like(ratios, 2.0), rtol=1e-5, atol=0)
+        check_losses(reference, got, name)
+    else:
+        with pytest.raises(AssertionError, match="loss"):
+            check_losses(reference, got, name)

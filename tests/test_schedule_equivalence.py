@@ -1,6 +1,7 @@
-"""Every pipeline schedule computes what one device computes (loss, gradients, parameters),
-with pp in {2, 4}; zero-bubble schedules exercise the deferred weight-gradient path (I/W split),
-V schedules the local hand-over between two chunks on one rank.
+"""Every pipeline schedule computes what one device computes (loss, pre-clip gradients,
+parameters), with pp in {2, 4} and beside tp, dp and cp; zero-bubble schedules exercise the
+deferred weight-gradient path (I/W split), V schedules the local hand-over between two chunks
+on one rank.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ def reference():
 @pytest.mark.parametrize("world", [2, 4])
 def test_schedules_match_single_device(world, reference):
     layouts = [ParallelDims(pp=world)]
-    if world == 4:  # the I/W split under tensor parallelism, and under data parallelism
-        layouts += [ParallelDims(pp=2, tp=2), ParallelDims(pp=2, dp=2)]
+    if world == 4:  # the I/W split under tensor, data and context parallelism
+        layouts += [ParallelDims(pp=2, tp=2), ParallelDims(pp=2, dp=2), ParallelDims(pp=2, cp=2)]
     jobs = [(f"{d}-{name}-v{v}", cfg(d, name, v)) for d in layouts for name, v in SCHEDULES]
     for key, got in run_jobs(world, jobs).items():
         check_against(reference, got, key)

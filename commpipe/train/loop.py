@@ -81,7 +81,7 @@ class Trainer:
     history: list = field(default_factory=list)
     monitor: object = None
     named_params: list = field(default_factory=list)
-    capture_grads: bool = False      # keep the last step's reduced, clipped gradients (tests)
+    capture_grads: bool = False      # keep the last step's reduced gradients before clipping (tests)
     last_grads: dict = field(default_factory=dict)
     forward_runner: PipelineRuntime | None = None   # validation: the schedule's forwards only
 
@@ -148,9 +148,9 @@ class Trainer:
             group["lr"] = lr
         loss = self.runtime.run_step(mb_inputs, mb_labels, positions, scale, self.step)
         self.reducer.reduce()
-        grad_norm = clip_grad_norm_(self.params, cfg.optim.clip, comm)
-        if self.capture_grads:
+        if self.capture_grads:  # before clipping, which would hide a uniformly scaled gradient
             self.last_grads = {n: p.grad.detach().clone() for n, p in self.named_params}
+        grad_norm = clip_grad_norm_(self.params, cfg.optim.clip, comm)  # the pre-clip norm
         # a NaN/inf gradient (every rank sees the same global norm) must not reach the
         # parameters: the step is skipped and the loop stops on the non-finite record
         if math.isfinite(grad_norm):
