@@ -19,10 +19,10 @@ from dataclasses import replace
 from commpipe.models.spec import resolve_model
 from commpipe.plan.cluster import apply_links, apply_probe, default_cluster, override_links
 from commpipe.plan.gpus import resolve_gpu
-from commpipe.plan.layout import RECOMPUTE, SCHEDULES, Job
+from commpipe.plan.layout import PRECISIONS, RECOMPUTE, SCHEDULES, ZERO_STAGES, Job
 from commpipe.plan.timing import Efficiency
 
-FIXABLE = ("tp", "cp", "pp", "dp", "vpp", "micro_batch_size", "schedule", "recompute")
+FIXABLE = ("tp", "cp", "pp", "dp", "vpp", "micro_batch_size", "schedule", "recompute", "zero", "dp_shard")
 
 
 def add_common_arguments(p, require_layout: bool = False) -> None:
@@ -32,9 +32,12 @@ def add_common_arguments(p, require_layout: bool = False) -> None:
                                    "arch=gpt,layers=96,hidden=12288,heads=96,vocab=51200")
     g.add_argument("--global-batch", type=int, help="sequences per optimizer step")
     g.add_argument("--seq-len", type=int, help="tokens per sequence")
-    g.add_argument("--precision", default="bf16", choices=("bf16", "fp32"),
-                   help="bf16: mixed precision, fp32 master weights (default); fp32: all fp32")
-    g.add_argument("--zero1", action="store_true", help="shard optimizer states over dp*cp (ZeRO-1)")
+    g.add_argument("--precision", default="bf16", choices=PRECISIONS,
+                   help="bf16: mixed precision, fp32 master weights (default); fp32: all fp32; fp8: "
+                        "bf16 mixed precision with the layers' linear GEMMs in FP8 (Transformer Engine)")
+    g.add_argument("--bf16-weights-with-fp8", action="store_true",
+                   help="fp8: keep bf16 weights plus TE's cached FP8 copies (default: FP8 parameters, "
+                        "Megatron --fp8-param-gather)")
     g.add_argument("--grad-fp32", action="store_true",
                    help="accumulate and all-reduce gradients in fp32 (Megatron-LM's default)")
     g.add_argument("--no-dp-overlap", action="store_true",
@@ -69,6 +72,14 @@ def add_common_arguments(p, require_layout: bool = False) -> None:
     lay.add_argument("--micro-batch-size", type=int)
     lay.add_argument("--schedule", choices=SCHEDULES)
     lay.add_argument("--recompute", choices=RECOMPUTE)
+    lay.add_argument("--zero", type=int, choices=ZERO_STAGES,
+                     help="ZeRO stage: 0 replicated, 1 optimizer states sharded (Megatron's distributed "
+                          "optimizer), 2 + gradients, 3 + weights (FSDP)" +
+                          ("" if require_layout else "; searched over 1 and 3 when not given"))
+    lay.add_argument("--zero1", action="store_true", help="same as --zero 1")
+    lay.add_argument("--dp-shard", type=int,
+                     help="ranks one ZeRO shard group spans (HSDP: shard inside, replicate across); "
+                          "default the whole dp*cp group")
     p.add_argument("--json", action="store_true", help="print only JSON on stdout")
 
 
@@ -87,9 +98,10 @@ def job_from_args(args) -> Job:
         if getattr(args, flag) is None:
             raise ValueError(f"--{flag.replace('_', '-')} is required")
     flash = {"auto": None, "on": True, "off": False}[args.flash_attention]
-    return Job(args.global_batch, args.seq_len, precision=args.precision, zero1=args.zero1,
+    return Job(args.global_batch, args.seq_len, precision=args.precision,
                dp_overlap=not args.no_dp_overlap, sequence_parallel=not args.no_sequence_parallel,
-               flash_attention=flash, grad_fp32=args.grad_fp32)
+               flash_attention=flash, grad_fp32=args.grad_fp32,
+               fp8_params=not getattr(args, "bf16_weights_with_fp8", False))
 
 
 def cluster_from_args(args, num_gpus: int | None = None, profile_path: str | None = None):
@@ -109,11 +121,29 @@ def cluster_from_args(args, num_gpus: int | None = None, profile_path: str | Non
     cluster = override_links(cluster, args.intra_node_gbps, args.inter_node_gbps,
                              args.intra_node_latency_ms, args.inter_node_latency_ms)
     cluster = replace(cluster, backend=args.backend, host_cores=args.host_cores)
+    if getattr(args, "precision", None):
+        cluster.gpu.peak_tflops(args.precision)     # --precision fp8 on a GPU without FP8: fail early
     return cluster, eff
 
 
+def zero_from_args(args) -> int | None:
+    """--zero N, or 1 for the --zero1 alias; None when neither is given."""
+    if args.zero1 and args.zero not in (None, 1):
+        raise ValueError(f"--zero1 contradicts --zero {args.zero}; give one of them")
+    return 1 if args.zero1 else args.zero
+
+
 def fixed_from_args(args) -> dict:
-    return {k: getattr(args, k) for k in FIXABLE if getattr(args, k) is not None}
+    fixed = {k: getattr(args, k) for k in FIXABLE if getattr(args, k, None) is not None}
+    zero = zero_from_args(args)
+    if zero is not None:
+        fixed["zero"] = zero
+    if args.dp_shard is not None:
+        if args.dp_shard < 1:
+            raise ValueError("--dp-shard must be at least 1")
+        if fixed.get("zero", 1) == 0:
+            raise ValueError("--dp-shard shards ZeRO states; use it with --zero 1, 2 or 3")
+    return fixed
 
 
 def run(args) -> int:
@@ -130,9 +160,18 @@ def run(args) -> int:
     spec = resolve_model(args.model)
     job = job_from_args(args)
     cluster, eff = cluster_from_args(args, profile_path=args.profile)
-    result = search(spec, job, cluster, eff, fixed_from_args(args), top=args.top)
+    try:
+        result = search(spec, job, cluster, eff, fixed_from_args(args), top=args.top)
+    except ValueError as e:
+        if not args.json:
+            raise
+        # a fixed dimension no layout can take: still one JSON object on stdout
+        json.dump({"feasible": False, "reason": str(e), "fixes": []}, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 1
     if args.json:
-        json.dump([e.to_dict() for e in result.top], sys.stdout, indent=2)
+        out = [e.to_dict() for e in result.top] if result.top else result.explanation
+        json.dump(out, sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         print_plan(result, spec, job, cluster)

@@ -15,7 +15,7 @@ import json
 import sys
 
 from commpipe.models.spec import resolve_model
-from commpipe.plan.cli import add_common_arguments, cluster_from_args, job_from_args
+from commpipe.plan.cli import add_common_arguments, cluster_from_args, job_from_args, zero_from_args
 from commpipe.plan.estimate import estimate
 from commpipe.plan.layout import Layout
 
@@ -44,7 +44,11 @@ def run(args) -> int:
     gpus = gpus if gpus is not None else tp * cp * pp * dp
     schedule = args.schedule or "1f1b"
     vpp = args.vpp or (2 if schedule == "zbv" else 1)
-    layout = Layout(tp, cp, pp, dp, vpp, args.micro_batch_size or 1, schedule, args.recompute or "none")
+    zero = zero_from_args(args) or 0
+    if args.dp_shard is not None and not zero:
+        raise ValueError("--dp-shard shards ZeRO states; use it with --zero 1, 2 or 3")
+    layout = Layout(tp, cp, pp, dp, vpp, args.micro_batch_size or 1, schedule, args.recompute or "none",
+                    zero, args.dp_shard or 0)
     cluster, eff = cluster_from_args(args, num_gpus=gpus, profile_path=args.profile)
     est = estimate(spec, layout, job, cluster, eff)
     if args.json:

@@ -23,11 +23,21 @@ class GPU:
     hbm_gbps: float      # HBM bandwidth, decimal GB/s
     nvlink_gbps: float   # NVLink bandwidth per GPU per direction, decimal GB/s
     nic_gbps: float      # default scale-out bandwidth per GPU (one NIC per GPU), decimal GB/s
+    fp8_tflops: float = 0.0   # peak dense FP8 tensor-core TFLOP/s; 0: no FP8 tensor cores
 
     @property
     def ridge_flop_per_byte(self) -> float:
         """Roofline ridge point: arithmetic intensity at which a kernel stops being HBM-bound."""
         return self.tflops * 1e12 / (self.hbm_gbps * 1e9)
+
+    def peak_tflops(self, precision: str) -> float:
+        """Dense tensor-core peak for the GEMMs of `precision` (fp8: the FP8 peak)."""
+        if precision == "fp8":
+            if self.fp8_tflops <= 0:
+                raise ValueError(f"GPU {self.name} has no FP8 tensor cores; use --precision bf16, or "
+                                 "give fp8_tflops=.. in a custom --gpu entry")
+            return self.fp8_tflops
+        return self.tflops
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -45,25 +55,34 @@ class GPU:
 # - B200: NVIDIA DGX B200 datasheet: 72 PFLOPS FP8 training for 8 GPUs = 9 PF FP8 sparse per GPU,
 #   i.e. 4.5 PF FP8 dense and 2.25 PF bf16 dense; HGX B200 192GB HBM3e 8 TB/s; NVLink 5 1.8 TB/s
 #   bidirectional; eight ConnectX-7 400 Gb/s.
+# FP8 (dense = half the sparse figure): H100 SXM and H200 datasheets 3,958 TFLOPS FP8 with sparsity
+# -> 1979; B200: 72 PF FP8 per 8-GPU DGX B200 with sparsity -> 4500 dense. A100 has no FP8.
 GPUS: dict[str, GPU] = {
     "a100-40gb": GPU("a100-40gb", 312.0, 40.0, 1555.0, 300.0, 25.0),
     "a100-80gb": GPU("a100-80gb", 312.0, 80.0, 2039.0, 300.0, 25.0),
-    "h100": GPU("h100", 989.0, 80.0, 3350.0, 450.0, 50.0),
-    "h200": GPU("h200", 989.0, 141.0, 4800.0, 450.0, 50.0),
-    "b200": GPU("b200", 2250.0, 192.0, 8000.0, 900.0, 50.0),
+    "h100": GPU("h100", 989.0, 80.0, 3350.0, 450.0, 50.0, 1979.0),
+    "h200": GPU("h200", 989.0, 141.0, 4800.0, 450.0, 50.0, 1979.0),
+    "b200": GPU("b200", 2250.0, 192.0, 8000.0, 900.0, 50.0, 4500.0),
 }
 ALIASES = {"a100": "a100-80gb", "a100-80": "a100-80gb", "a100-40": "a100-40gb",
            "h100-sxm": "h100", "h100-80gb": "h100", "h200-141gb": "h200", "b200-192gb": "b200"}
 
 # Defaults for a custom entry that does not give them: A100-class memory system and links.
-_CUSTOM_DEFAULTS = {"hbm_gbps": 2000.0, "nvlink_gbps": 300.0, "nic_gbps": 25.0}
-_CUSTOM_KEYS = ("name", "tflops", "mem_gb", "hbm_gbps", "nvlink_gbps", "nic_gbps")
+_CUSTOM_DEFAULTS = {"hbm_gbps": 2000.0, "nvlink_gbps": 300.0, "nic_gbps": 25.0, "fp8_tflops": 0.0}
+_CUSTOM_KEYS = ("name", "tflops", "mem_gb", "hbm_gbps", "nvlink_gbps", "nic_gbps", "fp8_tflops")
 
 
 def resolve_gpu(text: str) -> GPU:
     """A table name (`h100`, `a100-80gb`, ...), `cpu` (this machine, measured by
-    `commpipe.plan.cpu`) or a custom entry
-    `name=foo,tflops=..,mem_gb=..[,hbm_gbps=..,nvlink_gbps=..,nic_gbps=..]`."""
+    `commpipe.plan.cpu`), a custom entry
+    `name=foo,tflops=..,mem_gb=..[,hbm_gbps=..,nvlink_gbps=..,nic_gbps=..,fp8_tflops=..]`, or a
+    table entry with fields changed: `h100,mem_gb=96,hbm_gbps=2400` (a variant)."""
+    head = text.split(",", 1)[0]
+    if "=" in text and "=" not in head:
+        base = resolve_gpu(head)
+        rest = text.split(",", 1)[1]
+        variant = resolve_gpu(",".join(f"{k}={v}" for k, v in base.to_dict().items()) + "," + rest)
+        return variant if "name=" in rest else _renamed(variant, f"{base.name}-variant")
     if "=" not in text:
         key = ALIASES.get(text.lower(), text.lower())
         if key == "cpu":
@@ -95,6 +114,12 @@ def resolve_gpu(text: str) -> GPU:
             nums[k] = float(raw)
         except (TypeError, ValueError):
             raise ValueError(f"GPU field {k}={raw!r} is not a number") from None
-        if nums[k] <= 0:
+        if nums[k] < 0 or (nums[k] == 0 and k != "fp8_tflops"):
             raise ValueError(f"GPU field {k}={raw} must be positive")
     return GPU(values.get("name", "custom"), **nums)
+
+
+def _renamed(gpu: GPU, name: str) -> GPU:
+    from dataclasses import replace
+
+    return replace(gpu, name=name)

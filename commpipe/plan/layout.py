@@ -15,14 +15,15 @@ from commpipe.parallel.dims import ParallelDims
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")
 RECOMPUTE = ("none", "selective", "full")
-PRECISIONS = ("bf16", "fp32")
+PRECISIONS = ("bf16", "fp32", "fp8")
+ZERO_STAGES = (0, 1, 2, 3)
 CP_COMM = ("ring", "allgather")
 # What commpipe's own runtime does (commpipe/parallel, commpipe/train): TP without sequence
 # parallelism, full activations between stages, CP by all-gathering K and V (Llama 3's choice),
 # gradients all-reduced after the backward, and per step a grad-norm all-reduce over TP and PP and
 # a loss all-reduce over DP*CP and PP. On CPU it trains in fp32.
 RUNTIME_JOB = {"sequence_parallel": False, "pp_sharded": False, "cp_comm": "allgather",
-               "dp_overlap": False, "step_syncs": True}
+               "dp_overlap": False, "step_syncs": True, "fused_swiglu": False}
 # The search skips context parallelism below 256 tokens per rank: ring attention then moves
 # more K/V than it computes on (Llama 3 used CP16 only at 128K tokens); `estimate` still
 # prices any cp that ParallelDims accepts.
@@ -35,16 +36,24 @@ class Job:
 
     global_batch: int           # sequences per optimizer step
     seq_len: int
-    precision: str = "bf16"     # bf16: mixed precision with fp32 master weights; fp32: all fp32
-    zero1: bool = False         # shard optimizer states (and fp32 master) over the dp*cp group
+    precision: str = "bf16"     # bf16: mixed precision with fp32 master weights; fp32: all fp32;
+    #                             fp8: bf16 mixed precision with the layers' linear GEMMs in FP8
+    #                             (Transformer Engine; see timing.py and memory.py)
+    zero1: bool = False         # ZeRO-1 at least (alias of Layout.zero=1; kept for old callers)
     dp_overlap: bool = True     # overlap the DP gradient all-reduce with the last backward pass
     sequence_parallel: bool = True  # Megatron SP: RS+AG instead of all-reduce, norms sharded
-    flash_attention: bool | None = None  # None: on for llama shapes, off for gpt (Megatron-DS era)
+    flash_attention: bool | None = None  # None: on (TE/FlashAttention, every current stack);
+    #                                      False for Megatron-DeepSpeed-era GPT runs (vTrain)
     grad_fp32: bool = False     # Megatron-LM's default: accumulate and reduce gradients in fp32
     # How the runtime communicates (defaults: Megatron-LM; `RUNTIME_JOB` has commpipe's own):
     cp_comm: str = "ring"       # ring: K/V ring overlapped with attention; allgather: K/V gathered first
     pp_sharded: bool = True     # pipeline sends [b, s/cp, h]/tp (SP or scatter-gather) vs the full tensor
     step_syncs: bool = False    # price the step's scalar all-reduces (grad norm, loss)
+    fp8_params: bool = True     # fp8: weights kept as FP8 (+ transpose) instead of bf16 (Megatron
+    #                             --fp8-param-gather, NeMo's FP8 recipes); False: bf16 weights plus
+    #                             TE's cached FP8 copy and transpose
+    fused_swiglu: bool = True   # SwiGLU keeps only its input (Megatron/TE recompute SiLU); False:
+    #                             plain PyTorch also keeps SiLU's output (commpipe's runtime)
 
     def __post_init__(self):
         if self.global_batch < 1 or self.seq_len < 1:
@@ -57,10 +66,15 @@ class Job:
     @property
     def activation_bytes(self) -> int:
         """Bytes per activation element on the wire: bf16 under mixed precision, else fp32."""
-        return 2 if self.precision == "bf16" else 4
+        return 4 if self.precision == "fp32" else 2
+
+    @property
+    def mixed(self) -> bool:
+        """bf16 or fp8 training: bf16 weights with fp32 master copies in the optimizer."""
+        return self.precision != "fp32"
 
     def uses_flash(self, spec: ModelSpec) -> bool:
-        return spec.arch == "llama" if self.flash_attention is None else self.flash_attention
+        return True if self.flash_attention is None else self.flash_attention
 
 
 @dataclass(frozen=True)
@@ -73,6 +87,14 @@ class Layout:
     micro_batch_size: int = 1
     schedule: str = "1f1b"
     recompute: str = "none"
+    zero: int = 0           # 0: replicated; 1: optimizer states sharded; 2: + gradients; 3: + weights
+    #                         (FSDP: parameters all-gathered per layer, gradients reduce-scattered)
+    dp_shard: int = 0       # ranks a ZeRO shard group spans (HSDP); 0: the whole dp*cp group
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks one copy of the sharded states is spread over (dp*cp unless HSDP)."""
+        return self.dp_shard or self.dp * self.cp
 
     @property
     def gpus(self) -> int:
@@ -91,7 +113,17 @@ class Layout:
         s = f"TP{self.tp} CP{self.cp} PP{self.pp} DP{self.dp}"
         if self.vpp > 1:
             s += f" VPP{self.vpp}"
-        return f"{s} mbs{self.micro_batch_size} {self.schedule} rc={self.recompute}"
+        s = f"{s} mbs{self.micro_batch_size} {self.schedule} rc={self.recompute}"
+        if self.zero:
+            s += f" zero{self.zero}"
+            if self.dp_shard and self.dp_shard != self.dp * self.cp:
+                s += f" shard{self.dp_shard}"
+        return s
+
+
+def zero_stage(layout: Layout, job: Job) -> int:
+    """The ZeRO stage priced: the layout's, at least 1 under the old `Job.zero1` flag."""
+    return max(layout.zero, 1 if job.zero1 else 0)
 
 
 def schedule_problem(schedule: str, pp: int, vpp: int, m: int) -> str | None:
@@ -119,6 +151,12 @@ def layout_problem(spec: ModelSpec, job: Job, layout: Layout, num_gpus: int | No
     """Why a layout is invalid (divisibility, schedule), or None."""
     if layout.recompute not in RECOMPUTE:
         return f"recompute {layout.recompute!r} is unknown; use one of {', '.join(RECOMPUTE)}"
+    if layout.zero not in ZERO_STAGES:
+        return f"--zero {layout.zero} is unknown; use one of {', '.join(map(str, ZERO_STAGES))}"
+    group = layout.dp * layout.cp
+    if layout.dp_shard < 0 or (layout.dp_shard and group % layout.dp_shard):
+        return (f"--dp-shard {layout.dp_shard} does not divide the dp*cp group of {group} ranks; "
+                f"use one of {divisors(group)}")
     dims = layout.dims()
     try:
         if num_gpus is not None:
@@ -130,10 +168,22 @@ def layout_problem(spec: ModelSpec, job: Job, layout: Layout, num_gpus: int | No
     return schedule_problem(layout.schedule, layout.pp, layout.vpp, m)
 
 
+def zero_options(pp: int, group: int, fixed: dict) -> list[int]:
+    """ZeRO stages the search tries: 1 (Megatron's distributed optimizer: same traffic as a plain
+    all-reduce, less memory, so it dominates 0) and, without a pipeline, 3 (FSDP); with pp > 1
+    FSDP keeps the stage's weights gathered across micro-batches (torchtitan), so 3 would price as
+    1. With no data parallelism every stage is the same: 0. `fixed["zero"]` overrides."""
+    if "zero" in fixed:
+        return [fixed["zero"]]
+    if group == 1:
+        return [0]
+    return [1, 3] if pp == 1 else [1]
+
+
 def enumerate_layouts(spec: ModelSpec, job: Job, num_gpus: int, fixed: dict | None = None,
                       schedules=SCHEDULES, recomputes=RECOMPUTE, max_vpp: int = 8) -> list[Layout]:
     """Every valid layout for `num_gpus`; `fixed` pins any of tp, cp, pp, dp, vpp,
-    micro_batch_size, schedule, recompute."""
+    micro_batch_size, schedule, recompute, zero, dp_shard."""
     fixed = {k: v for k, v in (fixed or {}).items() if v is not None}
     out: list[Layout] = []
     tps = [t for t in divisors(num_gpus) if spec.heads % t == 0 and spec.kv_heads % t == 0
@@ -163,7 +213,11 @@ def enumerate_layouts(spec: ModelSpec, job: Job, num_gpus: int, fixed: dict | No
                             if pp * vpp > spec.layers:
                                 continue
                             for rc in _pick(list(recomputes), fixed.get("recompute")):
-                                out.append(Layout(tp, cp, pp, dp, vpp, mbs, sched, rc))
+                                for z in zero_options(pp, dp * cp, fixed):
+                                    shard = fixed.get("dp_shard", 0) if z else 0
+                                    if shard and (dp * cp) % shard:
+                                        continue
+                                    out.append(Layout(tp, cp, pp, dp, vpp, mbs, sched, rc, z, shard))
     return out
 
 

@@ -43,11 +43,12 @@ from functools import lru_cache
 
 from commpipe.models.spec import ModelSpec, layer_param_count
 from commpipe.parallel.dims import split_layers
-from commpipe.plan.layout import Job, Layout
+from commpipe.plan.layout import Job, Layout, zero_stage
 
 GIB = 2**30
 RESERVE_FIXED_GIB = 1.5
 FRAGMENTATION = 0.10
+FSDP_LAYERS_GATHERED = 2     # FSDP2 / Megatron-FSDP: the current layer and the prefetched next
 
 
 @dataclass
@@ -88,24 +89,31 @@ def layer_params_per_rank(spec: ModelSpec, tp: int) -> float:
 
 def stage_params(spec: ModelSpec, layout: Layout, job: Job) -> list[tuple[int, float]]:
     """(layers, parameters) per pipeline rank, chunks placed as the schedule places them."""
-    stages = layout.pp * layout.vpp
+    seq = job.seq_len if spec.arch == "gpt" else 0       # learned positions (gpt only)
+    return list(_stage_params(spec, layout.schedule, layout.pp, layout.vpp, layout.tp, seq))
+
+
+@lru_cache(maxsize=4096)
+def _stage_params(spec: ModelSpec, schedule: str, pp: int, vpp: int, tp: int,
+                  seq_len: int) -> tuple[tuple[int, float], ...]:
+    stages = pp * vpp
     counts = stage_layer_counts(spec.layers, stages)
-    per_layer = layer_params_per_rank(spec, layout.tp)
-    h, v, t = spec.hidden, spec.vocab, layout.tp
+    per_layer = layer_params_per_rank(spec, tp)
+    h, v, t = spec.hidden, spec.vocab, tp
     out = []
-    for chunks in rank_chunks(layout.schedule, layout.pp, layout.vpp):
+    for chunks in rank_chunks(schedule, pp, vpp):
         layers = sum(counts[s] for s in chunks)
         params = layers * per_layer
         if 0 in chunks:
-            params += v * h / t + (job.seq_len * h if spec.arch == "gpt" else 0)
+            params += v * h / t + seq_len * h
         if stages - 1 in chunks:
             # llama: untied head + final norm; gpt: a copy of the tied embedding when pp > 1
             if spec.arch == "llama":
                 params += v * h / t + h
             else:
-                params += (v * h / t if layout.pp > 1 else 0) + 2 * h
+                params += (v * h / t if pp > 1 else 0) + 2 * h
         out.append((layers, params))
-    return out
+    return tuple(out)
 
 
 def chunk_stages(layout: Layout, rank: int) -> tuple[int, ...]:
@@ -145,15 +153,59 @@ def layer_activation_bytes(spec: ModelSpec, layout: Layout, job: Job, recompute:
         lse = 4 * a * tokens / t if flash else 0.0
         return base + score + lse
     kv, f = spec.kv_dim, spec.ffn_hidden
-    mlp_act = 4 * f / h if rc == "selective" else 8 * f / h
-    split = 4 + 4 * kv / h + mlp_act      # Q, O, K/V, MLP intermediates: split by TP
-    repl = 8.0                              # norm inputs, QKV and MLP inputs: split only by SP
+    fp8 = job.precision == "fp8"
+    if rc == "selective":
+        mlp_act = 4 * f / h                 # gate and up; SiLU and the product recomputed
+    elif job.fused_swiglu:
+        # gate, up (SwiGLU's input) + the product (fc2's input, an FP8 copy under fp8)
+        mlp_act = 4 * f / h + (1 if fp8 else 2) * f / h
+    else:
+        mlp_act = 8 * f / h                 # + SiLU's output, kept by plain autograd
+    # Q, O, K/V, MLP intermediates: split by TP; under fp8 TE also keeps an FP8 copy of O for the
+    # output projection's weight gradient (flash attention's backward needs O in bf16)
+    split = 4 + 4 * kv / h + mlp_act + (1 if fp8 else 0)
+    # norm inputs 2 + 2 and the QKV and MLP inputs, split only by SP: the GEMM inputs are kept as
+    # FP8 copies (1 byte) under fp8
+    repl = 6.0 if fp8 else 8.0
     base = tokens * h * ((split + repl) / t if sp else repl + split / t)
     if flash:
         score = 4 * a * tokens / t          # fp32 log-sum-exp per head and token
     else:
         score = 0.0 if rc == "selective" else 2 * a * tokens * s / t
     return base + score
+
+
+def linear_params_per_layer(spec: ModelSpec, tp: int) -> float:
+    """Parameters of a layer's four linear maps on one TP rank (the ones FP8 runs in FP8)."""
+    return (layer_param_count(spec) - _replicated_layer_params(spec)) / tp
+
+
+def state_bytes(spec: ModelSpec, layout: Layout, job: Job, layers: int, params: float) -> tuple:
+    """(weights, gradients, optimizer) bytes of a rank holding `layers` layers and `params`
+    parameters, for the job's precision and the layout's ZeRO stage (module docstring)."""
+    if job.mixed:
+        w_b, g_b, o_b = 2, (4 if job.grad_fp32 else 2), 12
+    else:
+        w_b, g_b, o_b = 4, 4, 8
+    n = layout.shard_size
+    z = zero_stage(layout, job)
+    # FP8 (Transformer Engine on Hopper/Blackwell): every linear weight as FP8 plus its transpose
+    # (the dgrad GEMM's layout), 2 bytes. With FP8 parameters (Megatron --fp8-param-gather) they
+    # replace the bf16 weight; otherwise TE caches them beside it for the step: 2 bytes more.
+    fp8_copy = 2.0 if job.precision == "fp8" and not job.fp8_params else 0.0
+    lin = linear_params_per_layer(spec, layout.tp)
+    if z >= 3 and layout.pp == 1:
+        # FSDP: everything sharded; the layer being computed and the one prefetched are gathered
+        # (bf16 weights, unsharded gradients until their reduce-scatter, FP8 copies)
+        per_layer = layer_params_per_rank(spec, layout.tp)
+        work = min(FSDP_LAYERS_GATHERED, layers)
+        w = params * w_b / n + work * (per_layer * w_b + lin * fp8_copy)
+        g = params * g_b / n + work * per_layer * g_b
+        return w, g, params * o_b / n
+    w = params * w_b + layers * lin * fp8_copy
+    g = params * g_b / (n if z == 2 else 1)
+    o = params * o_b / (n if z >= 1 else 1)
+    return w, g, o
 
 
 def stage_memory(spec: ModelSpec, layout: Layout, job: Job, inflight: list[float]) -> list[StageMemory]:
@@ -164,13 +216,9 @@ def stage_memory(spec: ModelSpec, layout: Layout, job: Job, inflight: list[float
     act_layer = layer_activation_bytes(spec, layout, job)
     full_layer = layer_activation_bytes(spec, layout, job, recompute="none")
     tokens = layout.micro_batch_size * job.seq_len / layout.cp
-    if job.precision == "bf16":
-        w_b, g_b, o_b = 2, (4 if job.grad_fp32 else 2), 12
-    else:
-        w_b, g_b, o_b = 4, 4, 8
-    shard = layout.dp * layout.cp if job.zero1 else 1
     out = []
     all_chunks = rank_chunks(layout.schedule, layout.pp, layout.vpp)
+    states: dict = {}
     for rank, (layers, params) in enumerate(stage_params(spec, layout, job)):
         chunks = all_chunks[rank]
         act = inflight[rank] * layers * act_layer
@@ -183,7 +231,9 @@ def stage_memory(spec: ModelSpec, layout: Layout, job: Job, inflight: list[float
             last_inflight = layout.microbatches(job) if layout.schedule == "gpipe" else 1
             logits = (4 * last_inflight + 2) * tokens * spec.vocab / layout.tp
             act += last_inflight * 2 * tokens * spec.hidden / layout.tp
-        w, g, o = params * w_b, params * g_b, params * o_b / shard
+        if (layers, params) not in states:
+            states[layers, params] = state_bytes(spec, layout, job, layers, params)
+        w, g, o = states[layers, params]
         tensors = w + g + o + act + logits
         reserve = RESERVE_FIXED_GIB * GIB + FRAGMENTATION * tensors
         out.append(StageMemory(rank, layers, params, w / GIB, g / GIB, o / GIB, act / GIB,
@@ -194,11 +244,8 @@ def stage_memory(spec: ModelSpec, layout: Layout, job: Job, inflight: list[float
 def static_memory_gb(spec: ModelSpec, layout: Layout, job: Job) -> float:
     """Weights, gradients and optimizer states of the heaviest rank plus the reserve: a lower
     bound on its memory that needs no schedule walk (the search prunes with it first)."""
-    per_param = (2 + (4 if job.grad_fp32 else 2)) if job.precision == "bf16" else 8
-    opt = (12 if job.precision == "bf16" else 8) / (layout.dp * layout.cp if job.zero1 else 1)
-    params = max(p for _, p in stage_params(spec, layout, job))
-    tensors = params * (per_param + opt)
-    return (RESERVE_FIXED_GIB * GIB + (1 + FRAGMENTATION) * tensors) / GIB
+    worst = max(sum(state_bytes(spec, layout, job, n, p)) for n, p in set(stage_params(spec, layout, job)))
+    return (RESERVE_FIXED_GIB * GIB + (1 + FRAGMENTATION) * worst) / GIB
 
 
 def memory_problem(stages: list[StageMemory], capacity_gb: float) -> str | None:
@@ -212,4 +259,4 @@ def memory_problem(stages: list[StageMemory], capacity_gb: float) -> str | None:
     big = max(parts, key=parts.get)
     return (f"out of memory: pipeline rank {worst.rank} needs {worst.total_gb:.1f} GB > "
             f"{capacity_gb:.0f} GB ({big} {parts[big]:.1f} GB, {worst.inflight:g} micro-batches "
-            f"in flight); use more tp/pp, zero1 or activation recompute")
+            f"in flight); use more tp/pp, a higher --zero stage or activation recompute")

@@ -25,8 +25,13 @@ def print_plan(result: SearchResult, spec, job, cluster) -> None:
     print(f"layouts considered {result.considered}, fit in memory {result.feasible}, "
           f"simulated {result.simulated}")
     if not result.top:
-        print("no layout fits in memory" + (f"; e.g. {result.example_rejection}"
-                                            if result.example_rejection else ""))
+        why = result.explanation or {}
+        print(why.get("reason") or "no layout fits in memory" + (
+            f"; e.g. {result.example_rejection}" if result.example_rejection else ""))
+        if why.get("fixes"):
+            print("what would make it fit:")
+            for fix in why["fixes"]:
+                print(f" - {fix}")
         return
     print()
     print(HEADER)

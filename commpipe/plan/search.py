@@ -41,13 +41,14 @@ class SearchResult:
     alternatives: list[tuple[str, Estimate | None, str]] = field(default_factory=list)
     rejected: dict = field(default_factory=dict)   # reason kind -> count
     example_rejection: str = ""
+    explanation: dict | None = None    # when nothing fits: plan.explain.explain_none's account
 
 
 def _prepare(spec, job, cluster, eff, layout) -> Candidate | str:
     static = static_memory_gb(spec, layout, job)
     if static > cluster.gpu.mem_gb:
         return (f"out of memory: weights, gradients and optimizer states alone need {static:.1f} GB "
-                f"> {cluster.gpu.mem_gb:.0f} GB; use more tp/pp or zero1")
+                f"> {cluster.gpu.mem_gb:.0f} GB; use more tp/pp or a higher --zero stage")
     m = layout.microbatches(job)
     inflight = list(peak_inflight(layout.schedule, layout.pp, layout.vpp, m))
     memory = stage_memory(spec, layout, job, inflight)
@@ -83,6 +84,7 @@ def _branch_and_bound(cands: list[Candidate], k: int, spec, job, cluster,
 def search(spec: ModelSpec, job: Job, cluster: Cluster, eff: Efficiency | None = None,
            fixed: dict | None = None, top: int = 5, explain: bool = True) -> SearchResult:
     eff = eff or Efficiency()
+    cluster.gpu.peak_tflops(job.precision)         # fp8 on a GPU without FP8 fails here
     fixed = {k: v for k, v in (fixed or {}).items() if v is not None}
     layouts = enumerate_layouts(spec, job, cluster.num_gpus, fixed)
     if not layouts:
@@ -99,6 +101,9 @@ def search(spec: ModelSpec, job: Job, cluster: Cluster, eff: Efficiency | None =
         cands.append(c)
     result = SearchResult([], len(layouts), len(cands), 0, rejected=rejected, example_rejection=example)
     if not cands:
+        from commpipe.plan.explain import explain_none
+
+        result.explanation = explain_none(spec, job, cluster, fixed, layouts)
         return result
     best, simulated = _branch_and_bound(cands, top, spec, job, cluster, eff)
     for e in best:                      # split idle time into bubble and transfers for the table

@@ -49,8 +49,15 @@ from dataclasses import asdict, dataclass, field
 
 from commpipe.models.spec import ModelSpec
 from commpipe.plan.cluster import Cluster
-from commpipe.plan.layout import Job, Layout
-from commpipe.plan.memory import layer_activation_bytes, rank_chunks, stage_layer_counts, stage_params
+from commpipe.plan.layout import Job, Layout, zero_stage
+from commpipe.plan.memory import (
+    layer_activation_bytes,
+    layer_params_per_rank,
+    linear_params_per_layer,
+    rank_chunks,
+    stage_layer_counts,
+    stage_params,
+)
 
 HBM_EFFICIENCY = 0.8   # STREAM-like kernels reach ~80-90% of datasheet HBM bandwidth
 
@@ -67,6 +74,7 @@ class Efficiency:
     coll_overhead_s: float = 0.0  # host time per collective call
     optimizer_overhead_s: float = 0.0   # host time per layer held, per optimizer step
     wake_s: float = 0.0           # per blocking wait per unit of host contention (plan.host)
+    fp8_rel: float = 0.9          # FP8 GEMM efficiency relative to e_max (assumed, see FP8 below)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -95,14 +103,18 @@ class StageCosts:
     host_f: list[float] = field(default_factory=list)
     host_i: list[float] = field(default_factory=list)
     embedding_sync: float = 0.0
+    zero_f: list[float] = field(default_factory=list)   # exposed ZeRO-3 parameter all-gathers
+    zero_b: list[float] = field(default_factory=list)   # ... and ZeRO-2/3 gradient reduce-scatters
 
     @property
     def f(self) -> list[float]:
-        return [a + b + c for a, b, c in zip(self.comp_f, self.tp_f, self.cp_f)]
+        z = self.zero_f or [0.0] * len(self.comp_f)
+        return [a + b + c + d for a, b, c, d in zip(self.comp_f, self.tp_f, self.cp_f, z)]
 
     @property
     def i(self) -> list[float]:
-        return [a + b + c for a, b, c in zip(self.comp_i, self.tp_b, self.cp_b)]
+        z = self.zero_b or [0.0] * len(self.comp_i)
+        return [a + b + c + d for a, b, c, d in zip(self.comp_i, self.tp_b, self.cp_b, z)]
 
     @property
     def w(self) -> list[float]:
@@ -134,7 +146,12 @@ def layer_compute(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
         shapes += [(tokens, h, 2 * f / t), (tokens, f / t, h)]
     else:
         shapes += [(tokens, h, f / t), (tokens, f / t, h)]
-    gemm = sum(gemm_time(2 * m * k * n, m, k, n, peak, eff, ridge) for m, k, n in shapes)
+    cast = 0.0
+    if job.precision == "fp8":
+        gemm = sum(fp8_gemm_time(m, k, n, gpu, eff) for m, k, n in shapes)
+        cast = fp8_cast_time(spec, layout, job, gpu)
+    else:
+        gemm = sum(gemm_time(2 * m * k * n, m, k, n, peak, eff, ridge) for m, k, n in shapes)
     heads = layout.micro_batch_size * spec.heads / t
     q_len = s / layout.cp
     attn_flops = 2 * 2 * q_len * s * d * heads          # QK^T and AV, full s x s (Megatron count)
@@ -144,7 +161,39 @@ def layer_compute(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
         attn = 2 * heads * gemm_time(2 * q_len * d * s, q_len, d, s, peak, eff, ridge)
     stored = layer_activation_bytes(spec, layout, job, recompute="none")
     elem = eff.elementwise * stored / (gpu.hbm_gbps * 1e9 * HBM_EFFICIENCY)
-    return {"gemm": gemm, "attn": attn, "elem": elem}
+    return {"gemm": gemm, "attn": attn, "elem": elem + cast}
+
+
+# FP8 as Transformer Engine runs it (Micikevicius et al. 2022, "FP8 Formats for Deep Learning";
+# TE's Linear/LayerNormLinear): the four linear maps of every layer run their forward (E4M3),
+# input-gradient and weight-gradient GEMMs in FP8 at the GPU's FP8 peak; attention (flash, bf16),
+# the vocabulary head and the embedding stay in bf16, as Megatron-LM keeps them. Every GEMM input
+# is cast (scaled, with its amax taken) to FP8 and, for the GEMM that needs the other layout on
+# Hopper, transposed: read 2 bytes, write 1 + 1 per element (`FP8_CAST_BYTES`), HBM-bound.
+FP8_CAST_BYTES = 4.0
+
+
+def fp8_gemm_time(m: float, k: float, n: float, gpu, eff: Efficiency) -> float:
+    """An FP8 GEMM: 1-byte operands double the arithmetic intensity, and the ridge point moves
+    with the FP8 peak, so the curve's shape carries over; `fp8_rel` scales its ceiling."""
+    peak = gpu.peak_tflops("fp8") * 1e12
+    ridge = peak / (gpu.hbm_gbps * 1e9)
+    ai = 2 * m * k * n / (m * k + k * n + m * n)
+    x_half = eff.ai_half_ridge * ridge
+    return 2 * m * k * n / (peak * eff.e_max * eff.fp8_rel * ai / (ai + x_half))
+
+
+def fp8_cast_time(spec: ModelSpec, layout: Layout, job: Job, gpu) -> float:
+    """Forward seconds of one layer's FP8 casts (the backward casts its output gradients, about
+    as many elements; `stage_costs` charges it again there)."""
+    t = layout.tp
+    tokens = layout.micro_batch_size * job.seq_len / layout.cp
+    h, f = spec.hidden, spec.ffn_hidden
+    f_in = 2 * f if spec.arch == "llama" else f
+    # inputs of QKV and fc1 (gathered [T, h] under SP), of the output projection [T, h/t] and of
+    # fc2 [T, f/t]
+    elements = tokens * (2 * h + h / t + f_in / 2 / t)
+    return FP8_CAST_BYTES * elements / (gpu.hbm_gbps * 1e9 * HBM_EFFICIENCY)
 
 
 def head_compute(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
@@ -240,8 +289,44 @@ def stage_costs(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
         out.tp_b.append(tb)
         out.cp_f.append(n * cp_f)
         out.cp_b.append(n * (cp_b + re_cp))
+        zf, zb = _zero_exposed(spec, layout, job, cluster, n, comp_f, layer_i + lc["gemm"])
+        out.zero_f.append(zf)
+        out.zero_b.append(zb)
     _dp_and_optimizer(spec, layout, job, cluster, out, groups, eff)
     return out
+
+
+def _zero_exposed(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster, layers: int,
+                  layer_f: float, layer_b: float) -> tuple[float, float]:
+    """Exposed seconds per micro-batch of a stage's per-layer ZeRO traffic (forward, backward).
+
+    ZeRO-3 / FSDP without a pipeline (PyTorch FSDP2, Megatron-FSDP): each layer's parameters are
+    all-gathered before its forward and again before its backward, and its gradients are
+    reduce-scattered after it; the next layer's all-gather is prefetched during the current
+    layer's compute, so a layer exposes max(0, traffic - compute), plus the first all-gather of
+    each pass and the last reduce-scatter, which have nothing to hide behind. Gradients are
+    reduce-scattered every micro-batch (FSDP2's default under gradient accumulation).
+    ZeRO-2 (DeepSpeed): the gradients' reduce-scatter per micro-batch, hidden behind the backward.
+    With pp > 1 a ZeRO-3 stage keeps its weights gathered through the step (torchtitan with
+    pipelining) and prices as ZeRO-1."""
+    z = zero_stage(layout, job)
+    n = layout.shard_size
+    if z < 2 or n == 1 or layers == 0 or (z == 3 and layout.pp > 1):
+        return 0.0, 0.0
+    per_layer = layer_params_per_rank(spec, layout.tp)
+    lin = linear_params_per_layer(spec, layout.tp)
+    grad_b = 4 if (not job.mixed or job.grad_fp32) else 2
+    rs = cluster.reduce_scatter(per_layer * grad_b, n, layout.tp)
+    if z == 2:
+        return 0.0, layers * max(0.0, rs - layer_b)
+    # FP8 parameters are gathered as FP8 (Megatron --fp8-param-gather, torchao float8 all-gather)
+    w_bytes = (per_layer - lin) * 2 + lin * (1 if job.precision == "fp8" and job.fp8_params else 2)
+    if not job.mixed:
+        w_bytes = per_layer * 4
+    ag = cluster.all_gather(w_bytes, n, layout.tp)
+    fwd = ag + layers * max(0.0, ag - layer_f)
+    bwd = ag + rs + layers * max(0.0, ag + rs - layer_b)
+    return fwd, bwd
 
 
 def _head_and_embedding_tp(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
@@ -262,17 +347,38 @@ def _head_and_embedding_tp(spec: ModelSpec, layout: Layout, job: Job, cluster: C
 
 def _dp_and_optimizer(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
                       costs: StageCosts, groups: dict, eff: Efficiency) -> None:
-    grad_b = 2 if job.precision == "bf16" and not job.grad_fp32 else 4
-    shard = layout.dp * layout.cp if job.zero1 else 1
-    bytes_per_param_opt = 28 if job.precision == "bf16" else 24
+    grad_b = 2 if job.mixed and not job.grad_fp32 else 4
+    z = zero_stage(layout, job)
+    group, stride = groups["dp_cp"]
+    shard = layout.shard_size if z >= 1 else 1
+    fsdp = z == 3 and layout.pp == 1 and shard > 1
+    bytes_per_param_opt = 28 if job.mixed else 24
     hbm = cluster.gpu.hbm_gbps * 1e9 * HBM_EFFICIENCY
     b = costs.b
     stages = layout.pp * layout.vpp
     chunks = rank_chunks(layout.schedule, layout.pp, layout.vpp)
     call = eff.coll_overhead_s
+    lin = linear_params_per_layer(spec, layout.tp)
+    sync = _step_sync(job, cluster, groups, call)
+    reduce_cost: dict = {}
     for rank, (layers, params) in enumerate(stage_params(spec, layout, job)):
-        ar = cluster.all_reduce(params * grad_b, *groups["dp_cp"])
-        ar += call if groups["dp_cp"][0] > 1 else 0.0
+        if params in reduce_cost:
+            ar = reduce_cost[params]
+        elif fsdp:
+            # gradients already reduce-scattered per layer; HSDP all-reduces the shards across
+            # the group's replicas once per step
+            replicas = group // shard
+            ar = cluster.all_reduce(params / shard * grad_b, replicas, stride * shard)
+            ar += call if replicas > 1 else 0.0
+        elif z == 2 and shard > 1:
+            # gradients reduce-scattered per micro-batch (in the backward): the updated weights'
+            # all-gather is what is left
+            ar = cluster.all_gather(params * (2 if job.mixed else 4), group, stride)
+        else:
+            # all-reduce over dp*cp (ZeRO-1: reduce-scatter + all-gather, the same traffic)
+            ar = cluster.all_reduce(params * grad_b, group, stride)
+            ar += call if group > 1 else 0.0
+        reduce_cost[params] = ar
         window = sum(b[s] for s in chunks[rank]) if job.dp_overlap else 0.0
         # the last bucket can never hide: Megatron's default bucket is 40M parameters
         tail = ar * min(1.0, 40e6 / max(params, 1.0))
@@ -280,9 +386,12 @@ def _dp_and_optimizer(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluste
         costs.dp_exposed.append(max(ar - window, tail if job.dp_overlap else ar))
         # the embedding and the head (with the final norm) count as one layer each
         held = layers + (0 in chunks[rank]) + (stages - 1 in chunks[rank])
-        costs.optimizer.append(params / shard * bytes_per_param_opt / hbm
-                               + held * eff.optimizer_overhead_s)
-        costs.step_sync.append(_step_sync(job, cluster, groups, call))
+        opt = params / shard * bytes_per_param_opt / hbm + held * eff.optimizer_overhead_s
+        if job.precision == "fp8":
+            # the new weights cast to FP8 and transposed once per step (read 2, write 1 + 1)
+            opt += layers * lin / shard * FP8_CAST_BYTES / hbm
+        costs.optimizer.append(opt)
+        costs.step_sync.append(sync)
     if spec.arch == "gpt" and layout.pp > 1:
         # tied embedding: first and last stage all-reduce the word-embedding gradient
         pp_size, pp_stride = groups["pp"]
