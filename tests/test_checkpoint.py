@@ -251,6 +251,24 @@ def test_cli_saves_and_resumes_exactly(tiny_run, tmp_path):
         assert abs(got["loss"] - want["loss"]) <= 1e-6
 
 
+def test_resume_in_the_same_folder_continues_metrics_without_repeats(tiny_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(tiny_run, run)
+    before = metrics(run)
+    assert [r["step"] for r in before] == [0, 1, 2, 3]
+    # resume from the checkpoint of step 2: steps 2 and 3 run again and replace their records
+    assert main(["train", *TINY, "--steps", "4", "--resume", str(run / "checkpoints" / "step_000002"),
+                 "--out", str(run)]) == 0
+    after = metrics(run)
+    assert [r["step"] for r in after] == [0, 1, 2, 3]
+    assert after[:2] == before[:2]
+    for got, want in zip(after[2:], before[2:]):
+        assert abs(got["loss"] - want["loss"]) <= 1e-6
+    # the replaced records are kept beside it, not lost
+    replaced = [json.loads(line) for line in (run / "metrics.replaced.jsonl").read_text().splitlines()]
+    assert replaced == before[2:]
+
+
 def test_resume_latest_skips_unfinished_saves(tiny_run, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(tiny_run, run)

@@ -243,7 +243,7 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
     if out is not None and trainer.is_logger:
         out.mkdir(parents=True, exist_ok=True)
         cfg.save(out / "config.json")
-        metrics_file = open(out / "metrics.jsonl", "a")
+        metrics_file = open_metrics(out / "metrics.jsonl", trainer.step)
     signals = StopSignals().install()
     together = False  # did every rank leave the loop together (collective clean-up is safe)?
     try:
@@ -301,6 +301,27 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
             else:
                 trainer.monitor.detach()
     return trainer.history
+
+
+def open_metrics(path: Path, step: int):
+    """metrics.jsonl opened to append from `step` on. Records of steps >= `step` (written after
+    the checkpoint a resumed run starts from, or a torn last line) move to
+    metrics.replaced.jsonl, so the file holds each step once and nothing is thrown away."""
+    if step > 0 and path.exists():
+        keep, moved = [], []
+        for line in path.read_text().splitlines(keepends=True):
+            try:
+                ok = json.loads(line)["step"] < step
+            except (ValueError, KeyError, TypeError):
+                ok = False
+            (keep if ok else moved).append(line if line.endswith("\n") else line + "\n")
+        if moved:
+            with open(path.with_name("metrics.replaced.jsonl"), "a") as f:
+                f.writelines(moved)
+            tmp = path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(keep))
+            tmp.replace(path)
+    return open(path, "a")
 
 
 @contextmanager
