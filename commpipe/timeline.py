@@ -2,7 +2,9 @@
 
 An `Event` is one interval on one rank and stream; `write_chrome_trace` turns a list of them
 into Chrome/Perfetto trace JSON (one process per rank, one thread per stream), with
-`distributedInfo` so Holistic Trace Analysis can load per-rank files.
+`distributedInfo` first in a per-rank file. The measured traces of `commpipe train --trace`,
+laid out for Holistic Trace Analysis (kernels, streams, launches, steps), are built from the
+same events by commpipe.monitor.trace.
 """
 
 from __future__ import annotations
@@ -56,10 +58,12 @@ def chrome_trace(events: list[Event], rank: int | None = None, world_size: int |
         out.append({"ph": "X", "name": e.name, "cat": cat, "pid": e.rank, "tid": tid,
                     "ts": e.start_ms * 1000.0, "dur": max(e.dur_ms, 0.0) * 1000.0,
                     "args": {"step": e.step, **e.args}})
-    trace = {"traceEvents": out, "displayTimeUnit": "ms"}
+    trace = {}
     if rank is not None:
+        # first: HTA takes a file's rank from the first `"rank": N` in it
         trace["distributedInfo"] = {"rank": rank, "world_size": world_size or 1,
                                     **(distributed_info or {})}
+    trace.update(traceEvents=out, displayTimeUnit="ms")
     return trace
 
 

@@ -287,13 +287,17 @@ def test_traces_are_chrome_json_with_hta_args(run2):
         slices = [e for e in trace["traceEvents"] if e["ph"] == "X"]
         for e in slices:
             assert {"name", "ts", "dur", "pid", "tid"} <= e.keys() and e["dur"] >= 0
-        comm = [e for e in slices if e["cat"] == "comm" and e["name"] != "wait"]
+        # communication: kernels named as HTA recognises them (^nccl.*Kernel), each with a
+        # stream and a launch on the host sharing its correlation id
+        comm = [e for e in slices if e["cat"] == "kernel" and e["name"].startswith("ncclKernel_")]
         assert comm and all(set(HTA_ARGS) <= e["args"].keys() for e in comm)
         names = {e["args"]["Collective name"] for e in comm}
         assert {"send", "recv", "allreduce", "_allgather_base"} <= names
-        tids = {e["name"]: e["tid"] for e in slices}
+        launches = {e["args"]["correlation"] for e in slices if e["cat"] == "cpu_op"}
+        assert all(e["args"]["stream"] > 0 and e["args"]["correlation"] in launches for e in comm)
+        tids = {e["name"]: e["tid"] for e in slices if e["cat"] == "kernel"}
         if rank == 0:
-            assert tids["F0"] != tids["send"]          # compute and pp on their own tracks
+            assert tids["F0"] != tids["ncclKernel_Send"]   # compute and pp on their own streams
         else:
             wait = [e for e in slices if e["name"] == "wait" and e["args"]["step"] == 0]
             assert wait and wait[0]["dur"] >= STALL * 1e6 * 0.85

@@ -42,7 +42,7 @@ from commpipe.monitor.records import (
     stream_base,
     tagged_sampled,
 )
-from commpipe.monitor.trace import comm_args, comm_events, group_table, lay_out, write_trace
+from commpipe.monitor.trace import comm_args, comm_events, group_table, write_trace
 from commpipe.timeline import Event
 
 
@@ -154,7 +154,7 @@ class Monitor:
                 torch.cuda.synchronize(self.comm.device)  # end of run: read every event
             self._exchange(force=True)
             if self.trace:
-                write_trace(self._events + lay_out(self._calls),
+                write_trace(self._events, self._calls,
                             self.out_dir / "trace" / f"rank{self.rank}.json", self.rank,
                             self.world, "nccl" if self._cuda else "gloo", self._groups)
         for f in (self._file, self._links_file):

@@ -232,7 +232,8 @@ def load_events(run_dir: Path) -> list[dict]:
         threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in items
                    if e.get("ph") == "M" and e.get("name") == "thread_name"}
         for e in items:
-            if e.get("ph") == "X":
+            # the host thread (step marks, annotations, launches) repeats the device tracks
+            if e.get("ph") == "X" and threads.get((e["pid"], e.get("tid"))) != "host":
                 start = e["ts"] / 1000.0
                 events.append({"rank": e["pid"], "stream": threads.get((e["pid"], e.get("tid")), "compute"),
                                "name": e.get("name", ""), "start_ms": start,

@@ -84,7 +84,8 @@ def add_arguments(p) -> None:
     g.add_argument("--comm-monitor", default="off", metavar="off|sample=F|all",
                    help="time communication calls: off, all, or sample=0.1 (one call in ten)")
     g.add_argument("--trace", action="store_true",
-                   help="record the per-action timeline of the last step into OUT/trace/")
+                   help="record a timeline (compute and every communication call; "
+                        "torch.profiler on GPU) into OUT/trace/rank{r}.json for HTA and Perfetto")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
     g.add_argument("--log-every", type=int, default=1)
 

@@ -26,7 +26,6 @@ from commpipe.parallel.data import GradReducer, Zero1, clip_grad_norm_
 from commpipe.parallel.pipeline import build_stages
 from commpipe.parallel.tensor import apply_tp, make_loss_fn
 from commpipe.runtime.executor import PipelineRuntime
-from commpipe.timeline import write_chrome_trace
 from commpipe.train import checkpoint
 from commpipe.train.config import TrainConfig
 from commpipe.train.evaluate import evaluate, forward_program
@@ -122,11 +121,15 @@ class Trainer:
                                                  runtime.act_shape, device,
                                                  autocast_dtype=autocast, forward_only=True)
         trainer.named_params = [(n, p) for s in sorted(stages) for n, p in stages[s].named_parameters()]
-        if cfg.monitor is not None and cfg.out:
+        # --trace on CPU: the monitor times every call and writes OUT/trace/rank{r}.json with
+        # the compute actions; on CUDA the timeline comes from torch.profiler (see kineto_trace)
+        host_trace = cfg.trace and device.type != "cuda"
+        if (cfg.monitor is not None or host_trace) and cfg.out:
             from commpipe.monitor import Monitor
 
-            trainer.monitor = Monitor(comm, cfg.out, sample=cfg.monitor, seed=cfg.seed + 1,
-                                      trace=cfg.trace)
+            sample = 1.0 if host_trace else cfg.monitor
+            trainer.monitor = Monitor(comm, cfg.out, sample=sample, seed=cfg.seed + 1,
+                                      trace=host_trace)
             trainer.monitor.attach()
             runtime.on_compute = trainer.monitor.record_compute
         if cfg.trace:
@@ -198,13 +201,14 @@ class Trainer:
         return c["pp"] == self.cfg.dims.pp - 1 and c["dp"] == 0 and c["cp"] == 0 and c["tp"] == 0
 
     def write_trace(self) -> None:
+        """The last step's per-action timeline (commpipe.timeline.Event rows) for `simulate
+        --compare`. JSONL only: OUT/trace/ holds one Chrome trace per rank (rank{r}.json) so
+        that HTA maps each rank to one file."""
         if not (self.cfg.trace and self.cfg.out and self.runtime.events is not None):
             return
         out = Path(self.cfg.out) / "trace"
         out.mkdir(parents=True, exist_ok=True)
         rank = self.comm.rank
-        write_chrome_trace(self.runtime.events, out / f"actions_rank{rank}.json", rank,
-                           self.comm.dims.world_size)
         with open(out / f"actions_rank{rank}.jsonl", "w") as f:
             for e in self.runtime.events:
                 f.write(json.dumps(e.to_dict()) + "\n")
