@@ -40,6 +40,7 @@ class PipelineRuntime:
         self.last_stage = self.program.num_stages - 1
         self.on_compute = on_compute          # monitor hook: on_compute(name, t0, t1)
         self.events: list[Event] | None = None  # set to [] to record a timeline
+        self.annotate = False   # compute actions as torch.profiler annotations (GPU traces)
         if comm.backend == "nccl":
             # NCCL matches point-to-point messages of a rank pair in issue order, ignoring tags
             conflicts = channel_order_conflicts(self.program)
@@ -87,17 +88,28 @@ class PipelineRuntime:
         inputs, outputs, grads_to_send = {}, {}, {}
         local_fwd, local_bwd, deferred = {}, {}, {}
         loss_total = torch.zeros((), device=self.device)
-        t_origin = time.perf_counter()
+        # a recorded timeline on CUDA is read from events on the compute stream (when the
+        # kernels ran, the profiler's clock), not from perf_counter around asynchronous launches
+        gpu_clock = self.events is not None and self.device.type == "cuda"
+        stamps = []   # (stream, name, start, end), converted to ms once the step is done
+
+        def now():
+            if not gpu_clock:
+                return time.perf_counter()
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+
+        t_origin = now()
 
         def record(stream, a, t0, t1):
             if self.events is not None:
-                self.events.append(Event(self.comm.rank, stream, str(a), (t0 - t_origin) * 1e3,
-                                         (t1 - t_origin) * 1e3, step))
+                stamps.append((stream, str(a), t0, t1))
 
         def wait(key, a):
-            t0 = time.perf_counter()
+            t0 = now()
             value = recvs.pop(key).wait()
-            record("pp", Action("RECV_" + key[0], a.stage, a.microbatch), t0, time.perf_counter())
+            record("pp", Action("RECV_" + key[0], a.stage, a.microbatch), t0, now())
             return value
 
         def post(a):
@@ -137,7 +149,10 @@ class PipelineRuntime:
                         inputs[(s, m)] = x.requires_grad_(True)
             elif a.op in ("B", "I") and s != self.last_stage:
                 grad = wait(("B", s, m), a) if ("B", s, m) in recvs else local_bwd.pop((s, m))
-            t0 = time.perf_counter()
+            mark = torch.profiler.record_function(str(a)) if self.annotate else None
+            if mark is not None:
+                mark.__enter__()
+            t0 = now()
             if a.op == "F":
                 with self._autocast():
                     out = self.stages[s](x, positions)
@@ -168,13 +183,23 @@ class PipelineRuntime:
                         grads_to_send[(s, m)] = g
             elif a.op == "W":
                 WeightGradStore.flush(deferred.pop((s, m)))
-            t1 = time.perf_counter()
+            t1 = now()
+            if mark is not None:
+                mark.__exit__(None, None, None)
             record("compute", a, t0, t1)
-            if self.on_compute is not None:
+            if self.on_compute is not None and not gpu_clock:   # host seconds only
                 self.on_compute(str(a), t0, t1)
 
         for h in sends:
             h.wait()
+        if stamps:
+            if gpu_clock:
+                torch.cuda.current_stream(self.device).synchronize()   # tracing only
+                ms = t_origin.elapsed_time
+            else:
+                ms = lambda t: (t - t_origin) * 1e3
+            self.events.extend(Event(self.comm.rank, stream, name, ms(t0), ms(t1), step)
+                               for stream, name, t0, t1 in stamps)
         if recvs or outputs or deferred:
             raise RuntimeError(f"schedule left work undone on pp rank {self.pp_rank}: "
                                f"receives {list(recvs)}, outputs {list(outputs)}, "

@@ -134,6 +134,7 @@ class Trainer:
             runtime.on_compute = trainer.monitor.record_compute
         if cfg.trace:
             runtime.events = []
+            runtime.annotate = device.type == "cuda"   # action names as profiler annotations
         return trainer
 
     # -- one optimizer step -----------------------------------------------------------------------
@@ -250,13 +251,18 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
         metrics_file = open_metrics(out / "metrics.jsonl", trainer.step)
     signals = StopSignals().install()
     together = False  # did every rank leave the loop together (collective clean-up is safe)?
+    profiler = kineto_trace(trainer)  # None unless --trace on CUDA
     try:
+        if profiler is not None:
+            profiler.start()
         while trainer.step < cfg.steps:
             if cfg.fail_at == (comm.rank, trainer.step):
                 raise RuntimeError(f"fault drill: --fail-at {comm.rank}:{trainer.step}")
             if trainer.runtime.events is not None:  # keep only the last step's timeline
                 trainer.runtime.events.clear()
             rec = trainer.train_step()
+            if profiler is not None:
+                profiler.step()
             finite = is_finite(rec["loss"], rec["grad_norm"])
             done = trainer.step == cfg.steps
             if finite and cfg.eval_every and (trainer.step % cfg.eval_every == 0 or done):
@@ -294,6 +300,8 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
         together = True  # every rank decided it from the same all-reduced values
         raise
     finally:
+        if profiler is not None:
+            profiler.stop()   # writes the recorded steps (also after a failure)
         signals.restore()
         if metrics_file:
             metrics_file.close()
@@ -326,6 +334,31 @@ def open_metrics(path: Path, step: int):
             tmp.write_text("".join(keep))
             tmp.replace(path)
     return open(path, "a")
+
+
+def kineto_trace(trainer):
+    """--trace on CUDA: torch.profiler (Kineto) records the last min(3, steps) steps with real
+    kernels (NCCL's included) on one device clock, commpipe's action names as annotations
+    (record_function in the runtime) and ProfilerStep#N marks, into OUT/trace/rank{r}.json,
+    a file HTA reads as it is. On CPU the monitor writes that file instead."""
+    cfg = trainer.cfg
+    if not (cfg.trace and cfg.out and trainer.device.type == "cuda"):
+        return None
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    remaining = max(cfg.steps - trainer.step, 1)
+    active = min(3, remaining)
+    skip = remaining - active
+    path = Path(cfg.out) / "trace" / f"rank{trainer.comm.rank}.json"
+
+    def export(prof) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(path))
+
+    return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                   schedule=schedule(wait=max(skip - 1, 0), warmup=min(skip, 1), active=active,
+                                     repeat=1),
+                   on_trace_ready=export)
 
 
 @contextmanager
