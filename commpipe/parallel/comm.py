@@ -71,7 +71,8 @@ class Comm:
     """Process groups of one layout on this rank, and every communication op."""
 
     def __init__(self, dims: ParallelDims, rank: int = 0, backend: str | None = None,
-                 device: torch.device | None = None, timeout_s: float = 300.0):
+                 device: torch.device | None = None, timeout_s: float = 300.0,
+                 strict_order: bool = False):
         self.dims = dims
         self.rank = rank
         self.device = device or torch.device("cpu")
@@ -82,6 +83,9 @@ class Comm:
         self._pg: dict[str, object] = {}
         self.initialized = dist.is_available() and dist.is_initialized()
         self.backend = dist.get_backend() if self.initialized else "none"
+        # strict order: point-to-point messages of a rank pair pair up in issue order, as on
+        # NCCL; on gloo every message then travels with one tag, so gloo matches it the same way
+        self.strict_order = strict_order or self.backend == "nccl"
         for name in GROUP_DIMS:
             ranks_here = None
             for ranks in dims.groups(name):
@@ -192,16 +196,20 @@ class Comm:
     def isend(self, tensor: torch.Tensor, peer: int, dim: str = "pp", tag: int = 0) -> Handle:
         """Asynchronous send. `tag` tells apart messages that travel the same direction
         between the same pair (activations and gradients of a V schedule): gloo matches by
-        tag; NCCL ignores tags and matches in issue order."""
+        tag; NCCL ignores tags and matches in issue order, and so does gloo in strict-order
+        mode (the wire tag is 0; observers still see `tag`)."""
         tensor = tensor.contiguous()
         call, ctxs = self._start(dim, "send", tensor, peer=peer, tag=tag)
-        work = dist.isend(tensor, dst=peer, tag=tag)
+        work = dist.isend(tensor, dst=peer, tag=self._wire_tag(tag))
         return Handle(self, work, call, ctxs, lambda: tensor)
 
     def irecv(self, tensor: torch.Tensor, peer: int, dim: str = "pp", tag: int = 0) -> Handle:
         call, ctxs = self._start(dim, "recv", tensor, peer=peer, tag=tag)
-        work = dist.irecv(tensor, src=peer, tag=tag)
+        work = dist.irecv(tensor, src=peer, tag=self._wire_tag(tag))
         return Handle(self, work, call, ctxs, lambda: tensor)
+
+    def _wire_tag(self, tag: int) -> int:
+        return 0 if self.strict_order else tag
 
     def send(self, tensor: torch.Tensor, peer: int, dim: str = "pp") -> None:
         self.isend(tensor, peer, dim).wait()
@@ -246,6 +254,12 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> tu
         return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        # one GPU per rank, chosen before the group starts: object collectives, checkpoint I/O
+        # and the monitor's exchange use the current device, which is cuda:0 unless set. No
+        # `device_id` (eager init): point-to-point then shares the default communicator and is
+        # serialized with every collective, instead of one stream per rank pair
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
 

@@ -19,6 +19,7 @@ import torch
 from commpipe.parallel.comm import Comm
 from commpipe.runtime.weight_grad import WeightGradStore, enable_weight_grad_split
 from commpipe.schedules.actions import Action, Program, lower
+from commpipe.schedules.order import posting_order
 from commpipe.schedules.validate import channel_order_conflicts
 from commpipe.timeline import Event
 
@@ -26,7 +27,8 @@ from commpipe.timeline import Event
 class PipelineRuntime:
     def __init__(self, program: Program, stages: dict, comm: Comm, loss_fn,
                  act_shape: tuple[int, ...], device: torch.device, act_dtype=torch.float32,
-                 autocast_dtype=None, on_compute=None, forward_only: bool = False):
+                 autocast_dtype=None, on_compute=None, forward_only: bool = False,
+                 posting: list[list[int]] | None = None):
         self.program = program if program.is_lowered else lower(program)
         # forward_only: a program of F actions (validation): no autograd graph, nothing kept
         self.forward_only = forward_only
@@ -41,24 +43,24 @@ class PipelineRuntime:
         self.on_compute = on_compute          # monitor hook: on_compute(name, t0, t1)
         self.events: list[Event] | None = None  # set to [] to record a timeline
         self.annotate = False   # compute actions as torch.profiler annotations (GPU traces)
-        if comm.backend == "nccl":
-            # NCCL matches point-to-point messages of a rank pair in issue order, ignoring tags
-            conflicts = channel_order_conflicts(self.program)
+        # Posting order (commpipe.schedules.order): receives are posted before the compute
+        # action ahead of their consumer (prefetch), so transfers overlap it; each is still
+        # waited for only by its consumer. Gloo with a tag per message matches any order. NCCL,
+        # and gloo in strict-order mode, match a rank pair's messages in issue order: there
+        # both sides post each pair's operations in one common sequence, and prefetch never
+        # moves a receive past another operation of the same pair.
+        self.strict_order = comm.strict_order
+        posting = posting if posting is not None else posting_order(
+            self.program, prefetch=True, agree=self.strict_order)
+        if self.strict_order:
+            conflicts = channel_order_conflicts(self.program, posting)
             if conflicts:
-                raise ValueError(f"schedule {self.program.name} posts messages between a rank "
+                raise ValueError(f"schedule {self.program.name} would post messages between a rank "
                                  f"pair in different orders on the two sides ({conflicts[0]}); "
-                                 "NCCL would swap them. Use another schedule on NCCL, or gloo")
-        # Receive prefetch: the receives the *next* compute action needs are posted before the
-        # current one runs, so the transfer overlaps it; each is still waited for only by its
-        # consumer. Gloo matches by tag, so posting earlier cannot pair the wrong messages;
-        # NCCL orders operations on a stream, where moving a receive ahead of sends could
-        # make two ranks wait on each other, so there receives stay where the program puts them.
-        self.prefetch: dict[int, list[int]] = {}
-        if comm.backend != "nccl":
-            compute_at = [i for i, a in enumerate(self.actions) if a.is_compute]
-            for i, j in zip(compute_at, compute_at[1:]):
-                self.prefetch[i] = [k for k in range(i + 1, j)
-                                    if self.actions[k].op in ("RECV_F", "RECV_B")]
+                                 "NCCL matches them in issue order. Check it with "
+                                 "commpipe.schedules.dry_run: a program that deadlocks has no "
+                                 "common order")
+        self.order = posting[self.pp_rank]
         self.wstore = WeightGradStore()
         if any(a.op in ("I", "W") for a in self.actions):
             for module in stages.values():
@@ -118,19 +120,16 @@ class PipelineRuntime:
             tag = self._tag(a.op[-1], min(a.stage, src), a.microbatch)
             recvs[(a.op[-1], a.stage, a.microbatch)] = self.comm.irecv(buf, self._peer(src), tag=tag)
 
-        posted = set()
-        for idx, a in enumerate(self.actions):
+        for idx in self.order:
+            a = self.actions[idx]
             s, m = a.stage, a.microbatch
             if a.op in ("RECV_F", "RECV_B"):
-                if idx not in posted:
-                    post(a)
+                post(a)
                 continue
-            for k in self.prefetch.get(idx, ()):
-                post(self.actions[k])
-                posted.add(k)
             if a.op == "SEND_F":
                 out = outputs.pop((s, m)) if self.forward_only else outputs[(s, m)]
-                sends.append(self.comm.isend(out.detach(), self._peer(s + 1),
+                # stage boundaries carry the activation dtype (bf16 under autocast)
+                sends.append(self.comm.isend(out.detach().to(self.act_dtype), self._peer(s + 1),
                                              tag=self._tag("F", s, m)))
                 continue
             if a.op == "SEND_B":
@@ -155,14 +154,16 @@ class PipelineRuntime:
             t0 = now()
             if a.op == "F":
                 with self._autocast():
-                    out = self.stages[s](x, positions)
-                    if s == self.last_stage:
-                        out = self.loss_fn(out, labels[m]) * loss_scale
-                        loss_total = loss_total + out.detach()
+                    # a received input widens to fp32, the dtype of the embedding's output, so
+                    # the residual stream is fp32 on every stage, as on one device
+                    out = self.stages[s](x if s == 0 else x.float(), positions)
+                if s == self.last_stage:            # the loss in fp32, outside autocast
+                    out = self.loss_fn(out, labels[m]) * loss_scale
+                    loss_total = loss_total + out.detach()
                 local_next = (s != self.last_stage
                               and self.program.rank_of(s + 1) == self.program.rank_of(s))
                 if local_next:
-                    local_fwd[(s + 1, m)] = out.detach()
+                    local_fwd[(s + 1, m)] = out.detach().to(self.act_dtype)
                 if not self.forward_only or not (local_next or s == self.last_stage):
                     outputs[(s, m)] = out  # kept for its backward, or until its SEND_F
             elif a.op in ("B", "I"):
@@ -171,7 +172,7 @@ class PipelineRuntime:
                 if s == self.last_stage:
                     out.backward()
                 else:
-                    torch.autograd.backward(out, grad)
+                    torch.autograd.backward(out, grad.to(out.dtype))
                 self.wstore.deferring = False
                 if a.op == "I":
                     deferred[(s, m)] = self.wstore.take()

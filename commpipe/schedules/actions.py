@@ -131,6 +131,10 @@ def lower(program: Program) -> Program:
     a SEND immediately after the action that produced its tensor (the runtime issues it
     asynchronously and only waits for it when the step ends). Stages on the same rank (the
     turn of a V schedule) pass tensors locally with no communication action.
+
+    A RECV's position is where the receive is waited for; when it is *posted* is a separate
+    choice, `commpipe.schedules.order.posting_order`, which gives both sides of every rank
+    pair one common sequence of operations (NCCL matches in issue order).
     """
     base = program.compute_only()
     last = base.num_stages - 1

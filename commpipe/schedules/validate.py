@@ -10,12 +10,15 @@ receives block, sends do not, and a receive is satisfied by the send of the same
 (matched by kind, stage and micro-batch). If no rank can move and some have actions left, it
 raises `ScheduleDeadlock` with the rank x step grid and the stuck actions in brackets.
 
+`channel_order_conflicts(program)` checks the other half of NCCL legality: that both sides of
+every rank pair post the pair's operations in one sequence (commpipe.schedules.order builds
+that posting order; with it, issue-order matching pairs exactly what tag matching pairs, so a
+program that passes both checks runs on NCCL as `dry_run` executed it).
+
 Pure Python, linear in the number of actions.
 """
 
 from __future__ import annotations
-
-from collections import defaultdict
 
 from commpipe.schedules.actions import OPS, Action, Program, lower
 
@@ -214,8 +217,19 @@ def dry_run(program: Program) -> Program:
     """
     lowered = program if program.is_lowered else lower(program)
     check_program(lowered)
+    pcs, _ = execute(lowered)
+    if any(pcs[r] < len(lowered.actions[r]) for r in range(lowered.pp)):
+        raise ScheduleDeadlock(deadlock_message(lowered, pcs))
+    return lowered
+
+
+def execute(lowered: Program) -> tuple[list[int], dict[tuple, int]]:
+    """Run a lowered program symbolically (receives block, sends do not, a receive matches the
+    send of the same tensor). Returns how far each rank got and the order in which the
+    messages were sent in this run (message key -> serial): all ranks finished means no
+    deadlock, and the serials are one global order consistent with every rank's own order."""
     pcs = [0] * lowered.pp
-    sent: set[tuple] = set()
+    sent: dict[tuple, int] = {}
     waiting: dict[tuple, int] = {}
     ready = list(range(lowered.pp))
     while ready:
@@ -225,7 +239,7 @@ def dry_run(program: Program) -> Program:
             a = acts[k]
             if a.op in ("SEND_F", "SEND_B"):
                 key = message_key(a)
-                sent.add(key)
+                sent.setdefault(key, len(sent))
                 if key in waiting:
                     ready.append(waiting.pop(key))
             elif a.op in ("RECV_F", "RECV_B") and message_key(a) not in sent:
@@ -233,9 +247,7 @@ def dry_run(program: Program) -> Program:
                 break
             k += 1
         pcs[r] = k
-    if any(pcs[r] < len(lowered.actions[r]) for r in range(lowered.pp)):
-        raise ScheduleDeadlock(deadlock_message(lowered, pcs))
-    return lowered
+    return pcs, sent
 
 
 def _sender_rank(program: Program, a: Action) -> int:
@@ -297,32 +309,37 @@ def _find_cycle(lowered: Program, stuck: dict[int, int]) -> list[int]:
     return []
 
 
-def channel_order_conflicts(program: Program) -> list[str]:
-    """Directed rank pairs whose sends and receives are posted in different orders.
+def channel_order_conflicts(program: Program, posting=None) -> list[str]:
+    """Rank pairs whose two sides post their point-to-point operations in different orders.
 
-    Tagged matching (what `dry_run` assumes) is indifferent to this; an untagged point-to-point
-    backend (NCCL, or gloo with one tag) matches the k-th send with the k-th receive of the
-    pair, so a runtime on such a backend must match by tag or reorder. Returns one line per
-    conflicting pair (empty when the program is safe under in-order matching too).
+    NCCL matches the sends and receives of a rank pair in issue order, and runs the operations
+    of one pair (both directions) one after another on one stream; so both sides must post
+    the pair's messages in one common sequence, or tensors are swapped (one direction) or the
+    ranks wait on each other (recv-then-send on both sides). `posting` is each rank's posting
+    order as lists of action indices (default: the order the runtime uses on such backends,
+    `commpipe.schedules.order.posting_order`); pass `as_written(program)` to check the
+    program's own order. Returns one line per conflicting pair (empty when legal).
     """
+    from commpipe.schedules.order import pair_sequences, posting_order
+
     lowered = program if program.is_lowered else lower(program)
-    sends: dict[tuple[int, int], list] = defaultdict(list)
-    recvs: dict[tuple[int, int], list] = defaultdict(list)
-    for r, acts in enumerate(lowered.actions):
-        for a in acts:
-            if a.op in ("SEND_F", "SEND_B"):
-                kind, s, mb = message_key(a)
-                dst = lowered.stage_to_rank[s]
-                sends[(r, dst)].append(message_key(a))
-            elif a.op in ("RECV_F", "RECV_B"):
-                recvs[(_sender_rank(lowered, a), r)].append(message_key(a))
+    if posting is None:
+        posting = posting_order(lowered)
+    seqs = pair_sequences(lowered, posting)
     out = []
-    for pair in sorted(set(sends) | set(recvs)):
-        s_list, r_list = sends.get(pair, []), recvs.get(pair, [])
-        if s_list != r_list:
-            k = next((i for i, (x, y) in enumerate(zip(s_list, r_list)) if x != y),
-                     min(len(s_list), len(r_list)))
-            out.append(f"rank {pair[0]} -> rank {pair[1]}: message {k} is sent as "
-                       f"{s_list[k] if k < len(s_list) else None} but received as "
-                       f"{r_list[k] if k < len(r_list) else None}")
+    for r, q in sorted(seqs):
+        if r > q:
+            continue
+        mine = seqs[(r, q)]
+        theirs = [("send" if d == "recv" else "recv", key) for d, key in seqs.get((q, r), [])]
+        if mine != theirs:
+            k = next((i for i, (x, y) in enumerate(zip(mine, theirs)) if x != y),
+                     min(len(mine), len(theirs)))
+
+            def show(seq, k):
+                return f"{seq[k][0]} {seq[k][1]}" if k < len(seq) else "nothing"
+
+            flipped = [("send" if d == "recv" else "recv", key) for d, key in theirs]
+            out.append(f"rank {r} <-> rank {q}: operation {k} of the pair is {show(mine, k)} "
+                       f"on rank {r} but {show(flipped, k)} on rank {q}")
     return out

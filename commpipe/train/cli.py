@@ -87,6 +87,12 @@ def add_arguments(p) -> None:
                    help="record a timeline (compute and every communication call; "
                         "torch.profiler on GPU) into OUT/trace/rank{r}.json for HTA and Perfetto")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    g.add_argument("--precision", default=None, choices=("fp32", "bf16"),
+                   help="bf16: autocast with fp32 master weights, gradients, optimizer and loss "
+                        "(default bf16 on CUDA, fp32 on CPU)")
+    g.add_argument("--strict-order", action="store_true",
+                   help="pair point-to-point messages in issue order, as NCCL does (gloo: one "
+                        "tag per rank pair), to check a schedule's NCCL legality on CPU")
     g.add_argument("--log-every", type=int, default=1)
 
 
@@ -112,7 +118,8 @@ def config_from_args(args) -> TrainConfig:
                        eval_every=args.eval_every, eval_batches=args.eval_batches,
                        save_every=args.save_every, resume=args.resume, timeout_s=args.timeout_s,
                        fail_at=parse_fail_at(args.fail_at), out=args.out, monitor=monitor,
-                       trace=args.trace, log_every=args.log_every, device=args.device)
+                       trace=args.trace, log_every=args.log_every, device=args.device,
+                       precision=args.precision, strict_order=args.strict_order)
 
 
 def run(args) -> int:

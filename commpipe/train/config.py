@@ -51,6 +51,8 @@ class TrainConfig:
     trace: bool = False
     log_every: int = 1
     device: str = "auto"
+    precision: str | None = None      # fp32 | bf16 (autocast); default bf16 on CUDA, fp32 on CPU
+    strict_order: bool = False        # match point-to-point messages in issue order, as NCCL does
 
     # filled by resolve()
     spec: ModelSpec | None = None
@@ -104,9 +106,25 @@ class TrainConfig:
         if self.resume == "latest" and not self.out:
             raise ValueError("--resume without a path reads OUT/checkpoints; give --out DIR or "
                              "--resume PATH")
+        self._check_precision()
         if (self.tokenizer or self.vocab_size) and not self.data:
             raise ValueError("--tokenizer and --vocab-size choose the tokenizer of --data DIR; "
                              "give --data")
+
+    def _check_precision(self) -> None:
+        """bf16: autocast on the device (CPU too), with fp32 master parameters, gradients,
+        optimizer state and loss; stage boundaries carry bf16 activations and gradients."""
+        import torch
+
+        on_cuda = self.device.startswith("cuda") or (self.device == "auto"
+                                                     and torch.cuda.is_available())
+        if self.precision is None:
+            self.precision = "bf16" if on_cuda else "fp32"
+        if self.precision not in ("fp32", "bf16"):
+            raise ValueError(f"--precision {self.precision!r} is not supported; use fp32 or bf16")
+        if self.precision == "bf16" and on_cuda and not torch.cuda.is_bf16_supported():
+            raise ValueError("--precision bf16: this GPU has no bfloat16 support (it predates "
+                             "Ampere); use --precision fp32")
 
     def _stage_multiplier(self) -> int:
         if self.schedule in ("zbv", "dualpipev"):

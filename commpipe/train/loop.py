@@ -89,12 +89,15 @@ class Trainer:
         """This rank's stages, runtime, optimizer and data. `source`: an already opened batch
         source (the CLI opens --data before the process group starts); made here otherwise."""
         device = pick_device(cfg.device)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)   # the current device is where unplaced tensors go
         if comm is None:
             rank, world = init_distributed(timeout_s=cfg.timeout_s)
             cfg.resolve(world)
             comm = Comm(cfg.dims, rank, device=device, timeout_s=cfg.timeout_s)
         elif cfg.spec is None:
             cfg.resolve(comm.dims.world_size)
+        comm.strict_order = comm.strict_order or cfg.strict_order
         spec = cfg.spec
         program = cfg.program()
         pp_rank = comm.local_rank("pp")
@@ -106,10 +109,12 @@ class Trainer:
         loss_fn = make_loss_fn(comm, last.output if last is not None else None)
         params = [p for s in sorted(stages) for p in stages[s].parameters()]
         seq_local = cfg.seq_len // cfg.dims.cp
-        autocast = torch.bfloat16 if device.type == "cuda" else None
+        # bf16: autocast, with stage boundaries (pipeline buffers) in bf16 too
+        autocast = torch.bfloat16 if cfg.precision == "bf16" else None
+        act_dtype = autocast or torch.float32
         runtime = PipelineRuntime(program, stages, comm, loss_fn,
                                   (cfg.micro_batch_size, seq_local, spec.hidden), device,
-                                  autocast_dtype=autocast)
+                                  act_dtype=act_dtype, autocast_dtype=autocast)
         optimizer = make_optimizer(params, cfg, comm)
         if source is None:
             source = make_source(cfg, spec)
@@ -118,7 +123,7 @@ class Trainer:
         trainer = cls(cfg, comm, stages, runtime, optimizer, GradReducer(params, comm), params,
                       source, device)
         trainer.forward_runner = PipelineRuntime(forward_program(program), stages, comm, loss_fn,
-                                                 runtime.act_shape, device,
+                                                 runtime.act_shape, device, act_dtype=act_dtype,
                                                  autocast_dtype=autocast, forward_only=True)
         trainer.named_params = [(n, p) for s in sorted(stages) for n, p in stages[s].named_parameters()]
         # --trace on CPU: the monitor times every call and writes OUT/trace/rank{r}.json with
