@@ -54,7 +54,9 @@ class GradReducer:
 def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, comm: Comm) -> float:
     """Clip by the norm of the *whole model's* gradient: squares summed over this rank's
     parameters (TP-replicated ones counted on tp rank 0 only), then over the TP and PP groups."""
-    sq = torch.zeros((), dtype=torch.float64)
+    # on the parameters' device: NCCL reduces only device tensors, and one sync per step
+    device = next((p.grad.device for p in params if p.grad is not None), comm.device)
+    sq = torch.zeros((), dtype=torch.float64, device=device)
     tp_rank = comm.local_rank("tp")
     for p in params:
         if p.grad is None or (getattr(p, "_tp_dim", None) is None and tp_rank != 0):

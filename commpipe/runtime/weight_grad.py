@@ -39,18 +39,29 @@ class WeightGradStore:
 
 
 class _Linear(torch.autograd.Function):
-    @staticmethod
-    @torch.amp.custom_fwd(device_type="cuda")
-    def forward(ctx, x, weight, store: WeightGradStore):
-        ctx.save_for_backward(x, weight)
-        ctx.store = store
-        return F.linear(x, weight)
+    """y = x W^T. Under autocast the GEMMs run in the autocast dtype, as F.linear's would: x
+    and W are cast on the way in and x is saved in that dtype, so the deferred dW GEMM multiplies
+    two tensors of one dtype (bf16 x bf16) and its result is cast to the fp32 master weight's
+    gradient. The autocast state is read off the input's device, so CPU autocast takes this
+    path too (custom_fwd/custom_bwd only know CUDA's)."""
 
     @staticmethod
-    @torch.amp.custom_bwd(device_type="cuda")
+    def forward(ctx, x, weight, store: WeightGradStore):
+        w = weight
+        device = x.device.type
+        if torch.is_autocast_enabled(device):
+            dtype = torch.get_autocast_dtype(device)
+            x, w = x.to(dtype), weight.to(dtype)
+        ctx.save_for_backward(x, weight)
+        ctx.store = store
+        with torch.autocast(device, enabled=False):
+            return F.linear(x, w)
+
+    @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        grad_in = grad_out @ weight.to(grad_out.dtype)
+        grad_out = grad_out.to(x.dtype)                         # [..., out] in the GEMM dtype
+        grad_in = grad_out @ weight.to(x.dtype)                 # [..., in]
         if ctx.store.deferring:
             ctx.store.pending.append((weight, x, grad_out))
             return grad_in, None, None
