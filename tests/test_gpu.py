@@ -1,27 +1,75 @@
-"""GPU path (NCCL-free single process: bf16 autocast on CUDA). Skipped without a GPU."""
+"""GPU path: bf16 autocast on CUDA, the gradient norm on the device, and (with two GPUs) a
+pipeline over NCCL. Skipped without CUDA; the same code paths run on CPU in test_precision.py
+and test_strict_order.py."""
 
 from __future__ import annotations
 
+import os
+import tempfile
+from pathlib import Path
+
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from commpipe.parallel.comm import Comm
+from commpipe.parallel.data import clip_grad_norm_
 from commpipe.parallel.dims import ParallelDims
 from commpipe.train.config import TrainConfig
 from commpipe.train.loop import Trainer
+from tests.dist_harness import free_port
+from tests.reference import reference_run
+from tests.test_equivalence import make_cfg
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+MODEL = "arch=llama,layers=8,hidden=32,heads=4,kv_heads=2,ffn_hidden=64,vocab=128"
 
 
-def test_bf16_autocast_training_tracks_fp32_cpu():
+@pytest.mark.parametrize("schedule", ["1f1b", "zbh1"])
+def test_bf16_autocast_training_tracks_fp32_cpu(schedule):
     losses = {}
-    for device in ("cpu", "cuda"):
+    for device, precision in (("cpu", "fp32"), ("cuda", "bf16")):
         cfg = TrainConfig(model="tiny", seq_len=32, global_batch=4, steps=3, device=device,
-                          schedule="1f1b", seed=1)
+                          schedule=schedule, seed=1, precision=precision)
         cfg.resolve(1)
         trainer = Trainer.build(cfg, Comm(ParallelDims(), 0, device=torch.device(device)))
         losses[device] = [trainer.train_step()["loss"] for _ in range(cfg.steps)]
-    # bf16 matmuls keep ~3 significant digits: the loss of a 256-token vocabulary (~5.5)
-    # agrees to about 1e-2 with the fp32 CPU run
+        assert {p.dtype for p in trainer.params} == {torch.float32}
     for cpu, gpu in zip(losses["cpu"], losses["cuda"]):
-        assert abs(cpu - gpu) < 2e-2, losses
+        assert abs(cpu - gpu) <= 0.02 * abs(cpu), losses
+
+
+def test_grad_norm_is_computed_on_the_parameters_device():
+    device = torch.device("cuda")
+    params = [torch.nn.Parameter(torch.zeros(3, device=device)) for _ in range(2)]
+    for p, value in zip(params, (3.0, 4.0)):
+        p.grad = torch.full((3,), value, device=device)
+    norm = clip_grad_norm_(params, 1.0, Comm(ParallelDims(), 0, device=device))
+    assert norm == pytest.approx((3 * 9 + 3 * 16) ** 0.5)
+    total = torch.cat([p.grad for p in params]).norm().item()
+    assert total == pytest.approx(1.0, rel=1e-5)
+
+
+def _nccl_worker(rank: int, world: int, port: int, outdir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
+                      RANK=str(rank), LOCAL_RANK=str(rank))
+    cfg = make_cfg(ParallelDims(pp=world), "zbv", model=MODEL, device="auto", precision="fp32")
+    trainer = Trainer.build(cfg)          # init_distributed: NCCL, cuda:LOCAL_RANK
+    try:
+        assert trainer.comm.backend == "nccl" and trainer.comm.strict_order
+        assert torch.cuda.current_device() == rank
+        losses = [trainer.train_step()["loss"] for _ in range(cfg.steps)]
+        torch.save(losses, Path(outdir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_zbv_over_nccl_matches_single_device():
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_nccl_worker, args=(2, free_port(), tmp), nprocs=2, start_method="spawn")
+        losses = torch.load(Path(tmp) / "rank0.pt")
+    reference = reference_run(make_cfg(ParallelDims(), "1f1b", model=MODEL))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference["losses"]),
+                               rtol=1e-4, atol=0)
