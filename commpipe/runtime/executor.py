@@ -41,6 +41,7 @@ class PipelineRuntime:
         self.actions = self.program.actions[self.pp_rank]
         self.last_stage = self.program.num_stages - 1
         self.on_compute = on_compute          # monitor hook: on_compute(name, t0, t1)
+        self.slowdown = None    # fault drill (--slow-rank): slowdown(t0) stretches a compute action
         self.events: list[Event] | None = None  # set to [] to record a timeline
         self.annotate = False   # compute actions as torch.profiler annotations (GPU traces)
         # Posting order (commpipe.schedules.order): receives are posted before the compute
@@ -184,6 +185,8 @@ class PipelineRuntime:
                         grads_to_send[(s, m)] = g
             elif a.op == "W":
                 WeightGradStore.flush(deferred.pop((s, m)))
+            if self.slowdown is not None:
+                self.slowdown(t0)
             t1 = now()
             if mark is not None:
                 mark.__exit__(None, None, None)

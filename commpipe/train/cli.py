@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+from commpipe.adapt.cli import adapt_options, add_adapt_arguments
 from commpipe.monitor.flag import parse_monitor_flag
 from commpipe.parallel.dims import ParallelDims
 from commpipe.train.config import OptimConfig, TrainConfig
@@ -94,6 +95,7 @@ def add_arguments(p) -> None:
                    help="pair point-to-point messages in issue order, as NCCL does (gloo: one "
                         "tag per rank pair), to check a schedule's NCCL legality on CPU")
     g.add_argument("--log-every", type=int, default=1)
+    add_adapt_arguments(p)
 
 
 def config_from_args(args) -> TrainConfig:
@@ -119,7 +121,8 @@ def config_from_args(args) -> TrainConfig:
                        save_every=args.save_every, resume=args.resume, timeout_s=args.timeout_s,
                        fail_at=parse_fail_at(args.fail_at), out=args.out, monitor=monitor,
                        trace=args.trace, log_every=args.log_every, device=args.device,
-                       precision=args.precision, strict_order=args.strict_order)
+                       precision=args.precision, strict_order=args.strict_order,
+                       **adapt_options(args))
 
 
 def run(args) -> int:

@@ -6,6 +6,7 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
+from commpipe.adapt.config import AdaptConfig, SlowRank
 from commpipe.models.spec import ModelSpec, resolve_model, with_vocab
 from commpipe.parallel.dims import ParallelDims
 
@@ -53,6 +54,8 @@ class TrainConfig:
     device: str = "auto"
     precision: str | None = None      # fp32 | bf16 (autocast); default bf16 on CUDA, fp32 on CPU
     strict_order: bool = False        # match point-to-point messages in issue order, as NCCL does
+    adapt: AdaptConfig | None = None  # --adapt: the adaptive controller (commpipe.adapt)
+    slow_rank: SlowRank | None = None  # fault drill: one rank's compute FACTOR times slower
 
     # filled by resolve()
     spec: ModelSpec | None = None
@@ -91,6 +94,7 @@ class TrainConfig:
         d.check_model(spec, self.seq_len, self.stage_layers, prog.num_stages // d.pp)
         if world_size is not None:  # last: a wrong layout is worth more to hear about
             d.check_world(world_size)
+        self._check_adapt(d.world_size)
         return self
 
     def _check_run_options(self) -> None:
@@ -110,6 +114,20 @@ class TrainConfig:
         if (self.tokenizer or self.vocab_size) and not self.data:
             raise ValueError("--tokenizer and --vocab-size choose the tokenizer of --data DIR; "
                              "give --data")
+
+    def _check_adapt(self, world: int) -> None:
+        if self.adapt is not None:
+            self.adapt.validate()
+            if not self.out:
+                raise ValueError("--adapt logs its decisions to OUT/adapt.jsonl; give --out DIR")
+            if self.monitor is None:   # link signals come from the monitor, one call in ten
+                self.monitor = 0.1
+            if self.schedule not in ("1f1b", "gpipe", "zbh1"):
+                raise ValueError(f"--adapt re-splits stages of one-chunk schedules (1f1b, gpipe, "
+                                 f"zbh1); --schedule {self.schedule} is not one of them")
+        if self.slow_rank is not None and self.slow_rank.rank >= world:
+            raise ValueError(f"--slow-rank {self.slow_rank.rank}: there are only {world} ranks "
+                             f"(0..{world - 1})")
 
     def _check_precision(self) -> None:
         """bf16: autocast on the device (CPU too), with fp32 master parameters, gradients,

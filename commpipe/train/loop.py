@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from commpipe.adapt.plan import layout_label
 from commpipe.models.spec import flops_per_token
 from commpipe.parallel.comm import Comm, init_distributed
 from commpipe.parallel.context import apply_cp, cp_positions, cp_split
@@ -140,6 +141,10 @@ class Trainer:
         if cfg.trace:
             runtime.events = []
             runtime.annotate = device.type == "cuda"   # action names as profiler annotations
+        if cfg.slow_rank is not None:
+            from commpipe.adapt.drills import install_slow_rank
+
+            install_slow_rank(trainer)
         return trainer
 
     # -- one optimizer step -----------------------------------------------------------------------
@@ -179,7 +184,7 @@ class Trainer:
             "tp": cfg.dims.tp, "cp": cfg.dims.cp, "pp": cfg.dims.pp, "dp": cfg.dims.dp,
             "schedule": cfg.schedule, "microbatches": cfg.microbatches,
             "micro_batch_size": cfg.micro_batch_size, "global_batch": cfg.global_batch,
-            "seq_len": cfg.seq_len, "model": cfg.spec.name,
+            "seq_len": cfg.seq_len, "model": cfg.spec.name, "layout": layout_label(cfg),
         }
         if self.monitor is not None:
             self.monitor.end_step(self.step)
@@ -254,6 +259,11 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
         out.mkdir(parents=True, exist_ok=True)
         cfg.save(out / "config.json")
         metrics_file = open_metrics(out / "metrics.jsonl", trainer.step)
+    controller = None
+    if cfg.adapt is not None:
+        from commpipe.adapt.controller import Controller
+
+        controller = Controller(trainer, out)
     signals = StopSignals().install()
     together = False  # did every rank leave the loop together (collective clean-up is safe)?
     profiler = kineto_trace(trainer)  # None unless --trace on CUDA
@@ -282,6 +292,9 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
                     log(_format(rec))
             if not finite:
                 raise TrainingDiverged(_diverged(rec, ckpt_root))
+            if controller is not None:   # may switch to another plan, in memory
+                trainer, metrics_file = controller.after_step(trainer, rec, metrics_file)
+                comm = trainer.comm
             with _unmonitored(trainer):
                 stop = signals.agreed(comm)
                 due = cfg.save_every and (trainer.step % cfg.save_every == 0 or done)
@@ -308,6 +321,8 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
         if profiler is not None:
             profiler.stop()   # writes the recorded steps (also after a failure)
         signals.restore()
+        if controller is not None:
+            controller.close()
         if metrics_file:
             metrics_file.close()
         if trainer.monitor is not None:

@@ -1,0 +1,101 @@
+"""Candidate plans for the same processes and the same global batch, cheapest switch first:
+(a) another split of layers over the pipeline stages, (b) another micro-batch count or
+schedule, (c) another tp x cp x pp x dp layout (each with its balanced split)."""
+
+from __future__ import annotations
+
+from commpipe.adapt.model import CostModel
+from commpipe.adapt.plan import Plan
+from commpipe.models.spec import ModelSpec, divisors
+from commpipe.parallel.dims import ParallelDims
+
+SCHEDULES = ("1f1b", "gpipe", "zbh1")   # one stage per rank: any uneven split works
+
+
+def _feasible(plan: Plan, spec: ModelSpec, seq_len: int, global_batch: int) -> bool:
+    dims = ParallelDims(dp=plan.dp, pp=plan.pp, cp=plan.cp, tp=plan.tp)
+    try:
+        dims.check_model(spec, seq_len, list(plan.stage_layers))
+        m = dims.check_batch(global_batch, plan.micro_batch_size)
+    except ValueError:
+        return False
+    return m == plan.microbatches and plan.microbatches >= 1
+
+
+def resplits(cur: Plan, model: CostModel) -> list[Plan]:
+    """The balanced split and every one-layer move between neighbouring stages."""
+    out = {model.balanced_split(cur)}
+    layers = list(cur.stage_layers)
+    for s in range(len(layers) - 1):
+        for d in (-1, 1):
+            new = layers.copy()
+            new[s] += d
+            new[s + 1] -= d
+            if min(new) >= 1:
+                out.add(tuple(new))
+    out.discard(cur.stage_layers)
+    return [Plan(cur.tp, cp=cur.cp, pp=cur.pp, dp=cur.dp, stage_layers=s, schedule=cur.schedule,
+                 microbatches=cur.microbatches, micro_batch_size=cur.micro_batch_size)
+            for s in sorted(out)]
+
+
+def rebatches(base: Plan, global_batch: int, schedules=SCHEDULES) -> list[Plan]:
+    """Other micro-batch counts (same global batch) and schedules for `base`'s layout and split."""
+    per_dp = global_batch // base.dp
+    out = []
+    for mbs in divisors(per_dp):
+        m = per_dp // mbs
+        if m < base.pp or m > 4 * max(base.pp, 2):
+            continue
+        for sched in schedules:
+            p = Plan(base.tp, base.cp, base.pp, base.dp, base.stage_layers, sched, m, mbs)
+            if p != base:
+                out.append(p)
+    return out
+
+
+def layouts(cur: Plan, model: CostModel, spec: ModelSpec, seq_len: int, global_batch: int,
+            world: int, ranks_per_node: int) -> list[Plan]:
+    """Every other tp x cp x pp x dp of this world (TP kept within a node), with the balanced
+    split and the running schedule, at the running micro-batch size where it divides."""
+    out = []
+    for tp in divisors(world):
+        if tp > ranks_per_node and tp > 1:
+            continue
+        for cp in divisors(world // tp):
+            for pp in divisors(world // (tp * cp)):
+                dp = world // (tp * cp * pp)
+                if (tp, cp, pp, dp) == (cur.tp, cur.cp, cur.pp, cur.dp) or pp > spec.layers:
+                    continue
+                per_dp = global_batch // dp if global_batch % dp == 0 else 0
+                mbs = cur.micro_batch_size if per_dp and per_dp % cur.micro_batch_size == 0 else 1
+                m = per_dp // mbs if per_dp else 0
+                if m < pp:
+                    continue
+                sched = cur.schedule if cur.schedule in SCHEDULES else "1f1b"
+                even = tuple([spec.layers // pp + (1 if s < spec.layers % pp else 0)
+                              for s in range(pp)])
+                draft = Plan(tp, cp, pp, dp, even, sched, m, mbs)
+                plan = Plan(tp, cp, pp, dp, model.balanced_split(draft), sched, m, mbs)
+                if _feasible(plan, spec, seq_len, global_batch):
+                    out.append(plan)
+    return out
+
+
+def candidates(cur: Plan, model: CostModel, spec: ModelSpec, seq_len: int, global_batch: int,
+               world: int, ranks_per_node: int, with_layouts: bool = True) -> list[Plan]:
+    found: list[Plan] = []
+    splits = resplits(cur, model) if cur.pp > 1 else []
+    found += splits
+    best_split = next((p for p in splits if p.stage_layers == model.balanced_split(cur)), cur)
+    found += rebatches(best_split, global_batch)
+    if best_split is not cur:
+        found += rebatches(cur, global_batch)
+    if with_layouts:
+        found += layouts(cur, model, spec, seq_len, global_batch, world, ranks_per_node)
+    seen, out = {cur}, []
+    for p in found:
+        if p not in seen and _feasible(p, spec, seq_len, global_batch):
+            seen.add(p)
+            out.append(p)
+    return out

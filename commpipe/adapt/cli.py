@@ -1,0 +1,44 @@
+"""`commpipe train` options of the adaptive controller and the --slow-rank drill.
+
+None of them is a prefix of a torchrun option (tests/test_torchrun_flags.py checks every one).
+"""
+
+from __future__ import annotations
+
+from commpipe.adapt.config import AdaptConfig, parse_slow_rank
+
+
+def add_adapt_arguments(p) -> None:
+    d = AdaptConfig()
+    g = p.add_argument_group("adaptive training (docs/adaptive.md)")
+    g.add_argument("--adapt", action="store_true",
+                   help="detect lasting link or compute changes, re-plan on measured costs and "
+                        "switch layout in memory when the switch pays back; decisions in "
+                        "OUT/adapt.jsonl (needs --out; turns on the monitor at sample=0.1)")
+    g.add_argument("--adapt-min-steps", type=int, default=d.min_steps, metavar="N",
+                   help=f"a change must persist N consecutive steps (default {d.min_steps})")
+    g.add_argument("--adapt-min-shift", type=float, default=d.min_shift, metavar="F",
+                   help=f"relative shift against the baseline that counts (default {d.min_shift})")
+    g.add_argument("--adapt-horizon", type=int, default=d.horizon, metavar="STEPS",
+                   help=f"steps over which a switch must pay back (default {d.horizon})")
+    g.add_argument("--adapt-margin", type=float, default=d.margin, metavar="X",
+                   help=f"saving over the horizon must be X times the switch cost "
+                        f"(default {d.margin})")
+    g.add_argument("--adapt-switch-cost", type=float, default=None, metavar="SECONDS",
+                   help="assume this switch cost instead of the predicted, then measured one")
+    g.add_argument("--adapt-resplit-only", action="store_true",
+                   help="consider re-splits and re-batching only, no tp/cp/pp/dp change")
+    g.add_argument("--slow-rank", default=None, metavar="RANK:FACTOR[@STEP]",
+                   help="fault drill: rank RANK's compute takes FACTOR times as long from step "
+                        "STEP on, e.g. 1:3@20")
+
+
+def adapt_options(args) -> dict:
+    """TrainConfig keyword arguments `adapt` and `slow_rank` from parsed options."""
+    adapt = None
+    if args.adapt:
+        adapt = AdaptConfig(min_steps=args.adapt_min_steps, min_shift=args.adapt_min_shift,
+                            horizon=args.adapt_horizon, margin=args.adapt_margin,
+                            switch_cost_s=args.adapt_switch_cost,
+                            layouts=not args.adapt_resplit_only).validate()
+    return {"adapt": adapt, "slow_rank": parse_slow_rank(args.slow_rank)}

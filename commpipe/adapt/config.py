@@ -1,0 +1,88 @@
+"""Thresholds of the adaptive controller, and the `--slow-rank` fault drill's spec (no torch).
+
+Defaults and why:
+  min_steps=5     a change must hold for 5 consecutive steps. Production fail-slows last
+                  minutes to hours, i.e. hundreds of steps or more, while one-off stalls
+                  (a checkpoint write, a neighbour's burst, garbage collection) last a step or
+                  two: 5 steps ignores those and still reacts within a few percent of a
+                  minutes-long event. Lower it for very long steps.
+  min_shift=0.25  a relative shift of 25% against the baseline. Step and compute times on a
+                  shared host wander by ~5-10% step to step (measured on our 2-core CI box), so
+                  25% stays clear of noise; a change smaller than that rarely pays for a switch.
+  baseline_steps=4 observations (their median) that set the reference level, at the start and
+                  again after every switch, once warmup_steps have passed.
+  horizon=100     steps over which a switch must pay back (capped by the steps left): the saving
+                  is predicted for the remaining run, but degrades may end, so we do not count
+                  on more than this.
+  margin=2.0      the predicted saving over the horizon must be at least twice the switch cost
+                  (the cost estimate and the predictions are uncertain; a 2x margin keeps a
+                  wrong prediction from costing more than it could gain).
+  min_gain=0.05   a candidate predicted less than 5% faster is not worth a switch whatever the
+                  horizon: that is within the simulator's error on measured costs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class AdaptConfig:
+    min_steps: int = 5
+    min_shift: float = 0.25
+    baseline_steps: int = 4
+    warmup_steps: int = 2
+    horizon: int = 100
+    margin: float = 2.0
+    min_gain: float = 0.05
+    layouts: bool = True              # also consider tp/cp/pp/dp changes, not only re-splits
+    switch_cost_s: float | None = None  # fixed switch cost; default: predicted, then measured
+
+    def validate(self) -> AdaptConfig:
+        if self.min_steps < 1:
+            raise ValueError(f"--adapt-min-steps {self.min_steps} must be >= 1")
+        if not 0.0 < self.min_shift < 10.0:
+            raise ValueError(f"--adapt-min-shift {self.min_shift} must be a fraction > 0 "
+                             "(0.25 means a 25% change)")
+        if self.baseline_steps < 1 or self.warmup_steps < 0:
+            raise ValueError("baseline_steps must be >= 1 and warmup_steps >= 0")
+        if self.horizon < 1:
+            raise ValueError(f"--adapt-horizon {self.horizon} must be >= 1 step")
+        if self.margin < 1.0:
+            raise ValueError(f"--adapt-margin {self.margin} must be >= 1 (the saving must at "
+                             "least pay for the switch)")
+        if self.min_gain < 0:
+            raise ValueError(f"min_gain {self.min_gain} must be >= 0")
+        if self.switch_cost_s is not None and self.switch_cost_s < 0:
+            raise ValueError(f"switch_cost_s {self.switch_cost_s} must be >= 0")
+        return self
+
+
+@dataclass(frozen=True)
+class SlowRank:
+    """--slow-rank RANK:FACTOR[@STEP]: rank RANK's compute takes FACTOR times as long from
+    step STEP on (default 0)."""
+
+    rank: int
+    factor: float
+    step: int = 0
+
+    def active(self, rank: int, step: int) -> bool:
+        return rank == self.rank and step >= self.step
+
+
+def parse_slow_rank(text: str | None) -> SlowRank | None:
+    if not text:
+        return None
+    body, _, at = text.partition("@")
+    rank, sep, factor = body.partition(":")
+    try:
+        spec = SlowRank(int(rank), float(factor), int(at) if at else 0)
+    except ValueError:
+        spec = None
+    if not sep or spec is None:
+        raise ValueError(f"--slow-rank {text!r}: write RANK:FACTOR[@STEP], e.g. 1:3@20 "
+                         "(rank 1 three times slower from step 20)")
+    if spec.rank < 0 or spec.factor < 1.0 or spec.step < 0:
+        raise ValueError(f"--slow-rank {text!r}: RANK and STEP must be >= 0 and FACTOR >= 1")
+    return spec

@@ -1,0 +1,237 @@
+"""The adaptive controller: run after every training step by `commpipe train --adapt`.
+
+    signals (every rank, every step)  ->  detection with hysteresis (same verdict on every rank)
+      -> on a detection: recalibrate on the running timeline, predict candidates (rank 0)
+      -> payback rule  ->  decision broadcast  ->  switch in memory (every rank)  ->  adapt.jsonl
+
+Every rank gathers every rank's small per-step summary (one object all-gather through Comm), so
+all ranks run the same deterministic detector on the same numbers and agree on when to
+evaluate without another message; the evaluation itself runs on rank 0 and its decision is
+broadcast. Controller traffic is kept out of the monitor's link records.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from collections import deque
+from contextlib import contextmanager
+from pathlib import Path
+
+from commpipe.adapt.candidates import candidates
+from commpipe.adapt.detect import Detector
+from commpipe.adapt.model import CostModel, Measured
+from commpipe.adapt.plan import Plan, payback
+from commpipe.adapt.signals import link_rates, rank_summary, step_signals
+from commpipe.models.spec import param_count
+
+# before the first switch of a kind is measured: seconds to rebuild stages (and, for a layout
+# change, process groups) on top of moving the state; replaced by the measured time afterwards
+BASE_SWITCH_S = {"rebatch": 0.1, "resplit": 0.3, "reshard": 1.0}
+# link and collective times come from a few sampled calls per step: median of the last 3
+SMOOTH = {"link": 3, "collective": 3}
+
+
+@contextmanager
+def unmonitored(trainer):
+    mon = trainer.monitor
+    if mon is None or mon not in trainer.comm.observers:
+        yield
+        return
+    mon.detach()
+    try:
+        yield
+    finally:
+        mon.attach()
+
+
+def ranks_per_node(world: int) -> int:
+    """torchrun's LOCAL_WORLD_SIZE (processes on this node); the whole world otherwise."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world)) or world
+
+
+class Controller:
+    def __init__(self, trainer, out):
+        self.acfg = trainer.cfg.adapt.validate()
+        self.out = Path(out)
+        self.world = trainer.comm.dims.world_size
+        self.rpn = ranks_per_node(self.world)
+        a = self.acfg
+        self.detector = Detector(a.min_steps, a.min_shift, a.baseline_steps)
+        self.window: deque = deque(maxlen=max(a.min_steps, a.baseline_steps))
+        self.steps_in_plan = 0
+        self.measured_cost: dict[str, float] = {}
+        self.decisions: list[dict] = []
+        self.log = None
+        if trainer.comm.rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            self.log = open(self.out / "adapt.jsonl", "a")
+        self.prepare(trainer)
+
+    def prepare(self, trainer) -> None:
+        trainer.runtime.events = []               # the step's timeline (cleared every step)
+        if trainer.monitor is not None:
+            trainer.monitor.exchange_every = 1    # records of step s are ready after step s
+
+    def close(self) -> None:
+        if self.log is not None:
+            self.log.close()
+
+    # -- every step ----------------------------------------------------------------------------
+    def after_step(self, trainer, rec: dict, metrics_file=None):
+        """Observe the step just done; maybe switch. Returns (trainer, metrics_file), either
+        of them new after a switch. Collective: every rank calls it after every step."""
+        step = rec["step"]
+        summary = rank_summary(trainer, step, self.rpn)
+        with unmonitored(trainer):
+            summaries = trainer.comm.gather_objects(summary, "world")
+        signals = step_signals(summaries, rec["step_time_s"] * 1e3)
+        self.window.append((signals, summaries))
+        self.steps_in_plan += 1
+        if self.steps_in_plan <= self.acfg.warmup_steps:
+            return trainer, metrics_file
+        found = [d for d in self.detector.observe_all(step, signals, SMOOTH) if d.kind != "step"]
+        if not found or trainer.step >= trainer.cfg.steps:
+            return trainer, metrics_file
+        decision = self._evaluate(trainer, step, found, signals)
+        if decision["action"] != "switch":
+            self._write(decision)
+            return trainer, metrics_file
+        return self._switch(trainer, decision, metrics_file)
+
+    # -- evaluation (collective; planning on rank 0) -----------------------------------------------
+    def _evaluate(self, trainer, step, found, signals) -> dict:
+        comm = trainer.comm
+        c = comm.coords
+        mine = None
+        if c["dp"] == 0 and c["cp"] == 0 and c["tp"] == 0:
+            mine = [e.to_dict() for e in trainer.runtime.events or ()]
+        with unmonitored(trainer):
+            timelines = comm.gather_objects((c["pp"], mine), "world")
+            decision = None
+            if comm.rank == 0:
+                decision = self.decide(trainer, step, found, signals,
+                                       {pp: evs for pp, evs in timelines if evs is not None})
+            decision = comm.broadcast_object(decision, 0)
+        return decision
+
+    def decide(self, trainer, step, found, signals, timelines: dict) -> dict:
+        from commpipe.sim.compare import calibrate
+        from commpipe.timeline import events_from_dicts
+
+        cfg = trainer.cfg
+        spec = cfg.spec
+        cur = Plan.of(cfg)
+        per_rank = {pp: events_from_dicts(evs) for pp, evs in timelines.items()}
+        act_bytes = 4.0 * cfg.micro_batch_size * (cfg.seq_len // cfg.dims.cp) * spec.hidden
+        costs = calibrate(cfg.program(), per_rank, act_bytes)
+        host = _host_ms(costs, per_rank)
+        recent = list(self.window)[-self.acfg.min_steps:]
+        step_ms = statistics.median(s[("step", "step")] for s, _ in recent)
+        busy: dict[int, list[float]] = {}
+        for _, summaries in recent:
+            for s in summaries:
+                if s["busy_ms"]:
+                    busy.setdefault(s["rank"], []).append(s["busy_ms"])
+        measured = Measured(cur, costs, host, step_ms, links=link_rates([x for _, x in recent]),
+                            rank_busy={r: statistics.median(v) for r, v in busy.items()})
+        model = CostModel(spec, cfg.seq_len, self.world, self.rpn, measured)
+        current_ms = model.predict(cur)
+        rows = []
+        for plan in candidates(cur, model, spec, cfg.seq_len, cfg.global_batch, self.world,
+                               self.rpn, with_layouts=self.acfg.layouts):
+            try:
+                ms = model.predict(plan)
+            except ValueError:          # a schedule that does not take this micro-batch count
+                continue
+            kind = cur.kind_of_switch(plan)
+            rows.append({"plan": plan, "kind": kind, "predicted_ms": ms,
+                         "switch_cost_s": self.switch_cost(kind, model, spec)})
+        steps_left = cfg.steps - trainer.step
+        for r in rows:   # the best candidate is the one with the largest net saving
+            r["net_s"] = (current_ms - r["predicted_ms"]) / 1e3 * min(self.acfg.horizon,
+                                                                      steps_left) - r["switch_cost_s"]
+        rows.sort(key=lambda r: -r["net_s"])
+        record = {
+            "step": step, "detections": [d.to_dict() for d in found],
+            "signals": {f"{k} {n}": v for (k, n), v in sorted(signals.items())},
+            "measured_step_ms": step_ms, "from": cur.to_dict(),
+            "predicted_current_ms": current_ms,
+            "candidates": [{"plan": r["plan"].name, "kind": r["kind"],
+                            "predicted_ms": r["predicted_ms"], "switch_cost_s": r["switch_cost_s"]}
+                           for r in rows[:20]],
+            "candidates_considered": len(rows),
+        }
+        if not rows:
+            return record | {"action": "stay", "to": None, "predicted_saving_s": 0.0,
+                             "switch_cost_s": 0.0, "reason": "no other plan fits"}
+        best = rows[0]
+        verdict = payback(current_ms, best["predicted_ms"], best["switch_cost_s"], steps_left,
+                          self.acfg.horizon, self.acfg.margin, self.acfg.min_gain)
+        return record | {
+            "action": "switch" if verdict.admit else "stay",
+            "to": best["plan"].to_dict(), "kind": best["kind"],
+            "predicted_best_ms": best["predicted_ms"],
+            "predicted_saving_s": verdict.saving_s, "horizon_steps": verdict.horizon_steps,
+            "switch_cost_s": best["switch_cost_s"], "reason": verdict.reason,
+        }
+
+    def switch_cost(self, kind: str, model: CostModel, spec) -> float:
+        """Fixed (--adapt-switch-cost), else the last measured switch of this kind, else moving
+        the full state (parameters and two AdamW moments, fp32) to every rank plus a rebuild
+        allowance. Bulk data moves at about the best rate a link showed (small activation
+        messages measure latency more than bandwidth), so that rate is used."""
+        if self.acfg.switch_cost_s is not None:
+            return self.acfg.switch_cost_s
+        if kind in self.measured_cost:
+            return self.measured_cost[kind]
+        state_bytes = 12.0 * param_count(spec)
+        rates = [bw for _, bw in model.m.links.values() if bw]
+        best = max(rates) if rates else min(model.class_gbps("intra_node"),
+                                             model.class_gbps("inter_node"))
+        return BASE_SWITCH_S[kind] + self.world * state_bytes / (best * 1e9)
+
+    # -- switching (collective) -------------------------------------------------------------------
+    def _switch(self, trainer, decision: dict, metrics_file):
+        from commpipe.adapt.switch import switch
+        from commpipe.train.loop import open_metrics
+
+        plan = Plan(**{k: v for k, v in decision["to"].items() if k != "name"} |
+                    {"stage_layers": tuple(decision["to"]["stage_layers"])})
+        if metrics_file is not None:
+            metrics_file.close()
+            metrics_file = None
+        new, seconds = switch(trainer, plan)
+        times = new.comm.gather_objects(seconds, "world")
+        decision["switch_time_s"] = max(times)
+        self.measured_cost[decision["kind"]] = max(times)
+        if new.is_logger and new.cfg.out:
+            metrics_file = open_metrics(Path(new.cfg.out) / "metrics.jsonl", new.step)
+        self.detector.reset()
+        self.window.clear()
+        self.steps_in_plan = 0
+        self.prepare(new)
+        self._write(decision)
+        return new, metrics_file
+
+    def _write(self, decision: dict) -> None:
+        self.decisions.append(decision)
+        if self.log is not None:
+            self.log.write(json.dumps(decision, default=str) + "\n")
+            self.log.flush()
+
+
+def _host_ms(costs, per_rank) -> float:
+    """The host time calibrate charged to each action: its F cost minus the median F duration."""
+    from commpipe.schedules import Action
+
+    by_stage: dict[int, list[float]] = {}
+    for events in per_rank.values():
+        for e in events:
+            if e.stream == "compute":
+                a = Action.parse(e.name)
+                if a.op == "F":
+                    by_stage.setdefault(a.stage, []).append(e.dur_ms)
+    diffs = [costs.f[s] - statistics.median(v) for s, v in by_stage.items()]
+    return max(statistics.median(diffs), 0.0) if diffs else 0.0

@@ -1,0 +1,104 @@
+"""Persistent-change detection with hysteresis (pure Python).
+
+Each signal (a link's transfer time, a rank's compute time, ...) is one series. Its baseline
+is the median of its first `baseline_steps` observations. An observation is *shifted* when it
+differs from the baseline by at least `min_shift` (relative). A change is detected once
+`min_steps` consecutive observations are shifted in the same direction; then the baseline moves
+to the new level (the median of those observations), so a lasting change fires once and a
+later recovery fires again. A blip shorter than `min_steps` resets the run and is ignored.
+Missing observations (None: nothing was sampled that step) neither extend nor break a run.
+Series of sampled, noisy values (a link's few timed calls per step) can be smoothed first:
+`smooth=k` feeds the median of the last k raw observations instead of the raw value.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Detection:
+    kind: str            # "link" | "compute" | "collective" | "step"
+    key: str             # what changed: "pp 1->2", "rank 3", ...
+    baseline: float      # level before (ms)
+    current: float       # level now (median of the shifted run, ms)
+    shift: float         # (current - baseline) / baseline
+    onset_step: int      # first step of the shifted run
+    step: int            # step at which the change was confirmed
+
+    @property
+    def delay_steps(self) -> int:
+        return self.step - self.onset_step
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def describe(self) -> str:
+        return (f"{self.kind} {self.key}: {self.baseline:.3g} -> {self.current:.3g} ms "
+                f"({self.shift:+.0%}) since step {self.onset_step}")
+
+
+@dataclass
+class _Series:
+    start: list = field(default_factory=list)   # observations that set the baseline
+    raw: list = field(default_factory=list)     # last `smooth` raw observations
+    baseline: float | None = None
+    run: list = field(default_factory=list)     # (step, value) shifted the same way
+    sign: int = 0
+
+
+class Detector:
+    def __init__(self, min_steps: int = 5, min_shift: float = 0.25, baseline_steps: int = 4):
+        if min_steps < 1 or min_shift <= 0 or baseline_steps < 1:
+            raise ValueError("min_steps and baseline_steps must be >= 1 and min_shift > 0")
+        self.min_steps, self.min_shift, self.baseline_steps = min_steps, min_shift, baseline_steps
+        self.series: dict[tuple[str, str], _Series] = {}
+
+    def reset(self) -> None:
+        """Forget every baseline (after a switch the levels are those of another layout)."""
+        self.series.clear()
+
+    def baseline(self, kind: str, key: str) -> float | None:
+        s = self.series.get((kind, key))
+        return s.baseline if s else None
+
+    def observe(self, step: int, kind: str, key: str, value: float | None,
+                smooth: int = 1) -> Detection | None:
+        if value is None:
+            return None
+        s = self.series.setdefault((kind, key), _Series())
+        if smooth > 1:
+            s.raw = (s.raw + [value])[-smooth:]
+            value = statistics.median(s.raw)
+        if s.baseline is None:
+            s.start.append(value)
+            if len(s.start) >= self.baseline_steps:
+                s.baseline = statistics.median(s.start)
+            return None
+        base = s.baseline
+        shift = (value - base) / base if base > 0 else (0.0 if value == base else float("inf"))
+        sign = (shift > 0) - (shift < 0)
+        if abs(shift) < self.min_shift:
+            s.run, s.sign = [], 0          # back within the band: a blip ends here
+            return None
+        if sign != s.sign:
+            s.run, s.sign = [], sign
+        s.run.append((step, value))
+        if len(s.run) < self.min_steps:
+            return None
+        current = statistics.median(v for _, v in s.run)
+        det = Detection(kind, key, base, current, (current - base) / base if base > 0 else shift,
+                        s.run[0][0], step)
+        s.baseline, s.run, s.sign = current, [], 0
+        return det
+
+    def observe_all(self, step: int, signals: dict[tuple[str, str], float | None],
+                    smooth: dict[str, int] | None = None) -> list[Detection]:
+        """Observe every series; `smooth` gives the smoothing per kind (default 1)."""
+        out = []
+        for (kind, key), value in sorted(signals.items()):
+            det = self.observe(step, kind, key, value, (smooth or {}).get(kind, 1))
+            if det is not None:
+                out.append(det)
+        return out

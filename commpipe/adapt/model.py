@@ -1,0 +1,212 @@
+"""Predicted step time of any `Plan` from what the running plan measured, priced by the simulator.
+
+The running plan's timeline is calibrated exactly as `simulate --compare` does it
+(`commpipe.sim.compare.calibrate`: median F/B/I/W per stage plus the host time between compute
+actions). From that table each stage's speed is expressed per unit of work, the forward FLOPs
+of its layers (and head) per sample, divided by tp*cp:
+
+    unit_s = (f_s + b_s - 2 host) / work_s        (ms per work unit)
+
+The fastest stage gives the healthy unit; each physical rank's slowdown factor k_g is its
+stage's unit over the healthy one (a straggler, or ranks sharing a slow host). A candidate's
+stage costs are then unit_healthy * max(k_g over its ranks) * work, split into F and B in the
+measured ratio, plus the host time. Point-to-point links are looked up per rank pair in the
+monitor's measurements (else by node pair, else by link class); TP and CP collectives and the
+DP gradient all-reduce are priced with ring formulas on the bandwidth of their link class.
+Everything else in the measured step (optimizer, loss reduction) is carried over as a constant,
+so the current plan's prediction equals its measured step time.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+from commpipe.adapt.plan import Plan
+from commpipe.models.spec import ModelSpec, layer_param_count
+from commpipe.parallel.dims import ParallelDims
+from commpipe.schedules import generate
+from commpipe.sim.costs import CostTable
+from commpipe.sim.engine import simulate
+
+DEFAULT_INTRA_GBPS = 10.0   # used only when no link of a class was measured
+DEFAULT_INTER_GBPS = 1.0
+
+
+def layer_work(spec: ModelSpec, seq_len: int) -> float:
+    """Forward FLOPs of one block per sample (Megatron-style matmul count, as flops_per_token)."""
+    h = spec.hidden
+    per_token = 2 * h * (h + 2 * spec.kv_dim) + 4 * seq_len * h + 2 * h * h + 6 * h * spec.ffn_hidden
+    return float(per_token * seq_len)
+
+
+def head_work(spec: ModelSpec, seq_len: int) -> float:
+    return float(2 * spec.hidden * spec.vocab * seq_len)
+
+
+def stage_work(spec: ModelSpec, seq_len: int, layers: int, last: bool) -> float:
+    return layers * layer_work(spec, seq_len) + (head_work(spec, seq_len) if last else 0.0)
+
+
+@dataclass
+class Measured:
+    """What the running plan measured, gathered from every rank (see commpipe.adapt.signals)."""
+
+    plan: Plan
+    costs: CostTable                 # calibrated on the running program (per stage)
+    host_ms: float                   # host time charged to each compute action
+    step_ms: float                   # measured step time (median over the recent window)
+    links: dict = field(default_factory=dict)   # (src, dst) -> (latency_ms, bandwidth_gbps)
+    collective_gbps: dict = field(default_factory=dict)  # "intra_node"/"inter_node" -> GB/s
+    rank_busy: dict = field(default_factory=dict)  # rank -> compute ms per step
+
+
+class CostModel:
+    def __init__(self, spec: ModelSpec, seq_len: int, world: int, ranks_per_node: int,
+                 measured: Measured):
+        self.spec, self.seq_len, self.world = spec, seq_len, world
+        self.rpn = max(1, ranks_per_node)
+        self.m = measured
+        cur = measured.plan
+        self.dims = ParallelDims(dp=cur.dp, pp=cur.pp, cp=cur.cp, tp=cur.tp)
+        c = measured.costs
+        host = measured.host_ms
+        units, fb_f = [], []
+        for s, layers in enumerate(cur.stage_layers):
+            work = stage_work(spec, seq_len, layers, s == len(cur.stage_layers) - 1)
+            work *= cur.micro_batch_size / (cur.tp * cur.cp)
+            busy = max(c.f[s] + c.b[s] - 2 * host, 1e-9)
+            units.append(busy / work)
+            fb_f.append((c.f[s] - host) / busy)
+        self.unit = min(units)
+        self.f_share = statistics.median(fb_f) if fb_f else 1 / 3
+        # slowdown per physical rank: its stage's unit, refined by own compute within the group
+        self.k: dict[int, float] = {}
+        for s, u in enumerate(units):
+            group = [self.dims.rank_of(pp=s, dp=d, cp=q, tp=t) for d in range(cur.dp)
+                     for q in range(cur.cp) for t in range(cur.tp)]
+            busy = [measured.rank_busy.get(g) for g in group]
+            top = max((b for b in busy if b), default=None)
+            for g, b in zip(group, busy):
+                rel = (b / top) if (b and top) else 1.0
+                self.k[g] = max(u / self.unit * rel, 1.0)
+        lat = [v[0] for v in measured.links.values() if v[0] is not None]
+        self.base_latency = min(lat) if lat else c.link(0, 1)[0] if c.num_stages > 1 else 0.0
+        self.other_ms = 0.0
+        self.other_ms = measured.step_ms - self.predict(cur, with_other=False)
+
+    # -- links ---------------------------------------------------------------------------------
+    def node(self, rank: int) -> int:
+        return rank // self.rpn
+
+    def link_class(self, a: int, b: int) -> str:
+        return "intra_node" if self.node(a) == self.node(b) else "inter_node"
+
+    def class_gbps(self, cls: str) -> float:
+        if cls in self.m.collective_gbps:
+            return self.m.collective_gbps[cls]
+        vals = [bw for (a, b), (_, bw) in self.m.links.items()
+                if bw and self.link_class(a, b) == cls]
+        if vals:
+            return statistics.median(vals)
+        return DEFAULT_INTRA_GBPS if cls == "intra_node" else DEFAULT_INTER_GBPS
+
+    def link(self, a: int, b: int) -> tuple[float, float]:
+        """(latency ms, GB/s) of a -> b: measured for this pair, else for this node pair (a
+        degraded node link slows every pair across it), else the class's median."""
+        for key in ((a, b), (b, a)):
+            if key in self.m.links and self.m.links[key][1]:
+                return self.base_latency, self.m.links[key][1]
+        na, nb = self.node(a), self.node(b)
+        same_nodes = [bw for (x, y), (_, bw) in self.m.links.items()
+                      if bw and {self.node(x), self.node(y)} == {na, nb}]
+        if same_nodes:
+            return self.base_latency, min(same_nodes)
+        return self.base_latency, self.class_gbps(self.link_class(a, b))
+
+    def group_gbps(self, ranks: list[int]) -> float:
+        """A ring runs at its slowest hop."""
+        if len(ranks) < 2:
+            return float("inf")
+        return min(self.link(ranks[i], ranks[(i + 1) % len(ranks)])[1] for i in range(len(ranks)))
+
+    def ring_ms(self, nbytes: float, ranks: list[int], all_reduce: bool = True) -> float:
+        n = len(ranks)
+        if n < 2:
+            return 0.0
+        steps = 2 * (n - 1) if all_reduce else n - 1
+        return steps * self.base_latency + steps / n * nbytes / (self.group_gbps(ranks) * 1e6)
+
+    # -- prediction ----------------------------------------------------------------------------
+    def predict(self, plan: Plan, with_other: bool = True) -> float:
+        """Predicted step time (ms) of `plan` on the measured machine."""
+        spec, seq = self.spec, self.seq_len
+        dims = ParallelDims(dp=plan.dp, pp=plan.pp, cp=plan.cp, tp=plan.tp)
+        program = generate(plan.schedule, plan.pp, plan.microbatches, 1)
+        n = program.num_stages
+        act_bytes = 4.0 * plan.micro_batch_size * (seq // plan.cp) * spec.hidden
+        f, b, tp_comm, lat, bw = [], [], [], {}, {}
+        for s, layers in enumerate(plan.stage_layers):
+            group = [dims.rank_of(pp=s, dp=d, cp=q, tp=t) for d in range(plan.dp)
+                     for q in range(plan.cp) for t in range(plan.tp)]
+            k = max(self.k.get(g, 1.0) for g in group)
+            work = stage_work(spec, seq, layers, s == n - 1) * plan.micro_batch_size
+            busy = self.unit * k * work / (plan.tp * plan.cp)
+            f.append(busy * self.f_share + self.m.host_ms)
+            b.append(busy * (1 - self.f_share) + self.m.host_ms)
+            comm = 0.0
+            if plan.tp > 1:   # Megatron TP: 2 all-reduces of the activation per layer and pass
+                comm += 2 * layers * self.ring_ms(act_bytes, dims.group_of("tp", group[0]))
+            if plan.cp > 1:   # ring attention moves K and V around the CP group once per layer
+                kv = 2 * act_bytes * spec.kv_dim / spec.hidden
+                comm += layers * self.ring_ms(kv, dims.group_of("cp", group[0]), all_reduce=False)
+            tp_comm.append(comm)
+            if s + 1 < n:
+                src, dst = dims.rank_of(pp=s), dims.rank_of(pp=s + 1)
+                lat[(s, s + 1)], bw[(s, s + 1)] = self.link(src, dst)
+        # the simulator's links are between pipeline ranks (program ranks = pp ranks)
+        costs = CostTable(f=f, b=b, latency_ms=lat or 0.0, bandwidth_gbps=bw or float("inf"),
+                          activation_bytes=act_bytes, tp_comm=tp_comm)
+        makespan = simulate(program, costs, check=False).makespan
+        dp_ms = 0.0
+        if plan.dp > 1:   # gradient all-reduce of the largest stage's TP shard, fp32
+            stage_params = max(self._stage_params(x, s == n - 1, s == 0)
+                               for s, x in enumerate(plan.stage_layers))
+            dp_ms = self.ring_ms(4.0 * stage_params / plan.tp, dims.group_of("dp", 0))
+        return makespan + dp_ms + (self.other_ms if with_other else 0.0)
+
+    def _stage_params(self, layers: int, last: bool, first: bool) -> float:
+        emb = self.spec.vocab * self.spec.hidden
+        return layers * layer_param_count(self.spec) + (emb if first else 0) + (emb if last else 0)
+
+    def stage_time(self, plan: Plan, s: int, layers: int) -> float:
+        """F+B of one micro-batch through stage s holding `layers` layers under `plan` (ms)."""
+        dims = ParallelDims(dp=plan.dp, pp=plan.pp, cp=plan.cp, tp=plan.tp)
+        group = [dims.rank_of(pp=s, dp=d, cp=q, tp=t) for d in range(plan.dp)
+                 for q in range(plan.cp) for t in range(plan.tp)]
+        k = max(self.k.get(g, 1.0) for g in group)
+        work = stage_work(self.spec, self.seq_len, layers, s == plan.pp - 1)
+        return self.unit * k * work * plan.micro_batch_size / (plan.tp * plan.cp)
+
+    def balanced_split(self, plan: Plan) -> tuple[int, ...]:
+        """Contiguous layers per stage minimising the slowest stage (exact dynamic programme)."""
+        L, p = self.spec.layers, plan.pp
+        best: dict[tuple[int, int], tuple[float, tuple]] = {}
+
+        def solve(s: int, start: int) -> tuple[float, tuple]:
+            if (s, start) in best:
+                return best[(s, start)]
+            left = L - start
+            if s == p - 1:
+                out = (self.stage_time(plan, s, left), (left,))
+            else:
+                out = (float("inf"), ())
+                for n in range(1, left - (p - 1 - s) + 1):
+                    rest, split = solve(s + 1, start + n)
+                    worst = max(self.stage_time(plan, s, n), rest)
+                    if worst < out[0]:
+                        out = (worst, (n, *split))
+            best[(s, start)] = out
+            return out
+
+        return solve(0, 0)[1]

@@ -1,0 +1,108 @@
+"""`Plan`: one way to lay training out on the same processes, and the payback rule (pure Python).
+
+A plan is (tp, cp, pp, dp, stage_layers, schedule, microbatches, micro_batch_size) with the
+global batch fixed: every plan computes the same values (commpipe's layouts are numerically
+equal), so a switch changes speed, never results.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Plan:
+    tp: int
+    cp: int
+    pp: int
+    dp: int
+    stage_layers: tuple[int, ...]
+    schedule: str
+    microbatches: int
+    micro_batch_size: int
+
+    @classmethod
+    def of(cls, cfg) -> Plan:
+        """The plan a resolved TrainConfig runs."""
+        from commpipe.parallel.dims import split_layers
+
+        d = cfg.dims
+        n = cfg.program().num_stages
+        layers = tuple(len(r) for r in split_layers(cfg.spec.layers, n, cfg.stage_layers))
+        return cls(d.tp, d.cp, d.pp, d.dp, layers, cfg.schedule, cfg.microbatches,
+                   cfg.micro_batch_size)
+
+    @property
+    def name(self) -> str:
+        split = ",".join(str(x) for x in self.stage_layers)
+        return (f"tp{self.tp}-cp{self.cp}-pp{self.pp}-dp{self.dp} {self.schedule} "
+                f"m{self.microbatches}x{self.micro_batch_size} layers {split}")
+
+    def same_layout(self, other: Plan) -> bool:
+        """Same process groups (tp, cp, pp, dp): a switch re-splits or re-batches only."""
+        return (self.tp, self.cp, self.pp, self.dp) == (other.tp, other.cp, other.pp, other.dp)
+
+    def kind_of_switch(self, other: Plan) -> str:
+        if not self.same_layout(other):
+            return "reshard"
+        if self.stage_layers != other.stage_layers:
+            return "resplit"
+        return "rebatch"
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["stage_layers"] = list(self.stage_layers)
+        d["name"] = self.name
+        return d
+
+    def apply(self, cfg):
+        """A new, resolved TrainConfig running this plan; everything else as in `cfg`."""
+        import copy
+
+        from commpipe.parallel.dims import ParallelDims
+
+        new = copy.copy(cfg)
+        new.optim = copy.copy(cfg.optim)
+        new.dims = ParallelDims(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp)
+        new.stage_layers = list(self.stage_layers)
+        new.schedule, new.vpp = self.schedule, 1
+        new.microbatches, new.micro_batch_size = self.microbatches, self.micro_batch_size
+        new.spec = None
+        return new.resolve(self.tp * self.cp * self.pp * self.dp)
+
+
+@dataclass
+class Verdict:
+    admit: bool
+    saving_s: float          # predicted saving over the horizon (s); negative: a loss
+    horizon_steps: int
+    reason: str
+
+
+def payback(current_ms: float, candidate_ms: float, switch_cost_s: float, steps_left: int,
+            horizon: int, margin: float, min_gain: float) -> Verdict:
+    """Admit a switch only if the predicted saving over the horizon pays for the switch with a
+    margin: (current - candidate) * min(horizon, steps_left) >= margin * switch cost, and the
+    candidate is at least `min_gain` faster (relative)."""
+    steps = max(min(horizon, steps_left), 0)
+    per_step = (current_ms - candidate_ms) / 1e3
+    saving = per_step * steps
+    gain = (current_ms - candidate_ms) / current_ms if current_ms > 0 else 0.0
+    if gain < min_gain:
+        return Verdict(False, saving, steps, f"predicted gain {gain:.1%} is below the minimum "
+                                             f"{min_gain:.0%}")
+    if saving < margin * switch_cost_s:
+        return Verdict(False, saving, steps,
+                       f"saving {saving:.2f} s over {steps} steps does not pay {margin:g} x the "
+                       f"switch cost {switch_cost_s:.2f} s")
+    return Verdict(True, saving, steps,
+                   f"saving {saving:.2f} s over {steps} steps >= {margin:g} x switch cost "
+                   f"{switch_cost_s:.2f} s (gain {gain:.1%})")
+
+
+def layout_label(cfg) -> str:
+    """The `layout` of a metrics record: tp/cp/pp/dp, schedule, micro-batching, stage split."""
+    label = f"{cfg.dims} {cfg.schedule} m{cfg.microbatches}x{cfg.micro_batch_size}"
+    if cfg.stage_layers:
+        label += " layers " + ",".join(str(x) for x in cfg.stage_layers)
+    return label

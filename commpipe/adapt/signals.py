@@ -1,0 +1,86 @@
+"""Per-step signals of one rank, and their merge over every rank.
+
+From the runtime's timeline of the step (`PipelineRuntime.events`, the one `--trace` records):
+compute time per action and per rank. From the monitor's records of the step
+(`Monitor.last_records`, written per step when the controller runs): per-link point-to-point
+transfer time and bandwidth with their link class, and collective transfer times. Fields are
+read defensively: a record without timing (nothing sampled that step) gives no observation.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+P2P_RECV = "recv"
+
+
+def _link_class(rec: dict, rank: int, peer: int, ranks_per_node: int) -> str:
+    cls = rec.get("link_class")
+    if cls in ("intra_node", "inter_node"):
+        return cls
+    return "intra_node" if rank // ranks_per_node == peer // ranks_per_node else "inter_node"
+
+
+def rank_summary(trainer, step: int, ranks_per_node: int) -> dict:
+    """This rank's signals of `step` (a small picklable dict)."""
+    rank = trainer.comm.rank
+    compute: dict[str, list[float]] = {}
+    for e in trainer.runtime.events or ():
+        if e.stream == "compute":
+            op = e.name.lstrip("0123456789").split(".")[0][:1]
+            compute.setdefault(op, []).append(e.dur_ms)
+    links, colls = {}, {}
+    records = getattr(trainer.monitor, "last_records", None) or []
+    for r in records:
+        if r.get("step") != step or r.get("transfer_ms") is None:
+            continue
+        if r.get("op") == P2P_RECV and r.get("peer") is not None:
+            calls = max(r.get("sampled") or r.get("calls") or 1, 1)
+            per_call_bytes = (r.get("bytes") or 0) / max(r.get("calls") or 1, 1)
+            links[(r["dim"], int(r["peer"]), rank)] = {
+                "transfer_ms": float(r["transfer_ms"]),
+                "bandwidth_gbps": r.get("bandwidth_gbps"),
+                "bytes": per_call_bytes, "sampled": calls,
+                "link_class": _link_class(r, rank, int(r["peer"]), ranks_per_node)}
+        elif r.get("group"):
+            colls[(r["dim"], r.get("op"), tuple(r["group"]))] = {
+                "transfer_ms": float(r["transfer_ms"]), "busbw_gbps": r.get("busbw_gbps")}
+    return {"rank": rank, "step": step,
+            "busy_ms": sum(sum(v) for v in compute.values()),
+            "compute_ms": {op: statistics.median(v) for op, v in compute.items()},
+            "links": links, "collectives": colls}
+
+
+def step_signals(summaries: list[dict], step_time_ms: float) -> dict[tuple[str, str], float | None]:
+    """Series values of one step from every rank's summary: ("compute", "rank r") busy ms,
+    ("link", "pp a->b") transfer ms per call, ("collective", "tp [0, 1] all_reduce") the
+    slowest member's transfer ms, ("step", "step") the step time."""
+    out: dict[tuple[str, str], float | None] = {("step", "step"): step_time_ms}
+    colls: dict[str, float] = {}
+    for s in summaries:
+        out[("compute", f"rank {s['rank']}")] = s["busy_ms"] or None
+        for (dim, src, dst), v in s["links"].items():
+            out[("link", f"{dim} {src}->{dst}")] = v["transfer_ms"]
+        for (dim, op, group), v in s["collectives"].items():
+            key = f"{dim} {list(group)} {op}"
+            colls[key] = max(colls.get(key, 0.0), v["transfer_ms"])
+    for key, v in colls.items():
+        out[("collective", key)] = v
+    return out
+
+
+def link_rates(window: list[list[dict]]) -> dict[tuple[int, int], tuple[float | None, float]]:
+    """(src, dst) -> (latency ms, GB/s) of pipeline links over a window of steps' summaries:
+    the median per-call bytes / median transfer time."""
+    times: dict = {}
+    for summaries in window:
+        for s in summaries:
+            for (dim, src, dst), v in s["links"].items():
+                if dim == "pp" and v["transfer_ms"] > 0:
+                    times.setdefault((src, dst), []).append((v["transfer_ms"], v["bytes"]))
+    out = {}
+    for key, vals in times.items():
+        ms = statistics.median(t for t, _ in vals)
+        nbytes = statistics.median(b for _, b in vals)
+        out[key] = (None, nbytes / (ms * 1e6) if nbytes else None)
+    return out
