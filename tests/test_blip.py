@@ -125,7 +125,7 @@ def test_tiny_keeps_base_proportions():
     assert 2 < ratio(tiny) < 4 and 2 < ratio(base) < 4
 
 
-@pytest.mark.parametrize("counts", [[8], [4, 4], [3, 3, 2], [1, 4, 3], [2, 2, 2, 2], [5, 3]])
+@pytest.mark.parametrize("counts", [[8], [4, 4], [3, 3, 2], [2, 2, 2, 2], [5, 3]])
 def test_stage_split_equals_whole_model(counts):
     """Chained stages give the whole model's logits and, passing boundary gradients back as
     a pipeline does, its gradients: image-feature gradients from every decoder stage sum."""

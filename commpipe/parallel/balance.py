@@ -1,0 +1,130 @@
+"""Stage balancing: cut a sequence of layers into contiguous pipeline stages so that the slowest
+stage is as fast as possible, from per-layer costs that are predicted (FLOPs) or measured (a
+short forward + backward profile of each layer, as torchgpipe's balance_by_time).
+
+    >>> balance([4, 4, 4, 1, 1, 1, 1, 1, 1], stages=2)
+    [2, 7]
+    >>> stage_costs([4, 4, 4, 1, 1, 1, 1, 1, 1], [2, 7])
+    [8, 10]
+
+`balance` is exact: a dynamic program over (stages, layers), O(stages * layers^2), which for
+the few hundred layers of any pipeline is instant. The linear-partition problem it solves is
+the one torchgpipe's `balance_by_time` and Megatron-style "uneven stages" solve heuristically.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from itertools import accumulate
+
+
+def stage_costs(costs: Sequence[float], counts: Sequence[int]) -> list[float]:
+    """Total cost of each stage of a split given as layer counts."""
+    out, start = [], 0
+    for c in counts:
+        out.append(sum(costs[start:start + c]))
+        start += c
+    return out
+
+
+def balance(costs: Sequence[float], stages: int) -> list[int]:
+    """Layer counts per stage (each at least one layer, contiguous, first stage first)
+    minimizing the largest stage cost. Among optimal splits the one whose last stage is
+    lightest wins (the last stage also computes the loss)."""
+    n = len(costs)
+    if stages < 1 or stages > n:
+        raise ValueError(f"cannot cut {n} layers into {stages} stages; use 1..{n} stages")
+    if any(c < 0 for c in costs):
+        raise ValueError(f"layer costs must be non-negative, got {list(costs)}")
+    prefix = [0.0, *accumulate(costs)]
+    inf = float("inf")
+    # best[k][j]: smallest possible slowest stage when the first j layers form k stages
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for j in range(k, n - (stages - k) + 1):
+            for i in range(k - 1, j):        # stage k holds layers i..j-1
+                worst = max(best[k - 1][i], prefix[j] - prefix[i])
+                if worst <= best[k][j]:      # <=: prefer the latest cut, a lighter last stage
+                    best[k][j], cut[k][j] = worst, i
+    counts, j = [], n
+    for k in range(stages, 0, -1):
+        i = cut[k][j]
+        counts.append(j - i)
+        j = i
+    return counts[::-1]
+
+
+def measure_layer_costs(modules: Sequence[Callable[..., dict]], ios, data: dict,
+                        loss_fn: Callable[[dict, dict], object], repeats: int = 5,
+                        warmup: int = 1) -> list[float]:
+    """Seconds of forward + backward of each single-layer stage, the fastest of `repeats`
+    (the minimum: other work on a shared machine only ever adds time).
+
+    `modules[i]` runs layer i (with the pieces its stage holds) on keyword tensors and returns
+    a dict; `ios[i]` is its boundary description (`commpipe.models.boundary.StageIO`): it gets
+    the batch fields named in `ios[i].data` (labels excepted: `loss_fn(outputs, data)` reads
+    them) and the previous layer's outputs named in `ios[i].recv`. Each layer's backward is
+    seeded with a random gradient of the right shape, or with the loss for the last layer.
+    """
+    import torch
+
+    def sync(tensors):
+        for t in tensors:
+            if t.is_cuda:
+                torch.cuda.synchronize(t.device)
+                return
+
+    out_costs, prev = [], {}
+    for index, (module, io) in enumerate(zip(modules, ios)):
+        last = index == len(modules) - 1
+        times = []
+        for rep in range(warmup + repeats):
+            inputs = {t.name: prev[t.name].detach().requires_grad_(t.has_grad) for t in io.recv}
+            inputs.update({t.name: data[t.name] for t in io.data if t.name != "labels"})
+            sync(inputs.values())
+            t0 = time.perf_counter()
+            out = module(**inputs)
+            if last:
+                loss = loss_fn(out, data)
+            if last:
+                loss.backward()
+            else:
+                sent = [out[t.name] for t in io.send]
+                torch.autograd.backward(sent, [torch.randn_like(s) for s in sent])
+            sync(out.values())
+            t2 = time.perf_counter()
+            if rep >= warmup:
+                times.append(t2 - t0)
+        out_costs.append(min(times))
+        prev = {k: v.detach() for k, v in out.items()}
+    return out_costs
+
+
+def blip_layer_costs(spec, how: str = "flops", micro_batch: int = 4, repeats: int = 5,
+                     device="cpu", seed: int = 0) -> list[float]:
+    """Per-layer costs of a BLIP model: `flops` (forward FLOPs per sample from the model's
+    FLOPs function, proportional to time at equal efficiency) or `measured` (seconds of
+    forward + backward of each layer on `device`, micro-batch `micro_batch`, random data)."""
+    from commpipe.models.blip_spec import layer_flops, stage_io
+
+    if how == "flops":
+        return [float(f) for f in layer_flops(spec)]
+    if how != "measured":
+        raise ValueError(f"layer costs are 'flops' or 'measured', not {how!r}")
+    import torch
+
+    from commpipe.models.blip import build_model, caption_loss_sum
+
+    g = torch.Generator().manual_seed(seed)
+    size, s = spec.image_size, spec.text_len
+    data = {"pixels": torch.randn(micro_batch, spec.channels, size, size, generator=g),
+            "tokens": torch.randint(0, spec.vocab, (micro_batch, s), generator=g),
+            "labels": torch.randint(0, spec.vocab, (micro_batch, s), generator=g)}
+    data = {k: v.to(device) for k, v in data.items()}
+    modules = [build_model(spec, seed, range(i, i + 1), device) for i in range(spec.layers)]
+    ios = stage_io(spec, [1] * spec.layers, micro_batch)
+    return measure_layer_costs(modules, ios, data,
+                               lambda out, d: caption_loss_sum(out["logits"], d["labels"]), repeats)

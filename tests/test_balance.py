@@ -1,0 +1,94 @@
+"""Stage balancing against brute force, and the per-layer cost sources it reads.
+
+    python -m pytest -q tests/test_balance.py
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+
+import pytest
+
+from commpipe.models.blip_spec import layer_flops, resolve_blip, stage_io
+from commpipe.parallel.balance import balance, blip_layer_costs, measure_layer_costs, stage_costs
+
+
+def brute_force(costs, stages):
+    """Smallest slowest-stage cost over every placement of stages - 1 cuts."""
+    n = len(costs)
+    best = float("inf")
+    for cuts in itertools.combinations(range(1, n), stages - 1):
+        bounds = (0, *cuts, n)
+        best = min(best, max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds)))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_balance_is_optimal_on_random_inputs(seed):
+    rng = random.Random(seed)
+    n = rng.randint(1, 10)
+    stages = rng.randint(1, n)
+    integer = seed % 2 == 0  # integers: exact ties; floats: the usual case
+    costs = [rng.randint(0, 9) if integer else rng.uniform(0.1, 5.0) for _ in range(n)]
+    counts = balance(costs, stages)
+    assert len(counts) == stages and all(c >= 1 for c in counts) and sum(counts) == n
+    assert max(stage_costs(costs, counts)) == pytest.approx(brute_force(costs, stages), abs=1e-12)
+
+
+def test_balance_examples_and_errors():
+    assert balance([1] * 8, 4) == [2, 2, 2, 2]
+    assert balance([5, 1, 1, 1, 1, 1], 2) == [1, 5]
+    # ties: the later cut wins, leaving the last stage lighter
+    assert balance([1, 1, 1], 2) == [2, 1]
+    assert balance([3.0], 1) == [1]
+    with pytest.raises(ValueError, match="cannot cut 3 layers into 4 stages"):
+        balance([1, 1, 1], 4)
+    with pytest.raises(ValueError, match="non-negative"):
+        balance([1, -1], 2)
+
+
+def test_blip_flops_split_beats_even_split():
+    """Predicted costs: an encoder layer costs over twice a decoder layer, so the balanced
+    pp=2 split moves a decoder-heavy boundary forward."""
+    for name, even in (("blip-tiny", [4, 4]), ("blip-base", [12, 12])):
+        spec = resolve_blip(name)
+        costs = blip_layer_costs(spec, "flops")
+        assert costs == [float(f) for f in layer_flops(spec)]
+        counts = balance(costs, 2)
+        assert counts[0] < spec.enc_layers
+        assert max(stage_costs(costs, counts)) < 0.8 * max(stage_costs(costs, even))
+
+
+def test_measured_costs_time_each_layer():
+    """A layer that sleeps 30 ms is measured at least that long and the cheap ones less; the
+    real blip-tiny profile gives one positive cost per layer."""
+
+    class Layer:
+        def __init__(self, pause):
+            self.pause = pause
+
+        def __call__(self, **inputs):
+            import torch
+
+            time.sleep(self.pause)
+            x = inputs.get("x")
+            y = torch.ones(2, requires_grad=True) * 2 if x is None else x * 2
+            return {"x": y}
+
+    from commpipe.models.boundary import StageIO, TensorDesc
+
+    x = (TensorDesc("x", (2,), "float32"),)
+    ios = [StageIO(0, range(0, 1), (), (), x), StageIO(1, range(1, 2), (), x, x),
+           StageIO(2, range(2, 3), (), x, ())]
+    costs = measure_layer_costs([Layer(0.0), Layer(0.03), Layer(0.0)], ios, {},
+                                lambda out, d: out["x"].sum(), repeats=2)
+    assert costs[1] >= 0.03 and costs[0] < 0.03 and costs[2] < 0.03
+
+    spec = resolve_blip("blip-tiny")
+    measured = blip_layer_costs(spec, "measured", micro_batch=2, repeats=1)
+    assert len(measured) == spec.layers and all(c > 0 for c in measured)
+    assert len(stage_io(spec, balance(measured, 2), 2)) == 2
+    with pytest.raises(ValueError, match="'flops' or 'measured'"):
+        blip_layer_costs(spec, "guessed")
