@@ -26,6 +26,7 @@ pytest.importorskip("hta", reason="HTA is in the dev extras: pip install -e '.[d
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 4
+STEPS = 6   # the trace keeps the last TRACE_STEPS (5) of them
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +34,7 @@ def trace_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("hta")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(WORLD),
            "--master-port", str(free_port()), "-m", "commpipe", "train", "--tp", "2", "--pp", "2",
-           "--steps", "3", "--seq-len", "32", "--trace", "--out", str(out)]
+           "--steps", str(STEPS), "--seq-len", "32", "--trace", "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -99,6 +100,18 @@ def test_hta_reads_the_traces_of_a_tp2_pp2_run(trace_dir):
         # HTA's computation time is the actions' time less the TP calls inside them, not the
         # whole actions (timestamps are whole microseconds: a few us of slack)
         assert temporal.loc[rank, "compute_time(us)"] == pytest.approx(total - blocked, abs=50)
+
+
+def test_trace_keeps_the_last_steps(trace_dir):
+    from commpipe.train.loop import TRACE_STEPS
+
+    for rank in range(WORLD):
+        trace = json.loads((trace_dir / f"rank{rank}.json").read_text())
+        marks = sorted(e["args"]["step"] for e in trace["traceEvents"]
+                       if e["name"].startswith("ProfilerStep#"))
+        assert marks == list(range(STEPS - TRACE_STEPS, STEPS))
+        assert all(e["args"]["step"] >= STEPS - TRACE_STEPS for e in trace["traceEvents"]
+                   if e["ph"] == "X")
 
 
 def test_trace_threads_nest_for_perfetto(trace_dir):

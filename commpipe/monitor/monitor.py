@@ -74,7 +74,7 @@ class Monitor:
 
     def __init__(self, comm, out_dir, sample: float = 0.1, seed: int = 1234, ema_alpha: float = 0.3,
                  trace: bool = False, resync_every: int = 100, max_lag: int = 2, sync_rounds: int = 8,
-                 exchange_every: int = 20):
+                 exchange_every: int = 20, trace_steps: int | None = None):
         if not 0.0 <= sample <= 1.0:
             raise ValueError(f"sample={sample} must be a fraction in [0, 1] (0.1 times one call in ten)")
         if not 0.0 < ema_alpha <= 1.0:
@@ -84,6 +84,7 @@ class Monitor:
         self.comm, self.rank, self.world = comm, comm.rank, comm.dims.world_size
         self.out_dir = Path(out_dir)
         self.sample, self.seed, self.alpha, self.trace = sample, seed, ema_alpha, trace
+        self.trace_steps = trace_steps   # the trace keeps only the last N steps (None: all)
         self.resync_every, self.max_lag, self.sync_rounds = resync_every, max_lag, sync_rounds
         # the ranks exchange sampled post times once every `exchange_every` steps (and at
         # close): records stay per step, written in batches, and the one collective the
@@ -375,3 +376,7 @@ class Monitor:
             self._calls.append(comm_events(
                 self.rank, step, key, mid, (post - self.epoch) * 1e3, (done - self.epoch) * 1e3,
                 None if wait is None else wait * 1e3, None if xfer is None else xfer * 1e3, args))
+        if self.trace_steps:   # bounded memory in long runs: drop steps older than the last N
+            first = step - self.trace_steps + 1
+            self._calls = [c for c in self._calls if c[0].step >= first]
+            self._events = [e for e in self._events if e.step >= first]

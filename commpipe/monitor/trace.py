@@ -190,7 +190,7 @@ def hta_trace(compute: list[Event], calls: list[list[Event]], rank: int, world: 
                 continue
             cid = next(correlation)
             host.append((c.step, x("compute", "cpu_op", HOST_TID, start, end,
-                                   {"correlation": cid, "External id": cid})))
+                                   {"correlation": cid, "External id": cid, "step": c.step})))
             device.append(x(c.name, "kernel", COMPUTE_STREAM, start, end,
                             {"stream": COMPUTE_STREAM, "correlation": cid, "step": c.step,
                              "action_ms": c.dur_ms}))
@@ -205,7 +205,8 @@ def hta_trace(compute: list[Event], calls: list[list[Event]], rank: int, world: 
         # a blocking call holds the host until it completes; others return once posted
         end = head.end_ms if id(head) in blocking else head.start_ms
         host.append((head.step, x("record_param_comms", "cpu_op", HOST_TID, head.start_ms, end,
-                                  dict(head.args, correlation=cid, **{"External id": cid}))))
+                                  dict(head.args, correlation=cid, step=head.step,
+                                       **{"External id": cid}))))
     steps: dict[int, list[int]] = {}
     for step, e in host:
         span = steps.setdefault(step, [e["ts"], e["ts"] + e["dur"]])

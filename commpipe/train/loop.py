@@ -33,6 +33,8 @@ from commpipe.train.evaluate import evaluate, forward_program
 from commpipe.train.failures import StopSignals, TrainingDiverged, check_finite_params, is_finite
 from commpipe.train.source import check_vocab, make_source
 
+TRACE_STEPS = 5   # --trace keeps the timeline of the last five steps (bounded in long runs)
+
 
 def pick_device(name: str) -> torch.device:
     if name == "auto":
@@ -135,7 +137,7 @@ class Trainer:
 
             sample = 1.0 if host_trace else cfg.monitor
             trainer.monitor = Monitor(comm, cfg.out, sample=sample, seed=cfg.seed + 1,
-                                      trace=host_trace)
+                                      trace=host_trace, trace_steps=TRACE_STEPS)
             trainer.monitor.attach()
             runtime.on_compute = trainer.monitor.record_compute
         if cfg.trace:
@@ -357,7 +359,7 @@ def open_metrics(path: Path, step: int):
 
 
 def kineto_trace(trainer):
-    """--trace on CUDA: torch.profiler (Kineto) records the last min(3, steps) steps with real
+    """--trace on CUDA: torch.profiler (Kineto) records the last TRACE_STEPS steps with real
     kernels (NCCL's included) on one device clock, commpipe's action names as annotations
     (record_function in the runtime) and ProfilerStep#N marks, into OUT/trace/rank{r}.json,
     a file HTA reads as it is. On CPU the monitor writes that file instead."""
@@ -367,7 +369,7 @@ def kineto_trace(trainer):
     from torch.profiler import ProfilerActivity, profile, schedule
 
     remaining = max(cfg.steps - trainer.step, 1)
-    active = min(3, remaining)
+    active = min(TRACE_STEPS, remaining)
     skip = remaining - active
     path = Path(cfg.out) / "trace" / f"rank{trainer.comm.rank}.json"
 
