@@ -5,6 +5,9 @@ Every action of the rank's list runs in order:
     F                forward of one micro-batch through one stage (the last stage adds the loss)
     B                full backward; I input-gradient only; W the deferred weight gradients
     SEND_F / SEND_B  asynchronous send (waited for when the step ends)
+Receives are posted in the order commpipe.schedules.order gives (on NCCL and in strict-order mode
+one sequence per rank pair that both sides agree on). Stage boundaries carry `act_dtype` (bf16
+under bf16 autocast); a received input widens to fp32 and the loss runs in fp32.
 Stages on the same rank (the turn of a V schedule) hand tensors over locally. Communication goes
 through the chokepoint (`Comm`); nothing here calls torch.distributed.
 """
