@@ -30,6 +30,7 @@ from commpipe.monitor.records import (
     build_links,
     build_records,
     busbw_factor,
+    link_class,
     sampled_seqs,
     stream_base,
     wire_bytes,
@@ -137,6 +138,18 @@ def _worker(rank, port, out):
             handles[1].wait(), handles[2].wait()
             checks["tags_matched"] = bool(bufs[2].eq(2).all() and bufs[1].eq(1).all())
         end(11)
+        # step 12: both consumers wait 0.3 s after the data has arrived (prefetched receive, send
+        # waited at step end): the monitor must time the transfer, not the consumer's delay
+        comm.barrier()
+        if rank == 0:
+            h = comm.isend(torch.ones(16384), 1)
+        else:
+            h = comm.irecv(torch.empty(16384), 0)
+        time.sleep(STALL)
+        t = time.perf_counter()
+        h.wait()
+        checks["late_wait_ms"] = (time.perf_counter() - t) * 1e3
+        end(12)
         full.close()
         half.close()
         # both ranks read one clock, so a ping-pong estimate of their offset must be ~0
@@ -206,6 +219,47 @@ def test_stall_goes_to_wait_not_transfer(run2):
     assert recv["transfer_ms"] + recv["wait_ms"] == pytest.approx(recv["raw_ms"], abs=5)
     assert send["wait_ms"] < 50                 # the receiver was already there
     assert recv["bandwidth_gbps"] == pytest.approx(4096 / (recv["transfer_ms"] / 1e3) / 1e9)
+
+
+def test_late_consumer_wait_is_not_transfer_time(run2):
+    # the 64 KiB message arrived long before either side waited on it (0.3 s later): the
+    # consumer's wait returned at once, and the records hold the transfer, not the delay
+    for rank, op in ((0, "send"), (1, "recv")):
+        rec = _one(_read_jsonl(run2 / f"full/monitor/rank{rank}.jsonl"), step=12, op=op)
+        assert json.loads((run2 / f"checks{rank}.json").read_text())["late_wait_ms"] < 50
+        assert rec["matched"] == 1 and rec["raw_ms"] < STALL * 1e3 / 3, rec
+        assert rec["transfer_ms"] + rec["wait_ms"] == pytest.approx(rec["raw_ms"], abs=1e-6)
+    p2p = [lk for lk in _read_jsonl(run2 / "full/monitor/links.jsonl") if lk["kind"] == "p2p"]
+    link = _one(p2p, step=12, src=0, dst=1)
+    assert link["transfer_ms"] < STALL * 1e3 / 3
+
+
+def test_link_class_from_shared_node_identity(run2):
+    # both ranks run on this host, in one network namespace: one node, every link intra-node
+    assert json.loads((run2 / "full/monitor/nodes.json").read_text())["node_of_rank"] == [0, 0]
+    for rank in (0, 1):
+        recs = _read_jsonl(run2 / f"full/monitor/rank{rank}.jsonl")
+        assert {r["link_class"] for r in recs} == {"intra_node"}
+    assert {lk["link_class"] for lk in _read_jsonl(run2 / "full/monitor/links.jsonl")} == {"intra_node"}
+
+
+def test_link_class_rules():
+    nodes = [0, 0, 1, 1]                       # ranks 0, 1 on one node, 2, 3 on another
+    assert link_class(0, 1, (), nodes) == link_class(3, 2, (), nodes) == "intra_node"
+    assert link_class(1, 2, (), nodes) == link_class(2, 1, (), nodes) == "inter_node"
+    assert link_class(2, None, (2, 3), nodes) == "intra_node"
+    assert link_class(0, None, (0, 1, 2, 3), nodes) == link_class(1, None, (1, 2), nodes) == "inter_node"
+    assert link_class(0, 1, (), None) is None
+
+
+def test_queued_behind_own_earlier_message_is_not_transfer():
+    # a 1e6-byte recv posted at 1.0 (sender posted 1.0 too) arrives at 1.3, but the link was
+    # carrying the previous message from that peer until 1.2: wait 200 ms, transfer 100 ms
+    key = ("pp", "recv", 0, ())
+    rec, = build_records(1, 0, [(key, 1, 1_000_000)], [(key, 0, 1.0, 1.3, 1_000_000, 1.2)],
+                         lambda k, s: 1.0, {}, 0.3, [0, 1])
+    assert rec["wait_ms"] == pytest.approx(200) and rec["transfer_ms"] == pytest.approx(100)
+    assert rec["bandwidth_gbps"] == pytest.approx(0.01) and rec["link_class"] == "inter_node"
 
 
 def test_bytes_balance_and_every_link_every_step(run2):

@@ -10,15 +10,18 @@ most half the round trip, so the round with the smallest round trip is kept).
 Aligned time = local time - offset.
 
 Device clocks: on CUDA a completed host call only means the work was *enqueued*. `CudaEvents`
-records pooled timing events on the current stream before the op is issued and after its
-wait(), and reads them only once `event.query()` reports completion (no device synchronize
-on the hot path). Event times are placed on the host clock through an anchor event recorded
-right after a synchronize at calibration time (attach and every re-sync), off the hot path.
+records pooled timing events on the current stream before the op is issued, and the comm
+records the completion event on a side stream made to wait for the op itself (so a consumer
+that waits late does not stretch it; commpipe.parallel.completion); both are read only once
+`event.query()` reports completion (no device synchronize on the hot path). Event times are
+placed on the host clock through an anchor event recorded right after a synchronize at
+calibration time (attach and every re-sync), off the hot path.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import time
 
 import torch
@@ -36,6 +39,24 @@ def clock_identity() -> str | None:
     except OSError:
         return None
     return f"{boot}|{ns}|{info.implementation}"
+
+
+def node_identity() -> str:
+    """Equal on two processes exactly when they run on one node: the same host (name and boot
+    id) and the same network namespace. Ranks of one real host share all three, and talk over
+    loopback or shared memory; across real hosts the name and boot id differ. The emulated
+    cluster (commpipe.cluster.netns) runs every node in its own network namespace of one host,
+    so there the namespace tells the nodes apart, as their links do."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "-"
+    try:
+        netns = os.readlink("/proc/self/ns/net")
+    except OSError:
+        netns = "-"
+    return f"{socket.gethostname()}|{boot}|{netns}"
 
 
 def estimate_offset(comm, rounds: int = 8, trust_shared_clock: bool = True) -> float:
@@ -97,8 +118,12 @@ class CudaEvents:
         ev.synchronize()
         self.anchor = (ev, time.perf_counter())
 
+    def take(self):
+        """A pooled event, not recorded yet (the comm records it on its side stream)."""
+        return self._pool.pop() if self._pool else torch.cuda.Event(enable_timing=True)
+
     def record(self):
-        ev = self._pool.pop() if self._pool else torch.cuda.Event(enable_timing=True)
+        ev = self.take()
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 

@@ -8,7 +8,12 @@
     monitor.close()                                  # collective: flushes, writes traces
 
 Every call is tallied (calls, bytes) with a few attribute updates. A sampled call keeps its
-post and completion times (host perf_counter on CPU; pooled CUDA events on GPU). Every
+post and completion times (host perf_counter on CPU; pooled CUDA events on GPU); completion is
+observed when the data has arrived, however late the consumer waits (the pipeline runtime
+prefetches receives and waits on sends at step end): the comm watches every sampled call
+(commpipe.parallel.completion). At attach the ranks also share their node identity
+(commpipe.monitor.clock.node_identity), so every record says whether its link is intra_node
+or inter_node (a collective is inter_node when its group spans nodes). Every
 `exchange_every` steps (default 20) and at close the ranks exchange the post times of their
 sampled calls (one all_gather_object over the world, sampled calls only), so each side of a
 transfer can separate waiting for its peer from moving data (see commpipe.monitor.records).
@@ -18,7 +23,8 @@ seq), or (dim, src, dst, tag, seq) for tagged point-to-point messages (CommCall.
 Comm provides it).
 
 Output: OUT/monitor/rank{r}.jsonl (one record per step and (dim, op, peer or group)),
-OUT/monitor/links.jsonl on rank 0 (one record per step and link, both sides), and with
+OUT/monitor/links.jsonl on rank 0 (one record per step and link, both sides),
+OUT/monitor/nodes.json on rank 0 (node number of every rank, and the node identities), and with
 trace=True OUT/trace/rank{r}.json (Chrome/Perfetto). Records of a step are written when every
 sampled call of that step has been matched with its peer's post, at the latest `max_lag`
 steps later (then unmatched timing is null); on CPU that is the same end_step.
@@ -32,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from commpipe.monitor.clock import CudaEvents, estimate_offset
+from commpipe.monitor.clock import CudaEvents, estimate_offset, node_identity
 from commpipe.monitor.records import (
     P2P_OPS,
     build_links,
@@ -116,6 +122,7 @@ class Monitor:
         self._groups = group_table(comm.dims)
         self._file = self._links_file = None
         self.last_records: list[dict] = []
+        self.nodes: list[int] | None = None   # node number of every rank, known at attach
 
     # -- lifecycle --------------------------------------------------------------------------------
     def attach(self, observe: bool = True) -> Monitor:
@@ -133,7 +140,15 @@ class Monitor:
                 self._links_file = open(self.out_dir / "monitor" / "links.jsonl", "a")
             self._sync_clock()
             now = time.perf_counter() - self.offset
-            self.epoch = self.comm.gather_objects(now, "world")[0]
+            # one exchange: the trace origin (rank 0's clock) and every rank's node
+            shared = self.comm.gather_objects((now, node_identity()), "world")
+            self.epoch = shared[0][0]
+            hosts = [h for _, h in shared]
+            firsts = list(dict.fromkeys(hosts))            # nodes numbered by their first rank
+            self.nodes = [firsts.index(h) for h in hosts]
+            if self.rank == 0:
+                (self.out_dir / "monitor" / "nodes.json").write_text(
+                    json.dumps({"node_of_rank": self.nodes, "hosts": hosts}) + "\n")
             self._synced = True
         if observe and self not in self.comm.observers:
             self.comm.observers.append(self)
@@ -187,8 +202,13 @@ class Monitor:
             stream.next = next_sampled(stream.base, seq, self.sample)
             mid = seq
         timed = _Timed(stream, call, mid)
+        # completion is observed when the data has arrived, not when the consumer waits
+        # (commpipe.parallel.completion): a watcher stamps call.t_done, or on CUDA the comm
+        # records this event after the op on a side stream
+        call.watch = True
         if self._cuda is not None:
             timed.ev_post, timed.anchor = self._cuda.record(), self._cuda.anchor
+            call.ev_done = self._cuda.take()
         self._inflight.append(timed)
         return timed
 
@@ -204,7 +224,7 @@ class Monitor:
         stream.bytes += call.nbytes
         ctx.nbytes, ctx.finished = call.nbytes, True
         if self._cuda is not None:
-            ctx.ev_done = self._cuda.record()
+            ctx.ev_done = call.ev_done if call.ev_done is not None else self._cuda.record()
         else:
             ctx.post, ctx.done = call.t_post, call.t_done
         self._finished.append(ctx)
@@ -272,7 +292,12 @@ class Monitor:
         samples, still = [], []
         for t in self._unresolved:
             if self._read(t):
-                samples.append((t.step, t.stream.key, t.mid, t.post - off, t.done - off, t.nbytes))
+                # the link was busy with this rank's previous message to the same peer until
+                # it completed (if it completed first): the transfer starts no earlier
+                prev, t.call.prev = t.call.prev, None
+                after = prev.t_done - off if prev is not None and 0 < prev.t_done <= t.done else None
+                samples.append((t.step, t.stream.key, t.mid, t.post - off, t.done - off, t.nbytes,
+                                after))
                 if self.trace:
                     self._dtypes[(t.stream.key, t.mid)] = t.call.dtype
             else:
@@ -304,9 +329,9 @@ class Monitor:
         if self._builds(r):
             for c_step, counts in closings:
                 self._steps.setdefault((r, c_step), [None, []])[0] = counts
-            for s_step, key, mid, post, done, nbytes in samples:
+            for s_step, *sample in samples:               # (key, mid, post, done, nbytes, after)
                 if s_step > self._done_upto.get(r, -1):   # else it came after its step was written
-                    self._steps.setdefault((r, s_step), [None, []])[1].append((key, mid, post, done, nbytes))
+                    self._steps.setdefault((r, s_step), [None, []])[1].append(tuple(sample))
             self._marks[r] = mark
         for _step, key, mid, post, *_ in samples:
             self._index(r, key, mid, post, now)
@@ -346,7 +371,7 @@ class Monitor:
                 del self._steps[(r, s)]
                 self._done_upto[r] = s
                 records = build_records(r, s, counts, samples, find, self._ema.setdefault(r, {}),
-                                        self.alpha)
+                                        self.alpha, self.nodes)
                 if r == self.rank:
                     self._write_own(s, records, samples, find)
                 if self.rank == 0:
@@ -369,8 +394,8 @@ class Monitor:
         self.last_records = records
         if not self.trace:
             return
-        for key, mid, post, done, nbytes in samples:
-            wait, xfer = split_times(key[1], post, done, find(key, mid))
+        for key, mid, post, done, nbytes, *after in samples:
+            wait, xfer = split_times(key[1], post, done, find(key, mid), *after)
             args = comm_args(key, nbytes, self._dtypes.pop((key, mid), ""), self.rank, self.world,
                              self._groups)
             self._calls.append(comm_events(

@@ -1,11 +1,15 @@
 """Pure pieces of the monitor: sampling decisions, nccl-tests bandwidth accounting, and the
 per-step records built from counts and timed samples (no torch, no process groups).
 
-Timing model (all times on the clock of rank 0, seconds; ready = the peer's post time for
-point-to-point, the group's last post time for a collective):
+Timing model (all times on the clock of rank 0, seconds; done = when the data had arrived,
+observed by the comm however late the consumer waited; ready = the peer's post time for
+point-to-point, or the end of this rank's previous message on the same link if that was later
+(one connection carries a rank pair's messages one after the other); the group's last post
+time for a collective):
   wait     = max(0, ready - my_post), at most the call's raw interval (done - my_post)
   transfer = raw interval - wait  (= my_done - max(my_post, ready) when ready < my_done)
-so wait + transfer is exactly what a timer around the call measures.
+so wait + transfer is the call's post-to-arrival time. Every record and link summary says
+whether its link is intra_node (every rank on one node) or inter_node.
 Bandwidth is bytes moved / transfer time in decimal GB/s (1e9 bytes/s). For collectives the
 algorithm and bus bandwidths follow nccl-tests (doc/PERFORMANCE.md): algbw = S / t and
 busbw = algbw * factor with factor 2(n-1)/n for all-reduce, (n-1)/n for all-gather and
@@ -120,12 +124,16 @@ def _ms(x):
     return None if x is None else x * 1e3
 
 
-def split_times(op: str, post: float, done: float, peer_posts) -> tuple:
+def split_times(op: str, post: float, done: float, peer_posts, after: float | None = None) -> tuple:
     """(wait_s, transfer_s) of one timed call, or (None, None) when the peers' posts are not
-    known. `peer_posts`: the counterpart's post time (p2p) or every member's (collective)."""
+    known. `peer_posts`: the counterpart's post time (p2p) or every member's (collective);
+    `after`: when this rank's previous message on the same link completed, if the call was
+    posted while it was still in flight (messages of a rank pair share one connection)."""
     if peer_posts is None:
         return None, None
     ready = peer_posts if op in P2P_OPS else max(peer_posts)
+    if after is not None:
+        ready = max(ready, after)
     # a call cannot wait longer than it lasted: a send that completed before its receiver
     # posted (buffered by the transport) waited for nobody
     raw = max(0.0, done - post)
@@ -133,24 +141,36 @@ def split_times(op: str, post: float, done: float, peer_posts) -> tuple:
     return wait, raw - wait
 
 
-def build_records(rank: int, step: int, counts, samples, lookup, ema: dict, alpha: float) -> list[dict]:
+def link_class(rank: int, peer, group, nodes) -> str | None:
+    """`intra_node` when every rank of the call (the pair, or the group) is on one node,
+    else `inter_node`; None when the nodes are not known. nodes[r]: node number of rank r."""
+    if nodes is None:
+        return None
+    members = group if group else (rank, peer)
+    return "inter_node" if len({nodes[r] for r in members}) > 1 else "intra_node"
+
+
+def build_records(rank: int, step: int, counts, samples, lookup, ema: dict, alpha: float,
+                  nodes=None) -> list[dict]:
     """One record per (dim, op, peer or group) of `rank` at `step`.
 
     counts:  [(key, calls, bytes)] for every stream this rank has used, calls possibly 0
-    samples: [(key, mid, post, done, nbytes)] timed calls completed in this step; mid is the
-             message id, CommCall.seq, or (tag, seq) for tagged point-to-point messages
+    samples: [(key, mid, post, done, nbytes[, after])] timed calls completed in this step; mid
+             is the message id, CommCall.seq, or (tag, seq) for tagged point-to-point
+             messages; after: see split_times
     lookup(key, mid) -> counterpart post (p2p), all members' posts (collective) or None
     ema:     {key: (ema_bandwidth_gbps, ema_latency_ms)} updated in place
+    nodes:   node number of every rank (link_class of each record), or None
     key = (dim, op, peer, group).
     """
     agg: dict = {}
-    for key, mid, post, done, nbytes in samples:
+    for key, mid, post, done, nbytes, *after in samples:
         op = key[1]
         a = agg.setdefault(key, [0, 0, 0, 0.0, 0.0, 0.0, 0])  # n, matched, bytes, wait, xfer, raw, mbytes
         a[0] += 1
         a[2] += nbytes
         a[5] += max(0.0, done - post)
-        wait, xfer = split_times(op, post, done, lookup(key, mid))
+        wait, xfer = split_times(op, post, done, lookup(key, mid), *after)
         if xfer is not None:
             a[1] += 1
             a[3] += wait
@@ -170,6 +190,7 @@ def build_records(rank: int, step: int, counts, samples, lookup, ema: dict, alph
         out.append({
             "step": step, "rank": rank, "dim": dim, "op": op,
             "peer": peer, "group": list(group) if group else None, "group_size": n,
+            "link_class": link_class(rank, peer, group, nodes),
             "calls": calls, "sampled": s_n, "matched": m_n,
             "bytes": nbytes, "bytes_sent": sent, "bytes_recv": recv,
             "wait_ms": _ms(w_sum / m_n) if m_n else None,
@@ -216,6 +237,7 @@ def build_links(step: int, per_rank: dict[int, list[dict]]) -> list[dict]:
         head = v if v is not None and v["matched"] else (s if s is not None and s["matched"] else v or s)
         out.append({
             "step": step, "kind": "p2p", "dim": dim, "src": src, "dst": dst,
+            "link_class": (v or s).get("link_class"),
             "calls_sent": s["calls"] if s else 0, "calls_recv": v["calls"] if v else 0,
             "bytes_sent": s["bytes"] if s else 0, "bytes_recv": v["bytes"] if v else 0,
             "sampled": head["sampled"], "matched": head["matched"],
@@ -231,6 +253,7 @@ def build_links(step: int, per_rank: dict[int, list[dict]]) -> list[dict]:
         slow = max(timed, key=lambda m: m["transfer_ms"]) if timed else None
         out.append({
             "step": step, "kind": "collective", "dim": dim, "op": op, "group": list(group),
+            "link_class": next(iter(members.values())).get("link_class"),
             "calls": max(m["calls"] for m in members.values()),
             "bytes": sum(m["bytes"] for m in members.values()),
             "sampled": max(m["sampled"] for m in members.values()),

@@ -9,7 +9,11 @@ Groups of size 1 do nothing, so the single-process path is the reference path.
 
 Observer protocol (see commpipe.monitor):
     ctx = observer.begin(call)          # before the op is issued; may return None (not sampled)
-    observer.end(ctx, call)             # after the op completed (wait() returned)
+    observer.end(ctx, call)             # once the consumer's wait() returned
+An observer that sets `call.watch = True` in begin() gets `call.t_done` stamped when the data
+has arrived (or, on CUDA, its `call.ev_done` event recorded after the op on a side stream),
+however late the consumer waits (commpipe.parallel.completion); otherwise t_done is when
+wait() returned.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from commpipe.parallel.completion import watch
 from commpipe.parallel.dims import ParallelDims
 
 GROUP_DIMS = ("tp", "cp", "dp", "pp", "dp_cp")
@@ -38,10 +43,14 @@ class CommCall:
     peer: int | None = None       # global rank of the peer (point-to-point)
     seq: int = 0                  # per (dim, op, peer/group) sequence number on this rank
     t_post: float = 0.0           # time.perf_counter() when issued
-    t_done: float = 0.0           # when observed complete
+    t_done: float = 0.0           # when observed complete (the data has arrived, if watched)
     dtype: str = ""
     tag: int = 0                  # point-to-point tag (messages pair by (peer, tag) on gloo)
     extra: dict = field(default_factory=dict)
+    watch: bool = False           # set by an observer's begin(): observe completion on arrival
+    ev_done: object = None        # CUDA: the observer's event, recorded when the op completes
+    prev: CommCall | None = None  # watched p2p: this rank's earlier message on the same link,
+                                  # still in flight when this one was posted
 
     @property
     def group_size(self) -> int:
@@ -55,11 +64,32 @@ class Handle:
         self._comm, self._work, self.call, self._ctxs = comm, work, call, ctxs  # (observer, ctx)
         self._on_done = on_done
         self.done = False
+        # a watched call: its completion is observed independently of this handle's wait()
+        self._watch = watch(work, call, comm.device) if call.watch and work is not None else None
+        if ctxs and call.peer is not None:
+            self._link_predecessor(comm)
+
+    def _link_predecessor(self, comm: Comm) -> None:
+        """Messages between a rank pair share one connection: a watched message posted while
+        this rank's previous message on the same (dim, op, peer) is still in flight moves only
+        after it. That predecessor is watched from now on and named in `call.prev`, so the
+        observer can start the transfer once the link was free (CPU; on CUDA the side-stream
+        event already follows the communication stream's order)."""
+        chan = (self.call.dim, self.call.op, self.call.peer)
+        prev = comm._last_p2p.get(chan)
+        comm._last_p2p[chan] = self
+        if not self.call.watch or prev is None or prev.done or comm.device.type == "cuda":
+            return
+        if prev._watch is None and prev._work is not None:
+            prev._watch = watch(prev._work, prev.call, comm.device)
+        self.call.prev = prev.call
 
     def wait(self):
         if self.done:
             return self.result
-        if self._work is not None:
+        if self._watch is not None:
+            self._watch.wait()        # the watcher waited on the work (gloo allows one wait)
+        elif self._work is not None:
             self._work.wait()
         self.result = self._on_done() if self._on_done else None
         self._comm._finish(self.call, self._ctxs)
@@ -78,6 +108,7 @@ class Comm:
         self.device = device or torch.device("cpu")
         self.observers: list = []
         self._seq: dict[tuple, int] = {}
+        self._last_p2p: dict[tuple, Handle] = {}   # (dim, op, peer) -> latest observed p2p call
         self.coords = dims.coords(rank)
         self.groups: dict[str, tuple[int, ...]] = {}
         self._pg: dict[str, object] = {}
@@ -122,7 +153,8 @@ class Comm:
         return call, pairs
 
     def _finish(self, call: CommCall, pairs: list) -> None:
-        call.t_done = time.perf_counter()
+        if not call.t_done:           # a watcher stamps arrival; else completion is now
+            call.t_done = time.perf_counter()
         for o, ctx in pairs:
             o.end(ctx, call)
 

@@ -1,0 +1,111 @@
+"""When did a communication call complete? Observed when the data has arrived, not when a
+consumer happens to wait for it.
+
+The pipeline runtime posts receives ahead of their consumer and waits on sends at step end, so
+the moment `wait()` returns says when the runtime looked, not when the transfer finished. For
+the calls an observer asks to time (`CommCall.watch`, set in `observer.begin`), `watch` starts
+an independent completion observation right after the op is issued:
+
+- CPU (gloo): a watcher thread blocks in `work.wait()` (which releases the GIL) and stamps
+  `call.t_done` the moment it returns. Gloo's point-to-point works never report completion
+  through `is_completed()` before someone waits on them, and have no future (torch 2.13:
+  "Work::getFuture not implemented"), so polling cannot see them; and a gloo send or receive
+  may be waited on only once, so the consumer's `Handle.wait()` then waits for the watcher
+  instead of the work. Threads come from a small process-wide pool that grows to the number of
+  watched calls in flight at once (a handful at 10% sampling) and stays idle afterwards.
+- CUDA (nccl): no thread. A side stream is made to wait for the op (`work.wait()` under that
+  stream only orders streams, the host does not block) and the event the observer put in
+  `call.ev_done` is recorded there, so it completes when the communication kernel does; the
+  consumer's wait is untouched.
+
+Unwatched calls (the common, unsampled case) pay one attribute test.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import torch
+
+
+class Watch:
+    """One watched CPU call: `wait()` returns once the watcher has seen the work complete."""
+
+    __slots__ = ("work", "call", "done", "error")
+
+    def __init__(self, work, call):
+        self.work, self.call = work, call
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def wait(self) -> None:
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+
+
+class _Pool:
+    """Watcher threads; one per watched call in flight, reused once idle."""
+
+    def __init__(self):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._idle = 0
+        self.threads = 0
+
+    def submit(self, w: Watch) -> None:
+        with self._lock:
+            if self._idle:
+                self._idle -= 1
+            else:   # every thread is blocked on another call: this one must not queue behind it
+                self.threads += 1
+                threading.Thread(target=self._loop, name=f"commpipe-watch-{self.threads}",
+                                 daemon=True).start()
+        self._queue.put(w)
+
+    def _loop(self) -> None:
+        while True:
+            w = self._queue.get()
+            try:
+                w.work.wait()
+            except BaseException as e:   # handed to the consumer's wait(), raised there
+                w.error = e
+            w.call.t_done = time.perf_counter()
+            w.work = None
+            with self._lock:
+                self._idle += 1
+            w.done.set()
+
+
+_POOL: _Pool | None = None
+_POOL_LOCK = threading.Lock()
+_SIDE_STREAMS: dict = {}
+
+
+def _pool() -> _Pool:
+    global _POOL
+    if _POOL is None:
+        with _POOL_LOCK:
+            if _POOL is None:
+                _POOL = _Pool()
+    return _POOL
+
+
+def watch(work, call, device: torch.device) -> Watch | None:
+    """Start observing `work`'s completion for `call` (see the module docstring). Returns the
+    Watch the consumer must wait on instead of the work (CPU), or None (CUDA: wait as usual)."""
+    if device.type == "cuda":
+        if call.ev_done is None:   # nothing to record: a watcher thread must not wait on NCCL
+            return None
+        stream = _SIDE_STREAMS.get(device)
+        if stream is None:
+            stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+        with torch.cuda.stream(stream):
+            work.wait()          # stream order only: the side stream waits for the op's end
+        call.ev_done.record(stream)
+        return None
+    w = Watch(work, call)
+    _pool().submit(w)
+    return w
