@@ -23,7 +23,7 @@ from commpipe.adapt.candidates import candidates
 from commpipe.adapt.detect import Detector
 from commpipe.adapt.model import CostModel, Measured
 from commpipe.adapt.plan import Plan, payback
-from commpipe.adapt.signals import link_rates, rank_summary, step_signals
+from commpipe.adapt.signals import collective_rates, link_rates, rank_summary, step_signals
 from commpipe.models.spec import param_count
 
 # before the first switch of a kind is measured: seconds to rebuild stages (and, for a layout
@@ -60,6 +60,7 @@ class Controller:
         a = self.acfg
         self.detector = Detector(a.min_steps, a.min_shift, a.baseline_steps)
         self.window: deque = deque(maxlen=max(a.min_steps, a.baseline_steps))
+        self.timelines: deque = deque(maxlen=a.min_steps)   # this rank's recent step timelines
         self.steps_in_plan = 0
         self.measured_cost: dict[str, float] = {}
         self.decisions: list[dict] = []
@@ -84,6 +85,9 @@ class Controller:
         of them new after a switch. Collective: every rank calls it after every step."""
         step = rec["step"]
         summary = rank_summary(trainer, step, self.rpn)
+        c = trainer.comm.coords
+        if c["dp"] == 0 and c["cp"] == 0 and c["tp"] == 0:
+            self.timelines.append([e.to_dict() for e in trainer.runtime.events or ()])
         with unmonitored(trainer):
             summaries = trainer.comm.gather_objects(summary, "world")
         signals = step_signals(summaries, rec["step_time_s"] * 1e3)
@@ -106,7 +110,13 @@ class Controller:
         c = comm.coords
         mine = None
         if c["dp"] == 0 and c["cp"] == 0 and c["tp"] == 0:
-            mine = [e.to_dict() for e in trainer.runtime.events or ()]
+            # the window's steps one after another on one clock (each step's own starts at 0):
+            # calibration then takes medians over all of them
+            mine, offset = [], 0.0
+            for events in self.timelines:
+                mine += [e | {"start_ms": e["start_ms"] + offset, "end_ms": e["end_ms"] + offset}
+                         for e in events]
+                offset += max((e["end_ms"] for e in events), default=0.0) + 1e3
         with unmonitored(trainer):
             timelines = comm.gather_objects((c["pp"], mine), "world")
             decision = None
@@ -135,6 +145,7 @@ class Controller:
                 if s["busy_ms"]:
                     busy.setdefault(s["rank"], []).append(s["busy_ms"])
         measured = Measured(cur, costs, host, step_ms, links=link_rates([x for _, x in recent]),
+                            collective_gbps=collective_rates([x for _, x in recent], self.rpn),
                             rank_busy={r: statistics.median(v) for r, v in busy.items()})
         model = CostModel(spec, cfg.seq_len, self.world, self.rpn, measured)
         current_ms = model.predict(cur)
@@ -149,15 +160,16 @@ class Controller:
             rows.append({"plan": plan, "kind": kind, "predicted_ms": ms,
                          "switch_cost_s": self.switch_cost(kind, model, spec)})
         steps_left = cfg.steps - trainer.step
-        for r in rows:   # the best candidate is the one with the largest net saving
-            r["net_s"] = (current_ms - r["predicted_ms"]) / 1e3 * min(self.acfg.horizon,
-                                                                      steps_left) - r["switch_cost_s"]
-        rows.sort(key=lambda r: -r["net_s"])
+        a = self.acfg
+        for r in rows:
+            r["verdict"] = payback(current_ms, r["predicted_ms"], r["switch_cost_s"], steps_left,
+                                   a.horizon, a.margin, a.min_gain)
+        rows.sort(key=lambda r: r["predicted_ms"])
         record = {
             "step": step, "detections": [d.to_dict() for d in found],
             "signals": {f"{k} {n}": v for (k, n), v in sorted(signals.items())},
             "measured_step_ms": step_ms, "from": cur.to_dict(),
-            "predicted_current_ms": current_ms,
+            "predicted_current_ms": current_ms, "model": model.describe(),
             "candidates": [{"plan": r["plan"].name, "kind": r["kind"],
                             "predicted_ms": r["predicted_ms"], "switch_cost_s": r["switch_cost_s"]}
                            for r in rows[:20]],
@@ -166,9 +178,11 @@ class Controller:
         if not rows:
             return record | {"action": "stay", "to": None, "predicted_saving_s": 0.0,
                              "switch_cost_s": 0.0, "reason": "no other plan fits"}
-        best = rows[0]
-        verdict = payback(current_ms, best["predicted_ms"], best["switch_cost_s"], steps_left,
-                          self.acfg.horizon, self.acfg.margin, self.acfg.min_gain)
+        # among the switches that pay back, the largest net saving; else the fastest candidate
+        admitted = [r for r in rows if r["verdict"].admit]
+        best = max(admitted, key=lambda r: r["verdict"].saving_s - r["switch_cost_s"]) \
+            if admitted else rows[0]
+        verdict = best["verdict"]
         return record | {
             "action": "switch" if verdict.admit else "stay",
             "to": best["plan"].to_dict(), "kind": best["kind"],
@@ -210,6 +224,7 @@ class Controller:
             metrics_file = open_metrics(Path(new.cfg.out) / "metrics.jsonl", new.step)
         self.detector.reset()
         self.window.clear()
+        self.timelines.clear()
         self.steps_in_plan = 0
         self.prepare(new)
         self._write(decision)

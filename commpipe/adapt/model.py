@@ -14,7 +14,10 @@ measured ratio, plus the host time. Point-to-point links are looked up per rank 
 monitor's measurements (else by node pair, else by link class); TP and CP collectives and the
 DP gradient all-reduce are priced with ring formulas on the bandwidth of their link class.
 Everything else in the measured step (optimizer, loss reduction) is carried over as a constant,
-so the current plan's prediction equals its measured step time.
+so the current plan's prediction equals its measured step time. Layout candidates assume one
+device per rank (tp and cp divide a stage's compute); on an emulated cluster whose ranks share
+a few host cores that flatters them, so such runs may restrict the controller to re-splits and
+re-batching (`--adapt-resplit-only`).
 """
 
 from __future__ import annotations
@@ -92,8 +95,28 @@ class CostModel:
                 self.k[g] = max(u / self.unit * rel, 1.0)
         lat = [v[0] for v in measured.links.values() if v[0] is not None]
         self.base_latency = min(lat) if lat else c.link(0, 1)[0] if c.num_stages > 1 else 0.0
-        self.other_ms = 0.0
-        self.other_ms = measured.step_ms - self.predict(cur, with_other=False)
+        # Tie predictions to the measured step. Compute is measured directly; communication
+        # is extrapolated from sampled transfers, so its share is what gets calibrated: the
+        # simulated communication time (exposed in the makespan, plus DP) is weighted by
+        # `comm_weight` in [0, 1] so that the current plan predicts its measured step, and
+        # what remains (optimizer, loss reduction) is a constant. A measured step shorter
+        # than even the simulated compute scales the compute instead.
+        self.scale, self.comm_weight, self.other_ms = 1.0, 1.0, 0.0
+        compute, comm = self.components(cur)
+        step = measured.step_ms
+        if step < compute:
+            self.scale, self.comm_weight = step / compute, 0.0
+        else:
+            self.comm_weight = min(1.0, (step - compute) / comm) if comm > 0 else 0.0
+            self.other_ms = step - compute - self.comm_weight * comm
+
+    def describe(self) -> dict:
+        """The calibration behind the predictions, for the decision log."""
+        c = self.m.costs
+        return {"f_ms": c.f, "b_ms": c.b, "host_ms": self.m.host_ms, "unit_ms": self.unit,
+                "slowdown": {str(g): k for g, k in sorted(self.k.items())},
+                "links": {f"{a}->{b}": bw for (a, b), (_, bw) in sorted(self.m.links.items())},
+                "scale": self.scale, "comm_weight": self.comm_weight, "other_ms": self.other_ms}
 
     # -- links ---------------------------------------------------------------------------------
     def node(self, rank: int) -> int:
@@ -131,15 +154,24 @@ class CostModel:
         return min(self.link(ranks[i], ranks[(i + 1) % len(ranks)])[1] for i in range(len(ranks)))
 
     def ring_ms(self, nbytes: float, ranks: list[int], all_reduce: bool = True) -> float:
+        """A ring collective: at the bus bandwidth measured for collectives of its link class
+        when there is one, else at its slowest hop's point-to-point rate."""
         n = len(ranks)
         if n < 2:
             return 0.0
         steps = 2 * (n - 1) if all_reduce else n - 1
-        return steps * self.base_latency + steps / n * nbytes / (self.group_gbps(ranks) * 1e6)
+        cls = "intra_node" if len({self.node(r) for r in ranks}) == 1 else "inter_node"
+        bw = self.m.collective_gbps.get(cls) or self.group_gbps(ranks)
+        return steps * self.base_latency + steps / n * nbytes / (bw * 1e6)
 
     # -- prediction ----------------------------------------------------------------------------
-    def predict(self, plan: Plan, with_other: bool = True) -> float:
+    def predict(self, plan: Plan) -> float:
         """Predicted step time (ms) of `plan` on the measured machine."""
+        compute, comm = self.components(plan)
+        return compute * self.scale + comm * self.comm_weight + self.other_ms
+
+    def components(self, plan: Plan) -> tuple[float, float]:
+        """(simulated step without communication, the communication it adds) in ms."""
         spec, seq = self.spec, self.seq_len
         dims = ParallelDims(dp=plan.dp, pp=plan.pp, cp=plan.cp, tp=plan.tp)
         program = generate(plan.schedule, plan.pp, plan.microbatches, 1)
@@ -168,12 +200,13 @@ class CostModel:
         costs = CostTable(f=f, b=b, latency_ms=lat or 0.0, bandwidth_gbps=bw or float("inf"),
                           activation_bytes=act_bytes, tp_comm=tp_comm)
         makespan = simulate(program, costs, check=False).makespan
+        bare = simulate(program, CostTable(f=f, b=b), check=False).makespan
         dp_ms = 0.0
         if plan.dp > 1:   # gradient all-reduce of the largest stage's TP shard, fp32
             stage_params = max(self._stage_params(x, s == n - 1, s == 0)
                                for s, x in enumerate(plan.stage_layers))
             dp_ms = self.ring_ms(4.0 * stage_params / plan.tp, dims.group_of("dp", 0))
-        return makespan + dp_ms + (self.other_ms if with_other else 0.0)
+        return bare, makespan - bare + dp_ms
 
     def _stage_params(self, layers: int, last: bool, first: bool) -> float:
         emb = self.spec.vocab * self.spec.hidden

@@ -44,7 +44,8 @@ def rank_summary(trainer, step: int, ranks_per_node: int) -> dict:
                 "link_class": _link_class(r, rank, int(r["peer"]), ranks_per_node)}
         elif r.get("group"):
             colls[(r["dim"], r.get("op"), tuple(r["group"]))] = {
-                "transfer_ms": float(r["transfer_ms"]), "busbw_gbps": r.get("busbw_gbps")}
+                "transfer_ms": float(r["transfer_ms"]), "busbw_gbps": r.get("busbw_gbps"),
+                "bytes": (r.get("bytes") or 0) / max(r.get("calls") or 1, 1)}
     return {"rank": rank, "step": step,
             "busy_ms": sum(sum(v) for v in compute.values()),
             "compute_ms": {op: statistics.median(v) for op, v in compute.items()},
@@ -84,3 +85,19 @@ def link_rates(window: list[list[dict]]) -> dict[tuple[int, int], tuple[float | 
         nbytes = statistics.median(b for _, b in vals)
         out[key] = (None, nbytes / (ms * 1e6) if nbytes else None)
     return out
+
+
+def collective_rates(window: list[list[dict]], ranks_per_node: int,
+                     min_bytes: float = 65536) -> dict[str, float]:
+    """Link class -> median bus bandwidth (GB/s) of the all-reduces of at least `min_bytes`
+    per call over a window (small ones, a loss or a norm, measure latency, not bandwidth)."""
+    rates: dict[str, list[float]] = {}
+    for summaries in window:
+        for s in summaries:
+            for (_dim, op, group), v in s["collectives"].items():
+                if op != "all_reduce" or not v.get("busbw_gbps") or v.get("bytes", 0) < min_bytes:
+                    continue
+                nodes = {g // ranks_per_node for g in group}
+                cls = "intra_node" if len(nodes) == 1 else "inter_node"
+                rates.setdefault(cls, []).append(v["busbw_gbps"])
+    return {cls: statistics.median(v) for cls, v in rates.items()}

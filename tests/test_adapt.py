@@ -1,0 +1,209 @@
+"""Adaptive training: detection with hysteresis, the payback rule, switching in memory.
+
+    python -m pytest tests/test_adapt.py -q
+
+The multi-rank part is one launch of 4 gloo processes: a run that switches pp4 -> tp2 pp2 (a
+new layout, resharded in memory) -> stage re-split 2,2 -> 3,1 must hold bit-identical
+parameters and optimizer states across each switch and produce the losses of a run that never
+switched; then `train --adapt` with the --slow-rank drill on pp2 x dp2 must move layers off the
+slow rank's stage.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from commpipe.adapt.config import AdaptConfig, SlowRank, parse_slow_rank
+from commpipe.adapt.detect import Detector
+from commpipe.adapt.plan import Plan, payback
+from tests.dist_harness import free_port
+
+# -- detection -------------------------------------------------------------------------------------
+
+
+def feed(det: Detector, values, start: int = 0):
+    found = []
+    for i, v in enumerate(values):
+        d = det.observe(start + i, "link", "pp 1->2", v)
+        if d is not None:
+            found.append(d)
+    return found
+
+
+@pytest.mark.parametrize("min_steps", [3, 5])
+def test_detection_ignores_a_blip_and_fires_on_a_lasting_change(min_steps):
+    det = Detector(min_steps=min_steps, min_shift=0.25, baseline_steps=4)
+    base = [10.0, 10.4, 9.8, 10.1]
+    blip = [30.0] * (min_steps - 1)                 # one step short of the threshold
+    assert feed(det, base + blip + [10.2, 9.9]) == []
+    lasting = [25.0, 26.0, 24.0] + [25.0] * min_steps
+    found = feed(det, lasting, start=100)
+    assert len(found) == 1
+    d = found[0]
+    assert d.key == "pp 1->2" and d.kind == "link"
+    assert d.onset_step == 100 and d.step == 100 + min_steps - 1   # fires once it has persisted
+    assert d.baseline == pytest.approx(10.05) and 1.3 < d.shift < 1.6
+    # the new level is the baseline now: staying degraded does not fire again, recovery does
+    assert feed(det, [25.0] * 10, start=200) == []
+    back = feed(det, [10.0] * min_steps, start=300)
+    assert len(back) == 1 and back[0].shift < -0.5
+
+
+def test_detection_needs_the_minimum_shift_and_skips_missing_samples():
+    det = Detector(min_steps=3, min_shift=0.25, baseline_steps=2)
+    assert feed(det, [10.0, 10.0] + [12.0] * 20) == []      # +20%: below the threshold
+    det = Detector(min_steps=3, min_shift=0.25, baseline_steps=2)
+    found = feed(det, [10.0, 10.0, 14.0, None, 14.0, None, 14.0])
+    assert [d.step for d in found] == [6]                   # None neither breaks nor counts
+
+
+def test_smoothing_keeps_a_single_outlier_from_counting():
+    det = Detector(min_steps=2, min_shift=0.25, baseline_steps=3)
+    for i, v in enumerate([10.0, 10.0, 10.0, 50.0, 10.0, 50.0, 10.0]):
+        assert det.observe(i, "link", "x", v, smooth=3) is None
+
+
+# -- the payback rule ------------------------------------------------------------------------------
+
+
+def test_payback_refuses_a_switch_that_costs_more_than_its_horizon_saves():
+    # 100 ms -> 80 ms saves 20 ms a step: 2 s over 100 steps
+    v = payback(100.0, 80.0, switch_cost_s=1.5, steps_left=1000, horizon=100, margin=2.0,
+                min_gain=0.05)
+    assert not v.admit and v.saving_s == pytest.approx(2.0) and "does not pay" in v.reason
+    assert payback(100.0, 80.0, 0.9, 1000, 100, 2.0, 0.05).admit
+    # few steps left: the horizon shrinks to them
+    v = payback(100.0, 80.0, 0.9, steps_left=20, horizon=100, margin=2.0, min_gain=0.05)
+    assert not v.admit and v.horizon_steps == 20
+    # a free switch with a gain inside the noise is still refused
+    assert not payback(100.0, 97.0, 0.0, 1000, 100, 2.0, 0.05).admit
+
+
+def test_flags_and_drill_spec_fail_early_with_a_fix():
+    assert parse_slow_rank("1:3@20") == SlowRank(1, 3.0, 20)
+    assert parse_slow_rank("2:1.5") == SlowRank(2, 1.5, 0)
+    for bad in ("1", "x:2", "1:0.5", "1:2@-1"):
+        with pytest.raises(ValueError, match="--slow-rank"):
+            parse_slow_rank(bad)
+    with pytest.raises(ValueError, match="--adapt-margin"):
+        AdaptConfig(margin=0.5).validate()
+    from commpipe.parallel.dims import ParallelDims
+    from commpipe.train.config import TrainConfig
+
+    with pytest.raises(ValueError, match="give --out"):
+        TrainConfig(dims=ParallelDims(pp=2), adapt=AdaptConfig()).resolve(2)
+    with pytest.raises(ValueError, match="only 2 ranks"):
+        TrainConfig(dims=ParallelDims(pp=2), slow_rank=SlowRank(5, 2.0)).resolve(2)
+
+
+# -- switching in memory (4 processes) -------------------------------------------------------------
+
+TINY = dict(model="tiny", seq_len=16, global_batch=8, micro_batch_size=1, seed=3)
+STEPS = 60   # the slow-rank run
+
+
+def _cfg(**kw):
+    from commpipe.parallel.dims import ParallelDims
+    from commpipe.train.config import OptimConfig, TrainConfig
+
+    dims = ParallelDims(**{k: kw.pop(k) for k in ("tp", "cp", "pp", "dp") if k in kw})
+    return TrainConfig(dims=dims, optim=OptimConfig(warmup_steps=1), **(TINY | kw))
+
+
+def _equal_states(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _worker(rank: int, world: int, port: int, outdir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    from commpipe.adapt.switch import gather_state, switch
+    from commpipe.parallel.comm import Comm
+    from commpipe.train.loop import Trainer, train
+
+    res: dict = {}
+    try:
+        ref_cfg = _cfg(pp=4, steps=9).resolve(world)
+        ref = Trainer.build(ref_cfg, Comm(ref_cfg.dims, rank))
+        res["ref"] = [ref.train_step()["loss"] for _ in range(9)]
+
+        cfg = _cfg(pp=4, steps=9).resolve(world)
+        tr = Trainer.build(cfg, Comm(cfg.dims, rank))
+        losses = [tr.train_step()["loss"] for _ in range(3)]
+        kept = []
+        for plan in (Plan(2, 1, 2, 1, (2, 2), "1f1b", 8, 1),      # new layout: reshard
+                     Plan(2, 1, 2, 1, (3, 1), "1f1b", 8, 1)):     # same layout: re-split
+            before = gather_state(tr)
+            tr, seconds = switch(tr, plan)
+            after = gather_state(tr)
+            kept.append((_equal_states(before, after), len(before), seconds,
+                         str(tr.cfg.dims), tr.cfg.stage_layers, tr.step))
+            losses += [tr.train_step()["loss"] for _ in range(3)]
+        res["switched"], res["kept"] = losses, kept
+
+        # the drill: rank 2 (pp stage 1, dp 0) computes 6x slower from step 6 on. Re-splits
+        # only: the 4 ranks share 2 cores, which layout candidates (one device per rank) ignore
+        out = Path(outdir) / "slow"
+        scfg = _cfg(pp=2, dp=2, steps=STEPS, seq_len=64, out=str(out),
+                    slow_rank=SlowRank(2, 6.0, 6),
+                    adapt=AdaptConfig(min_steps=4, baseline_steps=3, layouts=False))
+        scfg.resolve(world)
+        train(scfg, Comm(scfg.dims, rank), log=None)
+    finally:
+        torch.save(res, Path(outdir) / f"rank{rank}.pt")
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_worker, args=(4, free_port(), tmp), nprocs=4, start_method="spawn")
+        per_rank = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(4)]
+        decisions = [json.loads(x) for x in (Path(tmp) / "slow" / "adapt.jsonl").read_text()
+                     .splitlines()]
+        metrics = [json.loads(x) for x in (Path(tmp) / "slow" / "metrics.jsonl").read_text()
+                   .splitlines()]
+    return per_rank, decisions, metrics
+
+
+def test_in_memory_switches_keep_the_state_bit_for_bit_and_the_losses(four_ranks):
+    per_rank, _, _ = four_ranks
+    for r in per_rank:
+        (ok1, n1, _, dims1, split1, step1), (ok2, n2, _, dims2, split2, step2) = r["kept"]
+        assert ok1 and ok2, "parameters or optimizer states changed across a switch"
+        # parameters and their exp_avg, exp_avg_sq and step: 4 tensors each
+        assert n1 == n2 and n1 % 4 == 0 and n1 > 0
+        assert (dims1, split1, step1) == ("tp2-cp1-pp2-dp1", [2, 2], 3)
+        assert (dims2, split2, step2) == ("tp2-cp1-pp2-dp1", [3, 1], 6)
+    ref, switched = per_rank[0]["ref"], per_rank[0]["switched"]
+    assert len(switched) == 9
+    for step, (a, b) in enumerate(zip(ref, switched)):
+        assert abs(a - b) <= 1e-5, f"step {step}: {a} (never switched) vs {b}"
+    assert ref[3:] != ref[:6]      # the losses do move: the comparison is not vacuous
+
+
+def test_slow_rank_drill_moves_layers_off_the_slow_stage(four_ranks):
+    _, decisions, metrics = four_ranks
+    switches = [d for d in decisions if d["action"] == "switch"]
+    assert switches, f"no switch; decisions: {[d['reason'] for d in decisions]}"
+    first = switches[0]
+    assert any(d["kind"] == "compute" and d["key"] == "rank 2" and d["shift"] > 1.0
+               for d in first["detections"])
+    assert first["step"] >= 6 and first["kind"] == "resplit"
+    # rank 2 holds pipeline stage 1: it must hold fewer layers afterwards
+    assert first["from"]["stage_layers"] == [2, 2]
+    assert first["to"]["stage_layers"][1] < 2
+    assert first["switch_time_s"] > 0 and first["switch_cost_s"] > 0
+    assert first["predicted_saving_s"] >= 2.0 * first["switch_cost_s"]
+    layouts = [m["layout"] for m in metrics]
+    assert layouts[0].endswith("m4x1") and "layers 3,1" in layouts[-1]
+    assert [m["step"] for m in metrics] == list(range(STEPS))   # each step once, in order
