@@ -207,3 +207,25 @@ def test_slow_rank_drill_moves_layers_off_the_slow_stage(four_ranks):
     layouts = [m["layout"] for m in metrics]
     assert layouts[0].endswith("m4x1") and "layers 3,1" in layouts[-1]
     assert [m["step"] for m in metrics] == list(range(STEPS))   # each step once, in order
+
+
+# -- report ----------------------------------------------------------------------------------------
+
+
+def test_report_draws_step_time_with_degrade_and_switch(tmp_path):
+    from commpipe.report.adaptive import degrade_steps, step_time_figure
+
+    run = tmp_path / "adaptive"
+    run.mkdir()
+    rows = [{"step": s, "step_time_s": 0.1 if s < 5 or s > 9 else 0.3,
+             "layout": "tp1-cp1-pp2-dp1 1f1b m4x1" + (" layers 3,1" if s > 9 else "")}
+            for s in range(15)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert step_time_figure(run, tmp_path / "none.png") is None      # not an adaptive run
+    (run / "adapt.jsonl").write_text(json.dumps({"step": 9, "action": "switch",
+                                                 "switch_time_s": 0.2}) + "\n")
+    (tmp_path / "scenario.json").write_text(json.dumps({"degrade_step": 5, "link": "node 1",
+                                                        "blip_steps": [2]}))
+    assert degrade_steps(run) == [(5, "degrade node 1"), (2, "blip")]
+    path, caption = step_time_figure(run, tmp_path / "fig.png")
+    assert path.stat().st_size > 10_000 and "switches (1)" in caption

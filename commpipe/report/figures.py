@@ -285,6 +285,8 @@ def timeline(sweep_dir: Path, row, out: Path):
 
 
 def make_figures(sweep_dir, rows: list[dict], out_dir=None) -> list[tuple[Path, str]]:
+    from commpipe.report.adaptive import adaptive_figure
+
     sweep_dir = Path(sweep_dir)
     out = Path(out_dir or sweep_dir / "figures")
     out.mkdir(parents=True, exist_ok=True)
@@ -294,5 +296,6 @@ def make_figures(sweep_dir, rows: list[dict], out_dir=None) -> list[tuple[Path, 
         if r["status"] == "ok":
             made.append(links_over_steps(sweep_dir, r, out))
             made.append(timeline(sweep_dir, r, out))
+            made.append(adaptive_figure(sweep_dir, r, out))
     return [m for m in made if m is not None]
 

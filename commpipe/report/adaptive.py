@@ -1,0 +1,92 @@
+"""Figures of adaptive runs (`commpipe train --adapt`): step time over steps with the degrade,
+the detections and the switches marked, and the layout in use shaded.
+
+A run folder is adaptive when it holds adapt.jsonl. The degrade step is read from the run's
+--slow-rank drill (config.json) or from a scenario.json beside or above the run folder
+(`commpipe demo --adaptive`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from commpipe.report.tables import read_jsonl  # noqa: E402
+
+SHADES = ("#f2f2f2", "#dfeaf5", "#fbe9d7", "#e3f1e0", "#efe3f3")
+
+
+def degrade_steps(run: Path) -> list[tuple[int, str]]:
+    """(step, label) of the injected faults this run knows about."""
+    marks = []
+    cfg_path = run / "config.json"
+    if cfg_path.exists():
+        slow = json.loads(cfg_path.read_text()).get("slow_rank")
+        if isinstance(slow, dict):
+            marks.append((slow["step"], f"rank {slow['rank']} x{slow['factor']:g} slower"))
+    for path in (run / "scenario.json", run.parent / "scenario.json"):
+        if path.exists():
+            sc = json.loads(path.read_text())
+            if sc.get("degrade_step") is not None:
+                marks.append((sc["degrade_step"], f"degrade {sc.get('link', '')}".strip()))
+            for s in sc.get("blip_steps") or []:
+                marks.append((s, "blip"))
+            break
+    return marks
+
+
+def step_time_figure(run, out_png, title: str | None = None):
+    """Step time over steps of one adaptive run; returns (path, caption) or None."""
+    run = Path(run)
+    metrics = read_jsonl(run / "metrics.jsonl")
+    decisions = read_jsonl(run / "adapt.jsonl")
+    if not metrics or not (run / "adapt.jsonl").exists():
+        return None
+    steps = [m["step"] for m in metrics]
+    ms = [m["step_time_s"] * 1e3 for m in metrics]
+    fig, ax = plt.subplots(figsize=(9, 4.2))
+    # the layout in use: shaded spans, labelled once
+    spans, start = [], 0
+    for i in range(1, len(metrics) + 1):
+        if i == len(metrics) or metrics[i].get("layout") != metrics[start].get("layout"):
+            spans.append((steps[start], steps[i - 1], metrics[start].get("layout") or "?"))
+            start = i
+    for j, (a, b, label) in enumerate(spans):
+        ax.axvspan(a - 0.5, b + 0.5, color=SHADES[j % len(SHADES)], zorder=0, label=label)
+    ax.plot(steps, ms, color="#1f77b4", lw=1.2, zorder=2)
+    for step, label in degrade_steps(run):
+        ax.axvline(step, color="#d62728", ls="--", lw=1, zorder=3)
+        ax.text(step, 0.98, " " + label, transform=ax.get_xaxis_transform(), color="#d62728",
+                fontsize=8, va="top")
+    for d in decisions:
+        color = "#2ca02c" if d.get("action") == "switch" else "#7f7f7f"
+        ax.axvline(d["step"], color=color, lw=1.5 if d.get("action") == "switch" else 0.8,
+                   ls="-" if d.get("action") == "switch" else ":", zorder=3)
+        if d.get("action") == "switch":
+            ax.text(d["step"], 0.02, f" switch ({d.get('switch_time_s', 0):.2f} s)",
+                    transform=ax.get_xaxis_transform(), color=color, fontsize=8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("step time (ms)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(title or f"{run.name}: step time, detections (dotted: stay, green: switch)")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, fontsize=7, frameon=False,
+              title="layout in use", title_fontsize=7)
+    fig.tight_layout()
+    out_png = Path(out_png)
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    n_switch = sum(d.get("action") == "switch" for d in decisions)
+    return out_png, (f"{run.name}: step time over steps; red dashed: injected degrade, dotted: "
+                     f"evaluations that stayed, green: switches ({n_switch}); shading: layout in use.")
+
+
+def adaptive_figure(sweep_dir, row: dict, out: Path):
+    """make_figures hook: the figure of one run of a report folder, if it is adaptive."""
+    run = Path(sweep_dir) / row["name"]
+    return step_time_figure(run, Path(out) / f"adapt_{row['name']}.png")
