@@ -43,6 +43,10 @@ from commpipe.plan.timing import Efficiency
 
 EFF_PARAMS = ("e_max", "ai_half_ridge", "elementwise", "overhead_s")
 LINK_PARAMS = ("intra_gbps", "inter_gbps")
+# the order parameters are given up in when the runs cannot support them all: the compute
+# ceiling first, then fixed costs, memory-bound work, the curve's knee, then the links
+PRIORITY = ("e_max", "overhead_s", "elementwise", "ai_half_ridge", "intra_gbps", "inter_gbps")
+MIN_POINTS_PER_PARAM = 3
 PRIOR_WEIGHT = 0.01
 PROFILE_SCHEMA = "commpipe-profile/1"
 
@@ -260,6 +264,9 @@ def fit(points: list[Point], eff: Efficiency, cluster: Cluster, fit_links: bool 
     if zero:
         raise ValueError(f"{zero} start at 0; the fit works in log space: give a positive start value")
     names = list(params) + (link_params_seen(points, cluster) if fit_links else [])
+    if len(names) > len(points):
+        raise ValueError(f"{len(points)} measured runs cannot determine {len(names)} parameters "
+                         f"({', '.join(names)}); give more runs or fit fewer parameters")
     theta0 = np.log([base[k] for k in names])
     meas = np.array([p.measured_s for p in points])
 
@@ -298,14 +305,72 @@ def fit(points: list[Point], eff: Efficiency, cluster: Cluster, fit_links: bool 
     return FitResult(e, c, {k: float(v) for k, v in values.items()}, before, after, len(points), names)
 
 
+def supported_params(points: list[Point], cluster: Cluster, fit_links: bool,
+                     params: tuple[str, ...] = EFF_PARAMS) -> tuple[tuple[str, ...], bool]:
+    """The parameters `len(points)` runs support, at least MIN_POINTS_PER_PARAM runs each, taken
+    in PRIORITY order: (efficiency parameters, whether the links may still be fitted)."""
+    wanted = list(params) + (link_params_seen(points, cluster) if fit_links else [])
+    wanted.sort(key=lambda k: PRIORITY.index(k) if k in PRIORITY else len(PRIORITY))
+    keep = wanted[: len(points) // MIN_POINTS_PER_PARAM]
+    links = [k for k in keep if k in LINK_PARAMS]
+    return tuple(k for k in keep if k not in LINK_PARAMS), bool(links) and len(links) == len(
+        [k for k in wanted if k in LINK_PARAMS])
+
+
+@dataclass
+class CrossValidation:
+    method: str                 # "leave-one-model-out" or "k-fold"
+    folds: list[dict]           # per fold: held-out label, runs, MAPE
+    mape: float                 # over every held-out prediction
+
+
+def folds_of(points: list[Point], k: int = 5) -> tuple[str, list[list[int]]]:
+    """Leave-one-model-out when the runs span 3 or more models, else k-fold (index mod k)."""
+    models = sorted({p.spec.name for p in points})
+    if len(models) >= 3:
+        return "leave-one-model-out", [[i for i, p in enumerate(points) if p.spec.name == m]
+                                       for m in models]
+    k = max(2, min(k, len(points)))
+    return f"{k}-fold", [[i for i in range(len(points)) if i % k == j] for j in range(k)]
+
+
+def cross_validate(points: list[Point], eff: Efficiency, cluster: Cluster, fit_links: bool = True,
+                   params: tuple[str, ...] = EFF_PARAMS, k: int = 5) -> CrossValidation:
+    """Fit on all but one fold, predict the fold, for every fold; the parameters each fit may use
+    follow `supported_params` of its training runs."""
+    if len(points) < 2 * MIN_POINTS_PER_PARAM:
+        raise ValueError(f"cross-validation needs at least {2 * MIN_POINTS_PER_PARAM} runs, "
+                         f"got {len(points)}")
+    method, folds = folds_of(points, k)
+    held, rows = [], []
+    for idx in folds:
+        train = [p for i, p in enumerate(points) if i not in set(idx)]
+        test = [points[i] for i in idx]
+        use, links = supported_params(train, cluster, fit_links, params)
+        if use or links:
+            res = fit(train, eff, cluster, fit_links=links, params=use)
+            e, c = res.eff, res.cluster
+        else:
+            e, c = eff, cluster
+        pred = predict(test, e, c)
+        meas = np.array([p.measured_s for p in test])
+        held += list(np.abs(pred - meas) / meas)
+        label = test[0].spec.name if method.startswith("leave") else f"fold {len(rows) + 1}"
+        rows.append({"held_out": label, "runs": len(test), "mape": mape(pred, meas),
+                     "fitted": list(use) + (["links"] if links else [])})
+    return CrossValidation(method, rows, float(np.mean(held)))
+
+
 # -- profiles ------------------------------------------------------------------------------------
-def save_profile(path: str | Path, result: FitResult, sources: list[str]) -> None:
+def save_profile(path: str | Path, result: FitResult, sources: list[str],
+                 cv: CrossValidation | None = None) -> None:
     data = {"schema": PROFILE_SCHEMA, "gpu": result.cluster.gpu.name,
             "efficiency": result.eff.to_dict(),
             "links": {"intra_node": result.cluster.intra.to_dict(),
                       "inter_node": result.cluster.inter.to_dict()},
             "fit": {"points": result.points, "parameters": result.fitted,
                     "mape_before": result.mape_before, "mape_after": result.mape_after,
+                    "cv_method": cv.method if cv else None, "cv_mape": cv.mape if cv else None,
                     "sources": sources}}
     Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
@@ -321,40 +386,3 @@ def load_profile(path: str | Path) -> tuple[Efficiency, dict | None]:
         if not math.isfinite(v) or v < 0:
             raise ValueError(f"{path}: efficiency.{k}={v} must be a non-negative number")
     return Efficiency(**vals), data.get("links")
-
-
-def run_calibration(args) -> int:
-    from commpipe.plan.cli import cluster_from_args
-    from commpipe.plan.gpus import resolve_gpu
-
-    n = args.gpus or args.gpus_per_node
-    cluster, eff = cluster_from_args(args, num_gpus=n)
-    cluster = replace(cluster, gpu=resolve_gpu(args.gpu))
-    points, cluster, sources = load_sources(args.calibrate, job_defaults(args), cluster)
-    fixed_links = args.cluster is not None or any(
-        getattr(args, k) is not None for k in ("intra_node_gbps", "inter_node_gbps"))
-    fixed_links = fixed_links or any(s.endswith(".json") for s in sources)
-    if points:
-        result = fit(points, eff, cluster, fit_links=not fixed_links)
-    else:
-        result = FitResult(eff, cluster, {}, float("nan"), float("nan"), 0, [])
-    report = {"points": result.points, "fitted": result.fitted, "params": result.params,
-              "mape_before": result.mape_before, "mape_after": result.mape_after,
-              "links": {"intra_node": result.cluster.intra.to_dict(),
-                        "inter_node": result.cluster.inter.to_dict()}, "sources": sources}
-    if args.profile:
-        save_profile(args.profile, result, sources)
-    if args.json:
-        print(json.dumps(report, indent=2))
-        return 0
-    print(f"calibrated on {result.points} measured runs from {len(sources)} source(s)")
-    if result.points:
-        print(f"fit error (MAPE): {result.mape_before:.1%} with defaults -> {result.mape_after:.1%} fitted")
-        for k, v in result.params.items():
-            print(f"  {k:>14} = {v:.4g}")
-    print(f"links: intra {result.cluster.intra.bandwidth_gbps:.1f} GB/s "
-          f"{result.cluster.intra.latency_s * 1e3:.4f} ms, inter {result.cluster.inter.bandwidth_gbps:.1f} "
-          f"GB/s {result.cluster.inter.latency_s * 1e3:.4f} ms")
-    if args.profile:
-        print(f"wrote {args.profile}; use it with `commpipe plan ... --profile {args.profile}`")
-    return 0

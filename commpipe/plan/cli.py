@@ -42,6 +42,8 @@ def add_common_arguments(p, require_layout: bool = False) -> None:
                    help="accumulate and all-reduce gradients in fp32 (Megatron-LM's default)")
     g.add_argument("--no-dp-overlap", action="store_true",
                    help="DP gradient reduction after the backward instead of overlapped with it")
+    g.add_argument("--tp-overlap", action="store_true",
+                   help="TP collectives pipelined with their GEMMs (TE userbuffers, --tp-comm-overlap)")
     g.add_argument("--no-sequence-parallel", action="store_true",
                    help="TP without sequence parallelism (all-reduce, norms replicated)")
     g.add_argument("--flash-attention", default="auto", choices=("auto", "on", "off"),
@@ -100,7 +102,7 @@ def job_from_args(args) -> Job:
     flash = {"auto": None, "on": True, "off": False}[args.flash_attention]
     return Job(args.global_batch, args.seq_len, precision=args.precision,
                dp_overlap=not args.no_dp_overlap, sequence_parallel=not args.no_sequence_parallel,
-               flash_attention=flash, grad_fp32=args.grad_fp32,
+               flash_attention=flash, grad_fp32=args.grad_fp32, tp_overlap=args.tp_overlap,
                fp8_params=not getattr(args, "bf16_weights_with_fp8", False))
 
 
@@ -148,7 +150,7 @@ def fixed_from_args(args) -> dict:
 
 def run(args) -> int:
     if args.calibrate:
-        from commpipe.plan.calibrate import run_calibration
+        from commpipe.plan.cli_calibrate import run_calibration
         return run_calibration(args)
     if not args.model:
         raise ValueError("--model is required (a named shape or arch=...,layers=... fields)")

@@ -52,6 +52,8 @@ class Job:
     fp8_params: bool = True     # fp8: weights kept as FP8 (+ transpose) instead of bf16 (Megatron
     #                             --fp8-param-gather, NeMo's FP8 recipes); False: bf16 weights plus
     #                             TE's cached FP8 copy and transpose
+    tp_overlap: bool = False    # TP collectives pipelined with their GEMMs (TE userbuffers,
+    #                             Megatron --tp-comm-overlap, NeMo's performance recipes)
     fused_swiglu: bool = True   # SwiGLU keeps only its input (Megatron/TE recompute SiLU); False:
     #                             plain PyTorch also keeps SiLU's output (commpipe's runtime)
 
@@ -204,8 +206,9 @@ def enumerate_layouts(spec: ModelSpec, job: Job, num_gpus: int, fixed: dict | No
                 for mbs in _pick(divisors(job.global_batch // dp), fixed.get("micro_batch_size")):
                     m = job.global_batch // (dp * mbs)
                     for sched in _pick(list(schedules), fixed.get("schedule")):
+                        top_vpp = max(max_vpp, fixed.get("vpp", 0))     # a fixed vpp may exceed it
                         vpps = [1] if sched in ("gpipe", "1f1b", "zbh1") else \
-                            [2] if sched == "zbv" else [v for v in range(2, max_vpp + 1)
+                            [2] if sched == "zbv" else [v for v in range(2, top_vpp + 1)
                                                         if pp * v <= spec.layers]
                         for vpp in _pick(vpps, fixed.get("vpp")):
                             if schedule_problem(sched, pp, vpp, m):

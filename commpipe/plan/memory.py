@@ -145,7 +145,9 @@ def layer_activation_bytes(spec: ModelSpec, layout: Layout, job: Job, recompute:
     if rc == "full":
         return 2 * tokens * h / (t if sp else 1)
     if spec.arch == "gpt":
-        per_h = 34.0
+        # under fp8 TE keeps FP8 copies of the GEMM inputs: QKV and fc1 inputs 2 -> 1, fc2's
+        # input 8 -> 4, plus an FP8 copy of the attention output (1): 34 -> 29
+        per_h = 29.0 if job.precision == "fp8" else 34.0
         # Korthikanti Table 2: without SP, norms, dropouts and the first GEMM's input (10 sbh)
         # are replicated; everything else is split
         base = tokens * h * (per_h / t if sp else 10 + 24 / t)

@@ -1,0 +1,180 @@
+"""The planner against public large-scale runs it was never fitted on (docs/planner.md).
+
+    python benchmarks/plan_public.py [--no-free] [--profile prof.json] [--csv out.csv]
+
+Reads benchmarks/data/public_runs.csv: one published measurement per row (source, the exact
+table and row it comes from, model, GPUs, precision, batch, layout, measured tokens/s per GPU or
+model TFLOP/s per GPU). For every row:
+  1. fixed: the dimensions the source states are fixed (tp, cp, pp, dp, vpp, micro-batch size,
+     ZeRO/FSDP, recompute); what it does not state is searched. Error = predicted / measured
+     tokens per second per GPU - 1.
+  2. free (skip with --no-free): only the GPU count and the job are given; is the published
+     (tp, cp, pp) among the three best distinct (tp, cp, pp) the planner ranks?
+Efficiency: the defaults (datasheet-based, untuned) and, when ../shared/data has the vTrain
+measurements, the constants fitted on all of them (`calibrate.fit`). Nothing here is fitted to
+these rows. Settings every source's framework uses: sequence parallelism with TP, overlap of the
+DP reduction, flash attention; per row (columns): gradient reduction in fp32 (torchtitan's FSDP2
+default, Llama 3 paper Sec. 3.3.2; NeMo's FP8 performance scripts turn it off), TP communication
+overlap (NeMo's performance scripts), all-gather context parallelism (Llama 3 paper).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from commpipe.models.spec import flops_per_token, resolve_model
+from commpipe.plan.cluster import default_cluster
+from commpipe.plan.gpus import resolve_gpu
+from commpipe.plan.layout import Job
+from commpipe.plan.search import search
+from commpipe.plan.timing import Efficiency
+
+ROOT = Path(__file__).resolve().parents[1]
+RUNS = ROOT / "benchmarks" / "data" / "public_runs.csv"
+VTRAIN = ROOT.parent / "shared" / "data" / "vtrain_ground_truth_multi.csv"
+
+# Shapes the sources name (GPT-3 paper Table 2.1; Llama 2 paper Table 1 + HF configs); GPT
+# vocabulary padded to 51200 as Megatron-LM pads GPT-2's 50257.
+MODELS = {
+    "gpt3-5b": "arch=gpt,layers=24,hidden=4096,heads=32,vocab=51200",
+    "gpt3-20b": "arch=gpt,layers=44,hidden=6144,heads=48,vocab=51200",
+    "gpt3-175b": "arch=gpt,layers=96,hidden=12288,heads=96,vocab=51200",
+    "llama2-7b": "arch=llama,layers=32,hidden=4096,heads=32,ffn_hidden=11008,vocab=32000",
+    "llama2-13b": "arch=llama,layers=40,hidden=5120,heads=40,ffn_hidden=13824,vocab=32000",
+    "llama2-70b": "arch=llama,layers=80,hidden=8192,heads=64,kv_heads=8,ffn_hidden=28672,vocab=32000",
+}
+
+
+@dataclass
+class Row:
+    raw: dict
+    spec: object
+    job: Job
+    cluster: object
+    fixed: dict
+    measured: float          # tokens/s per GPU
+
+
+def load_rows(path: Path = RUNS) -> list[Row]:
+    rows = []
+    for r in csv.DictReader(open(path, newline="")):
+        spec = resolve_model(MODELS.get(r["model"], r["model"]))
+        seq, gb, gpus = int(r["seq_len"]), int(r["global_batch"]), int(r["gpus"])
+        job = Job(gb, seq, precision=r["precision"], grad_fp32=r["grad_fp32"] == "1",
+                  tp_overlap=r["tp_overlap"] == "1", cp_comm=r["cp_comm"] or "ring")
+        cluster = default_cluster(resolve_gpu(r["gpu"]), gpus, int(r["gpus_per_node"]))
+        fixed = {k: int(r[k]) for k in ("tp", "cp", "pp", "vpp", "zero", "dp_shard") if r[k]}
+        if r["micro_batch_size"]:
+            fixed["micro_batch_size"] = int(r["micro_batch_size"])
+        if r["recompute"]:
+            fixed["recompute"] = r["recompute"]
+        fixed["dp"] = gpus // (fixed["tp"] * fixed["cp"] * fixed["pp"])
+        if "vpp" in fixed:
+            fixed["schedule"] = "interleaved" if fixed["vpp"] > 1 else "1f1b"
+        elif fixed["pp"] > 1:
+            fixed["schedule"] = "interleaved"      # Megatron-style interleaving, vpp searched
+        if r["measured_tokens_per_s_per_gpu"]:
+            measured = float(r["measured_tokens_per_s_per_gpu"])
+        else:
+            measured = float(r["measured_tflops_per_gpu"]) * 1e12 / flops_per_token(spec, seq)
+        rows.append(Row(r, spec, job, cluster, fixed, measured))
+    return rows
+
+
+def tokens_per_s(e, row: Row) -> float:
+    return row.job.global_batch * row.job.seq_len / e.step_time_s / row.cluster.num_gpus
+
+
+def predict_fixed(row: Row, eff: Efficiency) -> tuple[float | None, str]:
+    res = search(row.spec, row.job, row.cluster, eff, row.fixed, top=1, explain=False)
+    if not res.top:
+        return None, (res.explanation or {}).get("reason", "nothing fits")
+    return tokens_per_s(res.top[0], row), res.top[0].layout.short()
+
+
+def free_rank(row: Row, eff: Efficiency) -> tuple[int | None, list]:
+    """Rank (1-based) of the published (tp, cp, pp) among distinct triples, best first."""
+    fixed = {k: row.fixed[k] for k in ("zero", "dp_shard") if k in row.fixed}
+    res = search(row.spec, row.job, row.cluster, eff, fixed, top=40, explain=False)
+    triples = []
+    for e in res.top:
+        t = (e.layout.tp, e.layout.cp, e.layout.pp)
+        if t not in triples:
+            triples.append(t)
+    want = (row.fixed["tp"], row.fixed["cp"], row.fixed["pp"])
+    return (triples.index(want) + 1 if want in triples else None), triples[:3]
+
+
+def efficiencies() -> dict[str, Efficiency]:
+    effs = {"defaults": Efficiency()}
+    if VTRAIN.exists():
+        from plan_accuracy import VTRAIN_SETTINGS
+
+        from commpipe.plan.calibrate import fit, points_from_csv
+
+        pts = points_from_csv(VTRAIN, VTRAIN_SETTINGS)
+        res = fit(pts, Efficiency(), default_cluster(resolve_gpu("a100-80gb"), 512, 8), fit_links=False)
+        effs["vTrain-fitted"] = res.eff
+    return effs
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--no-free", action="store_true", help="skip the free-layout ranking")
+    ap.add_argument("--csv", help="write per-row predictions here")
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    rows = load_rows()
+    effs = efficiencies()
+    out = []
+    for name, eff in effs.items():
+        print(f"== efficiency: {name} " + ", ".join(f"{k}={v:.3g}" for k, v in eff.to_dict().items()
+                                                     if v) + " ==")
+        print(f"{'source':22} {'model':12} {'gpus':>6} {'prec':4} {'measured':>9} {'predicted':>9} "
+              f"{'error':>7}  {'top3':>5}  chosen for the unstated dimensions")
+        errs: dict[str, list[float]] = {}
+        hits: dict[str, list[bool]] = {}
+        for row in rows:
+            pred, what = predict_fixed(row, eff)
+            src = row.raw["source"]
+            err = None if pred is None else pred / row.measured - 1
+            if err is not None:
+                errs.setdefault(src, []).append(err)
+            rank = None
+            if not args.no_free and name == "defaults":
+                rank, _ = free_rank(row, eff)
+                hits.setdefault(src, []).append(rank is not None and rank <= 3)
+            top3 = "-" if args.no_free or name != "defaults" else (f"#{rank}" if rank else ">3")
+            shown = "n/a" if pred is None else f"{pred:9.0f}"
+            es = "infeas." if err is None else f"{err:+7.1%}"
+            print(f"{src:22} {row.raw['model']:12} {row.cluster.num_gpus:>6} {row.job.precision:4} "
+                  f"{row.measured:9.0f} {shown:>9} {es:>7}  {top3:>5}  {what}")
+            out.append({"efficiency": name, "source": src, "model": row.raw["model"],
+                        "gpus": row.cluster.num_gpus, "measured": row.measured, "predicted": pred,
+                        "error": err, "free_rank": rank})
+        print(f"\n{'source':22} {'rows':>4} {'MAPE':>6} {'bias':>7} {'top-3 hits':>10}")
+        every = []
+        for src, es in errs.items():
+            every += es
+            h = hits.get(src)
+            hs = f"{sum(h)}/{len(h)}" if h else "-"
+            print(f"{src:22} {len(es):>4} {np.mean(np.abs(es)):6.1%} {np.mean(es):+7.1%} {hs:>10}")
+        allh = [x for h in hits.values() for x in h]
+        print(f"{'all':22} {len(every):>4} {np.mean(np.abs(every)):6.1%} {np.mean(every):+7.1%} "
+              f"{(str(sum(allh)) + '/' + str(len(allh))) if allh else '-':>10}\n")
+    if args.csv:
+        with open(args.csv, "w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=list(out[0]))
+            w.writeheader()
+            w.writerows(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

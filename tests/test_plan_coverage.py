@@ -1,0 +1,241 @@
+"""Planner coverage: FP8, ZeRO-2/3 and HSDP, published layouts that must fit, explanations of
+infeasible requests, cross-validated calibration. Expectations worked by hand in the comments.
+
+    python -m pytest -q tests/test_plan_coverage.py
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from commpipe.cli import main
+from commpipe.models.spec import resolve_model
+from commpipe.plan.calibrate import Point, cross_validate, fit, predict, supported_params
+from commpipe.plan.cluster import default_cluster
+from commpipe.plan.estimate import estimate
+from commpipe.plan.gpus import resolve_gpu
+from commpipe.plan.layout import Job, Layout
+from commpipe.plan.memory import GIB, stage_memory
+from commpipe.plan.pipeline import peak_inflight
+from commpipe.plan.timing import Efficiency, layer_compute, stage_costs
+
+H100 = resolve_gpu("h100")
+# L=4, h=1024, 16 heads, 4 KV heads (kv_dim 256), f=4096, V=32000: 126,362,624 parameters
+# (tests/test_plan.py::test_memory_one_gpu_by_hand), 15,206,400 per layer, of which 15,204,352 in
+# the four linear maps (the rest: two 1024-wide norms)
+SPEC = resolve_model("arch=llama,layers=4,hidden=1024,heads=16,kv_heads=4,ffn_hidden=4096,vocab=32000")
+
+
+def _mem(layout: Layout, job: Job):
+    m = layout.microbatches(job)
+    return stage_memory(SPEC, layout, job, list(peak_inflight(layout.schedule, layout.pp, layout.vpp, m)))
+
+
+# -- FP8 -------------------------------------------------------------------------------------------
+def test_fp8_memory_of_one_gpu_by_hand():
+    # states: bf16 weights 2 (FP8 parameters: FP8 + transpose, 2 bytes, replace them) + grads 2 +
+    #   fp32 master, m, v 12 = 16 B x 126,362,624 = 2,021,801,984
+    # activations/layer under FP8 (T*h = 2048*1024 = 2,097,152):
+    #   split 4 (Q, O) + 4*256/1024 (K, V) + 4f/h + f/h (gate, up; the product as FP8) + 1 (FP8 O)
+    #   = 4 + 1 + 16 + 4 + 1 = 26; repl: norm inputs 2+2, QKV and fc1 inputs as FP8 1+1 = 6
+    #   -> 32 * 2,097,152 = 67,108,864 + log-sum-exp 131,072 = 67,239,936; x4 = 268,959,744
+    #   + final-norm input 4,194,304 = 273,154,048
+    # logits (6 bytes per logit) 393,216,000; tensors 2,688,172,032
+    # reserve 1,610,612,736 + 268,817,203.2 -> total 4,567,601,971.2
+    job = Job(1, 2048, precision="fp8")
+    mem = _mem(Layout(), job)[0]
+    assert mem.activations_gb * GIB == pytest.approx(273_154_048, rel=1e-12)
+    assert mem.total_gb * GIB == pytest.approx(4_567_601_971.2, rel=1e-12)
+    # bf16 weights kept beside TE's cached FP8 copy and transpose: 2 more bytes per linear
+    # parameter, 4 x 15,204,352 x 2 = 121,634,816
+    cached = _mem(Layout(), replace(job, fp8_params=False))[0]
+    assert (cached.weights_gb - mem.weights_gb) * GIB == pytest.approx(121_634_816, rel=1e-12)
+
+
+def test_fp8_time_of_one_layer_by_hand():
+    # at e_max = 1 and no roofline knee the four linear GEMMs take their FLOPs at the FP8 peak:
+    #   2 * 2048 * 15,204,352 = 62,277,025,792 FLOPs / 1979e12
+    # casts: QKV and fc1 inputs [T, h] x2, output projection input [T, h], fc2 input [T, f]:
+    #   2048 * (2*1024 + 1024 + 4096) = 14,680,064 elements x 4 bytes / (3350e9 * 0.8)
+    eff = Efficiency(e_max=1.0, ai_half_ridge=1e-12, elementwise=0.0, overhead_s=0.0)
+    c = default_cluster(H100, 1, 8)
+    lc = layer_compute(SPEC, Layout(), Job(1, 2048, precision="fp8"), c, eff)
+    assert lc["gemm"] == pytest.approx(62_277_025_792 / 1979e12, rel=1e-6)
+    assert lc["elem"] == pytest.approx(14_680_064 * 4 / (3350e9 * 0.8), rel=1e-9)
+    bf16 = layer_compute(SPEC, Layout(), Job(1, 2048), c, eff)
+    assert bf16["gemm"] == pytest.approx(lc["gemm"] * 1979 / 989, rel=1e-9)   # at the bf16 peak
+    assert bf16["attn"] == lc["attn"]                                   # attention stays bf16
+
+
+def test_fp8_needs_a_gpu_with_fp8_and_the_table_has_the_peaks(capsys):
+    assert (resolve_gpu("h100").fp8_tflops, resolve_gpu("h200").fp8_tflops,
+            resolve_gpu("b200").fp8_tflops) == (1979.0, 1979.0, 4500.0)
+    with pytest.raises(ValueError, match="no FP8"):
+        resolve_gpu("a100-80gb").peak_tflops("fp8")
+    args = ["estimate", "--model", "tiny", "--gpus", "1", "--global-batch", "2", "--seq-len", "64",
+            "--precision", "fp8"]
+    assert main([*args, "--gpu", "a100-80gb"]) == 2 and "no FP8" in capsys.readouterr().err
+    # a variant of a table entry, and a custom entry with its own FP8 peak
+    v = resolve_gpu("h100,mem_gb=96,hbm_gbps=2400")
+    assert (v.mem_gb, v.hbm_gbps, v.fp8_tflops, v.tflops) == (96.0, 2400.0, 1979.0, 989.0)
+    assert resolve_gpu("name=x,tflops=100,mem_gb=10,fp8_tflops=200").peak_tflops("fp8") == 200.0
+    assert main([*args, "--gpu", "name=x,tflops=100,mem_gb=10,fp8_tflops=200", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["feasible"]
+
+
+# -- ZeRO ------------------------------------------------------------------------------------------
+def test_zero3_memory_by_hand():
+    # 8 GPUs, dp 8, FSDP: states 16 B x 126,362,624 / 8 = 252,725,248; the layer computed and the
+    # one prefetched gathered: 2 x 15,206,400 x (bf16 weight 2 + grad 2) = 121,651,200
+    # activations (fused SwiGLU, bf16) 315,097,088; logits 393,216,000; tensors 1,082,689,536
+    # reserve 1,610,612,736 + 108,268,953.6 -> 2,801,571,225.6
+    job = Job(8, 2048)
+    mem = _mem(Layout(dp=8, zero=3), job)[0]
+    assert mem.total_gb * GIB == pytest.approx(2_801_571_225.6, rel=1e-12)
+    z1, z2 = _mem(Layout(dp=8, zero=1), job)[0], _mem(Layout(dp=8, zero=2), job)[0]
+    # ZeRO-1: the 12 optimizer bytes sharded; ZeRO-2: the 2 gradient bytes too
+    assert z1.optimizer_gb * GIB == pytest.approx(126_362_624 * 12 / 8)
+    assert z2.grads_gb * GIB == pytest.approx(126_362_624 * 2 / 8)
+    assert z2.weights_gb == z1.weights_gb == pytest.approx(126_362_624 * 2 / GIB)
+    # HSDP over 4 of the 8 ranks: states / 4
+    hsdp = _mem(Layout(dp=8, zero=3, dp_shard=4), job)[0]
+    assert hsdp.optimizer_gb * GIB == pytest.approx(126_362_624 * 12 / 4)
+
+
+def test_zero3_time_by_hand():
+    # per layer the bf16 parameters (15,206,400 x 2 = 30,412,800 B) are all-gathered over 8 GPUs
+    # of one node, bus bandwidth 0.8 x 450 = 360 GB/s, 3 latency steps of 5 us:
+    #   ag = 7/8 * 30,412,800 / 360e9 + 15e-6; the gradients' reduce-scatter (bf16) the same
+    c = default_cluster(H100, 8, 8)
+    eff = Efficiency()
+    ag = 7 / 8 * 30_412_800 / 360e9 + 15e-6
+    lay, job = Layout(dp=8, zero=3), Job(8, 2048)
+    costs = stage_costs(SPEC, lay, job, c, eff)
+    lc = layer_compute(SPEC, lay, job, c, eff)
+    f1 = lc["gemm"] + lc["attn"] + lc["elem"] + eff.overhead_s      # one layer's forward
+    # its backward: input-gradient and weight-gradient GEMMs, attention and elementwise twice
+    b1 = 2 * lc["gemm"] + 2 * lc["attn"] + 2 * lc["elem"] + eff.overhead_s
+    # prefetch: each layer hides what its neighbour's compute covers; the first gather and the
+    # last reduce-scatter of each micro-batch are exposed
+    assert costs.zero_f[0] == pytest.approx(ag + 4 * max(0.0, ag - f1), rel=1e-9)
+    assert costs.zero_b[0] == pytest.approx(2 * ag + 4 * max(0.0, 2 * ag - b1), rel=1e-6)
+    # no DP all-reduce is left after FSDP's reduce-scatters; HSDP all-reduces the 4-way shards
+    # across 2 replicas: 2 * 1/2 * (126,362,624 / 4 * 2 B) / 360e9 + 2 latency steps
+    assert costs.dp_total[0] == 0.0
+    hsdp = stage_costs(SPEC, replace(lay, dp_shard=4), job, c, eff)
+    assert hsdp.dp_total[0] == pytest.approx(126_362_624 / 4 * 2 / 360e9 + 2 * 5e-6, rel=1e-9)
+    # ZeRO-1 all-reduces the full gradients instead and has no per-layer traffic
+    z1 = stage_costs(SPEC, replace(lay, zero=1), job, c, eff)
+    assert z1.zero_f == [0.0] and z1.dp_total[0] == pytest.approx(
+        2 * 7 / 8 * 126_362_624 * 2 / 360e9 + 6 * 5e-6, rel=1e-9)
+
+
+def test_search_covers_zero_and_respects_dp_shard():
+    c = default_cluster(H100, 8, 8)
+    from commpipe.plan.search import search
+
+    res = search(SPEC, Job(16, 2048), c, top=40, explain=False)
+    zeros = {e.layout.zero for e in res.top}
+    assert {1, 3} <= zeros and all(e.layout.zero != 3 or e.layout.pp == 1 for e in res.top)
+    res = search(SPEC, Job(16, 2048), c, fixed={"zero": 3, "dp_shard": 2, "tp": 1, "cp": 1, "pp": 1}, top=3)
+    assert res.top and all((e.layout.zero, e.layout.dp_shard) == (3, 2) for e in res.top)
+
+
+# -- published layouts must fit ----------------------------------------------------------------------
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_published_layouts_fit(precision):
+    # NVIDIA's GPT-3 175B on 128 H100 (TP4 PP8 VPP12, GBS 256, MBS 1, seq 2048) and Llama 3.1 405B
+    # on 576 H100 (TP8 CP2 PP9 VPP7, GBS 252, MBS 1, seq 8192), distributed optimizer
+    gpt3 = resolve_model("arch=gpt,layers=96,hidden=12288,heads=96,vocab=51200")
+    job = Job(256, 2048, precision=precision)
+    e = estimate(gpt3, Layout(4, 1, 8, 4, 12, 1, "interleaved", "none", zero=1), job,
+                 default_cluster(H100, 128, 8), simulate=False)
+    assert e.feasible, e.reason
+    job = Job(252, 8192, precision=precision)
+    e = estimate(resolve_model("llama3-405b"), Layout(8, 2, 9, 4, 7, 1, "interleaved", "none", zero=1),
+                 job, default_cluster(H100, 576, 8), simulate=False)
+    assert e.feasible, e.reason
+
+
+# -- explanations ------------------------------------------------------------------------------------
+def test_plan_explains_an_infeasible_request(capsys):
+    # llama3-8b with ZeRO fixed off, no TP/PP: 16 B x 8.03e9 = 128 GB of states on every GPU;
+    # letting the search shard them (ZeRO-3 over 8 GPUs) fits
+    args = ["plan", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--global-batch", "8",
+            "--seq-len", "4096", "--tp", "1", "--pp", "1", "--zero", "0"]
+    assert main([*args, "--json"]) == 1
+    why = json.loads(capsys.readouterr().out)
+    assert isinstance(why, dict) and why["feasible"] is False
+    assert why["shortfall_gb"] == pytest.approx(why["closest_memory_gb"] - 80)
+    assert why["shortfall_gb"] > 128e9 * 1.1 / GIB - 80         # states + 10% reserve alone
+    assert any(f.startswith("--zero 3 (you fixed it)") for f in why["fixes"])
+    assert any("let the search choose zero" in f for f in why["fixes"])
+    closest = Layout(**why["closest"])
+    fixed = estimate(resolve_model("llama3-8b"), replace(closest, zero=3), Job(8, 4096),
+                     default_cluster(H100, 8, 8), simulate=False)
+    assert fixed.feasible
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    assert "no layout fits in 80 GB" in out and "what would make it fit" in out
+    # a fixed dimension no layout can take: still one JSON object, non-zero exit
+    assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--seq-len",
+                 "4096", "--tp", "3", "--json"]) == 1
+    why = json.loads(capsys.readouterr().out)
+    assert why["feasible"] is False and "tp=3" in why["reason"]
+
+
+# -- calibration -------------------------------------------------------------------------------------
+def _synthetic(models, truth, c):
+    pts = []
+    for name in models:
+        spec = resolve_model(name)
+        for tp, pp, mbs in [(1, 1, 1), (2, 1, 2), (4, 1, 1), (1, 2, 1), (2, 2, 2), (8, 1, 1)]:
+            pts.append(Point(spec, Layout(tp=tp, pp=pp, dp=8 // (tp * pp), micro_batch_size=mbs),
+                             Job(32, 1024), 0.0, "synthetic"))
+    return [replace(p, measured_s=float(t)) for p, t in zip(pts, predict(pts, truth, c))]
+
+
+def test_cross_validation_and_supported_parameters():
+    c = default_cluster(resolve_gpu("a100-80gb"), 8, 8)
+    truth = Efficiency(e_max=0.6, ai_half_ridge=0.9, elementwise=1.5, overhead_s=50e-6)
+    models = ["arch=gpt,layers=4,hidden=1024,heads=8,vocab=51200",
+              "arch=gpt,layers=6,hidden=2048,heads=16,vocab=51200",
+              "arch=gpt,layers=8,hidden=1536,heads=16,vocab=51200"]
+    pts = _synthetic(models, truth, c)
+    # 18 runs support 6 parameters; 7 runs only 2, the most important first
+    assert supported_params(pts, c, False) == (("e_max", "overhead_s", "elementwise", "ai_half_ridge"), False)
+    assert supported_params(pts[:7], c, False) == (("e_max", "overhead_s"), False)
+    cv = cross_validate(pts, Efficiency(), c, fit_links=False)
+    assert cv.method == "leave-one-model-out" and len(cv.folds) == 3
+    assert cv.mape < 0.02                       # the model generated the data: held out is exact
+    cv1 = cross_validate(pts[:6], Efficiency(), c, fit_links=False)
+    assert cv1.method == "5-fold"
+    # one model measured 30% slower than the others: held out, the fit on the two exact models
+    # predicts it at 1/1.3 of its time, an error of 1 - 1/1.3 = 23.1% on each of its runs, while
+    # the in-sample fit spreads the offset over everything
+    off = [replace(p, measured_s=p.measured_s * (1.3 if p.spec.name == "gpt-L4-H1024" else 1.0))
+           for p in pts]
+    cv = cross_validate(off, Efficiency(), c, fit_links=False)
+    fold = next(f for f in cv.folds if f["held_out"] == "gpt-L4-H1024")
+    assert fold["mape"] == pytest.approx(1 - 1 / 1.3, abs=0.01)
+    assert cv.mape > fit(off, Efficiency(), c, fit_links=False).mape_after
+
+
+def test_calibrate_cli_reports_cross_validation(tmp_path, capsys):
+    c = default_cluster(resolve_gpu("a100-80gb"), 8, 8)
+    pts = _synthetic(["arch=gpt,layers=4,hidden=1024,heads=8,vocab=51200"],
+                     Efficiency(e_max=0.6, overhead_s=50e-6), c)
+    rows = ["layers,hidden,heads,vocab,tp,pp,dp,micro_batch_size,global_batch,seq_len,step_time_s"]
+    rows += [f"4,1024,8,51200,{p.layout.tp},{p.layout.pp},{p.layout.dp},{p.layout.micro_batch_size},"
+             f"32,1024,{p.measured_s}" for p in pts]
+    (tmp_path / "runs.csv").write_text("\n".join(rows) + "\n")
+    assert main(["plan", "--calibrate", str(tmp_path), "--gpu", "a100-80gb", "--gpus-per-node", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "fitting 2 of" in out and "cross-validated error (5-fold" in out
+    assert main(["plan", "--calibrate", str(tmp_path), "--gpu", "a100-80gb", "--gpus-per-node", "8",
+                 "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["cv_method"] == "5-fold" and rep["cv_mape"] >= 0 and len(rep["fitted"]) == 2
