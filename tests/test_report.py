@@ -166,3 +166,51 @@ def test_html_renders_with_visible_figures(sweep, tmp_path):
     blue = ((abs(img[..., 0] - 0.12) < 0.05) & (abs(img[..., 1] - 0.47) < 0.05)
             & (abs(img[..., 2] - 0.71) < 0.05))
     assert blue.sum() > 2000
+
+
+def test_link_classes_matrix_and_terminal_table(tmp_path):
+    from commpipe.report.links import class_summary, link_rows, rank_matrices
+    from commpipe.report.tables import collect, terminal_table
+
+    run = tmp_path / "sw" / "pp"
+    _jsonl(tmp_path / "sw" / "sweep.jsonl", [{"name": "pp", "label": "TP2/CP1/PP2 on two nodes", "tp": 2,
+                                               "cp": 1, "pp": 2, "dp": 1, "status": "ok", "reason": ""}])
+    _jsonl(run / "metrics.jsonl", _metrics([1.0, 0.5, 0.5, 0.5], [0.1, 1, 1, 1], [5, 4, 3.5, 3]))
+    (run / "monitor").mkdir()
+    (run / "monitor" / "nodes.json").write_text(json.dumps({"node_of_rank": [0, 0, 1, 1]}))
+
+    def p2p(step, src, dst, cls, n, ms, bw):
+        return {"step": step, "kind": "p2p", "dim": "pp", "src": src, "dst": dst, "link_class": cls,
+                "matched": n, "transfer_ms": ms, "bandwidth_gbps": bw}
+
+    # 0->1 after warm-up (step 0 is left out): steps at 2, 1 and 1.5 GB/s -> median 1.5 GB/s,
+    # 4 timed calls; 1->2 one call of 10 ms at 0.01 GB/s
+    links = [p2p(0, 0, 1, "intra_node", 1, 1.0, 100.0), p2p(1, 0, 1, "intra_node", 2, 1.0, 2.0),
+             p2p(2, 0, 1, "intra_node", 1, 4.0, 1.0), p2p(3, 0, 1, "intra_node", 1, 2.0, 1.5),
+             p2p(1, 1, 2, "inter_node", 1, 10.0, 0.01),
+             {"step": 1, "kind": "collective", "dim": "tp", "op": "all_reduce", "group": [2, 3],
+              "link_class": "intra_node", "sampled": 1, "transfer_ms": 1.0, "busbw_gbps": 3.0},
+             {"step": 1, "kind": "collective", "dim": "pp", "op": "all_reduce", "group": [0, 1, 2, 3],
+              "link_class": "inter_node", "sampled": 1, "transfer_ms": 1.0, "busbw_gbps": 9.0}]
+    _jsonl(run / "monitor" / "links.jsonl", links)
+    rows = link_rows(run)
+    summary = {(s["dim"], s["link_class"]): s for s in class_summary(rows)}
+    assert set(summary) == {("pp", "intra_node"), ("pp", "inter_node"), ("tp", "intra_node")}
+    assert summary[("pp", "intra_node")]["gbps"] == pytest.approx(1.5)
+    assert summary[("pp", "intra_node")]["transfer_ms"] == pytest.approx(2.0)
+    assert summary[("pp", "intra_node")]["timed"] == 4
+    assert summary[("pp", "inter_node")]["gbps"] == pytest.approx(0.01)
+    mats = rank_matrices(rows, 4)
+    assert mats["pp"][0][1] == pytest.approx(1.5) and mats["pp"][1][2] == pytest.approx(0.01)
+    assert mats["pp"][1][0] is None and mats["tp"][2][3] == mats["tp"][3][2] == 3.0
+    out = write_report(tmp_path / "sw")
+    assert any(Path(p).name == "heatmap_pp.png" for p in out["figures"])
+    html = Path(out["html"]).read_text()
+    assert "Bandwidth by link class" in html and "inter-node" in html
+    table = terminal_table(collect(tmp_path / "sw"), report="runs/x/report.html")
+    lines = table.splitlines()
+    assert all(len(line) <= 100 for line in lines) and lines[-1].endswith("runs/x/report.html")
+    assert lines[0].split() == ["Layout", "m", "Step", "ms", "Bubble", "PP", "intra", "PP", "inter",
+                                "TP", "intra", "TP", "inter", "Loss"]
+    # m, step ms, bubble, PP intra, PP inter, TP intra, TP inter, loss
+    assert lines[2].split()[-8:] == ["–", "500", "–", "1.5", "0.01", "3", "–", "3"]

@@ -14,7 +14,8 @@ import csv
 import json
 from pathlib import Path
 
-from commpipe.report.tables import collect, fmt, markdown_table, read_jsonl, write_csv
+from commpipe.report.links import CLASS_HEADER, class_table
+from commpipe.report.tables import collect, fmt, markdown_table, read_jsonl, terminal_table, write_csv
 
 
 def add_arguments(p) -> None:
@@ -106,20 +107,29 @@ def write_report(sweep_dir, warmup: int = 1, study: str | None = None, title: st
     figures = make_figures(root, rows)
     title = title or f"commpipe sweep: {root.resolve().name}"
     md = [f"# {title}", "", *[n + "\n" for n in notes], table, ""]
+    classes = class_table(root, rows, warmup)
+    sections = []
+    if classes:
+        heading = "Bandwidth by link class"
+        sections.append((heading, CLASS_HEADER, classes))
+        md += [f"## {heading}", "", "| " + " | ".join(CLASS_HEADER) + " |",
+               "|" + "|".join("---" for _ in CLASS_HEADER) + "|"]
+        md += ["| " + " | ".join(c) + " |" for c in classes] + [""]
     if failed:
         md += ["## Failed layouts", ""]
         md += [f"- {r.get('label') or r['name']}: {r['status']}: {r.get('reason')}" for r in failed] + [""]
     md += ["## Figures", ""] + [f"![{cap}](figures/{Path(p).name})" for p, cap in figures]
     md_path = root / "report.md"
     md_path.write_text("\n".join(md) + "\n")
-    html_path = write_html(root / "report.html", title, rows, figures, notes)
+    html_path = write_html(root / "report.html", title, rows, figures, notes, sections)
     (root / "results.json").write_text(json.dumps(rows, indent=1, default=str))
     return {"csv": str(csv_path), "markdown_path": str(md_path), "html": str(html_path),
-            "figures": [str(p) for p, _ in figures], "markdown": table, "rows": rows}
+            "figures": [str(p) for p, _ in figures], "markdown": table, "rows": rows,
+            "terminal": terminal_table(rows, report=str(html_path))}
 
 
 def run(args) -> int:
     out = write_report(args.dir, args.warmup, args.study, args.title)
-    print(out["markdown"])
+    print(out["terminal"])
     print(f"\nwrote {out['csv']}, {out['markdown_path']}, {out['html']} ({len(out['figures'])} figures)")
     return 0

@@ -9,6 +9,7 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
+import matplotlib.colors  # noqa: E402
 import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
@@ -284,6 +285,49 @@ def timeline(sweep_dir: Path, row, out: Path):
             "communication below; gaps are idle time).")
 
 
+def link_heatmap(sweep_dir: Path, row, out: Path):
+    """Per dimension, the rank x rank matrix of measured bandwidth (log colour scale), with the
+    node boundaries drawn, so a slow link or a slow node stands out."""
+    from commpipe.report.links import link_rows, node_of_rank, rank_matrices
+
+    run_dir = sweep_dir / row["name"]
+    links = link_rows(run_dir)
+    nodes = node_of_rank(run_dir)
+    world = len(nodes) if nodes else 1 + max((max(lk.get("src", 0), lk.get("dst", 0), *lk.get("group", []))
+                                              for lk in links), default=0)
+    mats = {d: m for d, m in rank_matrices(links, world).items() if any(v for r in m for v in r)}
+    if not mats:
+        return None
+    values = [v for m in mats.values() for r in m for v in r if v]
+    norm = matplotlib.colors.LogNorm(vmin=min(values), vmax=max(max(values), min(values) * 1.01))
+    fig, axes = plt.subplots(1, len(mats), figsize=(4.2 * len(mats) + 1.2, 4.0), squeeze=False)
+    for ax, (dim, m) in zip(axes[0], mats.items()):
+        grid = [[v if v else float("nan") for v in r] for r in m]
+        img = ax.imshow(grid, cmap="viridis", norm=norm)
+        for i, r in enumerate(m):
+            for j, v in enumerate(r):
+                if v:
+                    ax.text(j, i, f"{v:.2g}", ha="center", va="center", fontsize=7,
+                            color="white" if norm(v) < 0.5 else "black")
+        if nodes:   # lines between nodes
+            for b in (k for k in range(1, world) if nodes[k] != nodes[k - 1]):
+                ax.axhline(b - 0.5, color="#d62728", lw=1)
+                ax.axvline(b - 0.5, color="#d62728", lw=1)
+        ax.set_xticks(range(world))
+        ax.set_yticks(range(world))
+        ax.set_xlabel("to rank" if dim == "pp" else "rank")
+        ax.set_ylabel("from rank" if dim == "pp" else "rank")
+        ax.set_title(f"{dim.upper()} GB/s" + (" (per message)" if dim == "pp" else " (bus bw)"))
+    fig.colorbar(img, ax=axes[0].tolist(), shrink=0.8, label="GB/s")
+    name = row.get("label") or row["name"]
+    path = out / f"heatmap_{row['name']}.png"
+    fig.suptitle(f"{name}: measured bandwidth, rank x rank")
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+    return (path, f"{name}: measured bandwidth between every pair of ranks, per dimension, over the steps "
+            "after warm-up (red lines separate nodes: cells inside a block are intra-node links).")
+
+
 def make_figures(sweep_dir, rows: list[dict], out_dir=None) -> list[tuple[Path, str]]:
     from commpipe.report.adaptive import adaptive_figure
 
@@ -294,6 +338,7 @@ def make_figures(sweep_dir, rows: list[dict], out_dir=None) -> list[tuple[Path, 
             throughput_vs_latency(rows, out), loss_curves(sweep_dir, rows, out)]
     for r in rows:
         if r["status"] == "ok":
+            made.append(link_heatmap(sweep_dir, r, out))
             made.append(links_over_steps(sweep_dir, r, out))
             made.append(timeline(sweep_dir, r, out))
             made.append(adaptive_figure(sweep_dir, r, out))

@@ -34,14 +34,25 @@ def html_table(rows: list[dict]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
 
-def write_html(path, title: str, rows: list[dict], figures: list[tuple[Path, str]], notes: list[str]) -> Path:
+def cells_table(header: list[str], cells: list[list[str]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in cells)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def write_html(path, title: str, rows: list[dict], figures: list[tuple[Path, str]], notes: list[str],
+               sections: list[tuple[str, list[str], list[list[str]]]] = ()) -> Path:
+    """sections: extra (heading, header, cells) tables after the layouts table."""
     parts = [
         "<!doctype html>", "<html><head><meta charset='utf-8'>",
         f"<title>{html.escape(title)}</title><style>{STYLE}</style></head><body>",
         f"<h1>{html.escape(title)}</h1>",
         "<div class='notes'>" + "".join(f"<p>{html.escape(n)}</p>" for n in notes) + "</div>",
-        "<h2>Layouts</h2>", html_table(rows), "<h2>Figures</h2>",
+        "<h2>Layouts</h2>", html_table(rows),
     ]
+    for heading, header, cells in sections:
+        parts += [f"<h2>{html.escape(heading)}</h2>", cells_table(header, cells)]
+    parts.append("<h2>Figures</h2>")
     for fig_path, caption in figures:
         name = Path(fig_path).name
         parts.append(f"<figure id='{html.escape(Path(name).stem)}'><img alt='{html.escape(name)}' "

@@ -14,6 +14,8 @@ Per dimension and step, from the monitor's records (commpipe/monitor/records.py)
               (pipeline bubbles show up here, not in latency);
   raw         the study's "latency": post-to-done time per call, wait included;
   calls       pp: pipeline messages per step (sends summed over ranks); others: per rank.
+  {dim}_intra_gbps, {dim}_inter_gbps: bandwidth of the dimension's intra- and inter-node links
+              (bytes over transfer time of all timed calls, commpipe.report.links).
 PP counts only send/recv (the loss and gradient-norm all-reduces over the pipeline group are
 left out); DP is the gradient reduction, over the dp x cp group ("dp_cp") when CP is on.
 """
@@ -32,7 +34,9 @@ COLUMNS = ["name", "label", "tp", "cp", "pp", "dp", "schedule", "microbatches", 
            "efficiency",
            "pp_bw_gbps", "pp_latency_ms", "pp_wait_ms", "pp_raw_ms", "pp_calls",
            "tp_bw_gbps", "tp_latency_ms", "tp_wait_ms", "cp_bw_gbps", "cp_latency_ms", "cp_wait_ms",
-           "dp_bw_gbps", "dp_latency_ms", "dp_wait_ms", "study_tflops_per_gpu"]
+           "dp_bw_gbps", "dp_latency_ms", "dp_wait_ms",
+           "pp_intra_gbps", "pp_inter_gbps", "tp_intra_gbps", "tp_inter_gbps",
+           "cp_intra_gbps", "cp_inter_gbps", "dp_intra_gbps", "dp_inter_gbps", "study_tflops_per_gpu"]
 
 
 def read_jsonl(path) -> list[dict]:
@@ -113,6 +117,9 @@ def summarize_run(run_dir: Path, warmup: int = 1) -> dict:
             if key in metrics[-1]:
                 row[key] = metrics[-1][key]
     row["bubble"] = _traced_bubble(run_dir)
+    from commpipe.report.links import class_columns
+
+    row.update(class_columns(run_dir, warmup))    # {dim}_{intra,inter}_gbps
     records = monitor_records(run_dir)
     for dim in DIMS:
         stats = dim_step_stats(records, dim)
@@ -223,4 +230,42 @@ def table_cells(r: dict) -> list[str]:
 def markdown_table(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(HEADER) + " |", "|" + "|".join("---" for _ in HEADER) + "|"]
     lines += ["| " + " | ".join(table_cells(r)) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+TERMINAL = [("Layout", None), ("m", "microbatches"), ("Step ms", "step_time_ms"), ("Bubble", "bubble"),
+            ("PP intra", "pp_intra_gbps"), ("PP inter", "pp_inter_gbps"),
+            ("TP intra", "tp_intra_gbps"), ("TP inter", "tp_inter_gbps"), ("Loss", "final_loss")]
+
+
+def terminal_table(rows: list[dict], width: int = 100, report: str = "report.html") -> str:
+    """The few columns a terminal has room for, aligned in plain text within `width` columns:
+    step time, bubble, and bandwidth inside a node apart from across nodes (GB/s: per message
+    for PP, nccl-tests bus bandwidth for TP). Everything else is in the report."""
+    def cell(r, key):
+        if key is None:
+            return r.get("label") or r["name"]
+        if key == "bubble":
+            return "–" if r.get(key) is None else f"{r[key]:.0%}"
+        return fmt(r.get(key), 4 if key == "final_loss" else 3)
+
+    ok = [r for r in rows if r["status"] == "ok"]
+    body = [[cell(r, key) for _, key in TERMINAL] for r in ok]
+    head = [h for h, _ in TERMINAL]
+    widths = [max(len(x) for x in col) for col in zip(head, *body)]
+    room = width - sum(widths[1:]) - 2 * (len(widths) - 1)
+    widths[0] = max(8, min(widths[0], room))
+
+    def line(cells):
+        first = cells[0] if len(cells[0]) <= widths[0] else cells[0][:widths[0] - 1] + "…"
+        rest = [c.rjust(w) for c, w in zip(cells[1:], widths[1:])]
+        return "  ".join([first.ljust(widths[0]), *rest]).rstrip()
+
+    lines = [line(head), line(["-" * w for w in widths])] + [line(b) for b in body]
+    lines.append("GB/s: PP per message, TP bus bandwidth; intra = links inside a node, inter = across nodes.")
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"{r.get('label') or r['name']}: {r['status']}: {r.get('reason') or ''}".strip()
+                         [:width])
+    lines.append(f"Every column, per-link matrices and figures: {report}")
     return "\n".join(lines)

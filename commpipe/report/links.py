@@ -1,0 +1,137 @@
+"""Measured bandwidth per link and per link class (intra_node, inter_node) of one run, and the
+rank x rank bandwidth matrix of each dimension.
+
+Reads OUT/monitor/links.jsonl (rank 0's join of both sides of every link per step) and
+OUT/monitor/nodes.json (node of every rank). As everywhere in the report, a link's bandwidth
+and transfer time are medians over the steps after warm-up in which it had timed calls (a
+class's, over all its links' steps): on a shared host a sender's I/O thread is sometimes not
+scheduled for tens of milliseconds, which the median leaves out. Point-to-point links (PP) give the
+receiver's per-message bandwidth; collective groups (TP, CP, DP) the nccl-tests bus bandwidth
+of the group's slowest member, entered in the matrix for every pair of the group.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from commpipe.report.tables import read_jsonl
+
+CLASSES = ("intra_node", "inter_node")
+
+
+def _median(values):
+    values = list(values)
+    return statistics.median(values) if values else None
+
+LINK_DIMS = {"pp": "pp", "tp": "tp", "cp": "cp", "dp": "dp", "dp_cp": "dp"}
+
+
+def link_rows(run_dir, warmup: int = 1) -> list[dict]:
+    """One dict per link: dim, kind, src/dst or group, link_class, gbps, transfer_ms, timed."""
+    acc: dict = {}
+    records = read_jsonl(Path(run_dir) / "monitor" / "links.jsonl")
+    first = min((r["step"] for r in records), default=0)
+    for r in records:
+        dim = LINK_DIMS.get(r.get("dim"))
+        if dim is None or r["step"] < first + warmup:
+            continue
+        if r["kind"] == "p2p":
+            if dim != "pp":
+                continue
+            key = (dim, "p2p", r["src"], r["dst"])
+            n, bw = r.get("matched") or 0, r.get("bandwidth_gbps")
+        else:
+            if dim == "pp":         # the loss and grad-norm reductions, not a link
+                continue
+            key = (dim, r["op"], tuple(r["group"]))
+            n, bw = r.get("sampled") or 0, r.get("busbw_gbps")
+        a = acc.setdefault(key, {"link_class": r.get("link_class"), "steps": [], "n": 0})
+        if n and bw and r.get("transfer_ms"):
+            a["steps"].append((bw, r["transfer_ms"]))
+            a["n"] += n
+    out = []
+    for key, a in sorted(acc.items(), key=lambda kv: str(kv[0])):
+        row = {"dim": key[0], "kind": "p2p" if key[1] == "p2p" else "collective",
+               "link_class": a["link_class"], "timed": a["n"], "steps": a["steps"],
+               "gbps": _median(bw for bw, _ in a["steps"]),
+               "transfer_ms": _median(ms for _, ms in a["steps"])}
+        if key[1] == "p2p":
+            row.update(src=key[2], dst=key[3])
+        else:
+            row.update(op=key[1], group=list(key[2]))
+        out.append(row)
+    return out
+
+
+def class_summary(links: list[dict]) -> list[dict]:
+    """One row per (dim, link class): medians over every step of every link of the class."""
+    acc: dict = {}
+    for lk in links:
+        if lk["gbps"] is None or lk["link_class"] not in CLASSES:
+            continue
+        a = acc.setdefault((lk["dim"], lk["link_class"]), {"steps": [], "n": 0, "links": 0})
+        a["steps"] += lk["steps"]
+        a["n"] += lk["timed"]
+        a["links"] += 1
+    order = {d: i for i, d in enumerate(("pp", "tp", "cp", "dp"))}
+    return [{"dim": d, "link_class": c, "gbps": _median(bw for bw, _ in a["steps"]),
+             "transfer_ms": _median(ms for _, ms in a["steps"]), "timed": a["n"], "links": a["links"]}
+            for (d, c), a in sorted(acc.items(), key=lambda kv: (order[kv[0][0]], kv[0][1]))]
+
+
+def class_columns(run_dir, warmup: int = 1) -> dict:
+    """{f"{dim}_intra_gbps": .., f"{dim}_inter_gbps": ..} for a results row."""
+    out = {}
+    for s in class_summary(link_rows(run_dir, warmup)):
+        out[f"{s['dim']}_{s['link_class'].split('_')[0]}_gbps"] = s["gbps"]
+    return out
+
+
+def node_of_rank(run_dir) -> list[int] | None:
+    try:
+        return json.loads((Path(run_dir) / "monitor" / "nodes.json").read_text())["node_of_rank"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def rank_matrices(links: list[dict], world: int) -> dict[str, list[list]]:
+    """{dim: world x world matrix}: [src][dst] GB/s of PP links; for a collective dimension the
+    group's bus bandwidth in every [i][j] of two members (the op with the most timed calls)."""
+    out: dict[str, list[list]] = {}
+    best: dict = {}
+    for lk in links:
+        if lk["gbps"] is None:
+            continue
+        m = out.setdefault(lk["dim"], [[None] * world for _ in range(world)])
+        if lk["kind"] == "p2p":
+            if max(lk["src"], lk["dst"]) < world:
+                m[lk["src"]][lk["dst"]] = lk["gbps"]
+            continue
+        group = tuple(lk["group"])
+        if lk["timed"] <= best.get((lk["dim"], group), -1) or max(group) >= world:
+            continue
+        best[(lk["dim"], group)] = lk["timed"]
+        for i in group:
+            for j in group:
+                if i != j:
+                    m[i][j] = lk["gbps"]
+    return out
+
+
+CLASS_HEADER = ["Layout", "Dim", "Link class", "GB/s", "Transfer (ms/call)", "Links", "Timed calls"]
+
+
+def class_table(sweep_dir, rows: list[dict], warmup: int = 1) -> list[list[str]]:
+    """Cells of the per-class summary: one line per layout, dimension and link class."""
+    from commpipe.report.tables import fmt
+
+    out = []
+    for r in rows:
+        if r["status"] != "ok":
+            continue
+        for c in class_summary(link_rows(Path(sweep_dir) / r["name"], warmup)):
+            out.append([r.get("label") or r["name"], c["dim"].upper(), c["link_class"].replace("_", "-"),
+                        fmt(c["gbps"]), fmt(c["transfer_ms"]), str(c["links"]), str(c["timed"])])
+    return out
