@@ -126,27 +126,33 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    from commpipe.adapt.switch import gather_state, switch
+    from commpipe.adapt.switch import gather_state, held_state, switch
     from commpipe.parallel.comm import Comm
     from commpipe.train.loop import Trainer, train
 
     res: dict = {}
     try:
-        ref_cfg = _cfg(pp=4, steps=9).resolve(world)
+        ref_cfg = _cfg(pp=4, steps=12).resolve(world)
         ref = Trainer.build(ref_cfg, Comm(ref_cfg.dims, rank))
-        res["ref"] = [ref.train_step()["loss"] for _ in range(9)]
+        res["ref"] = [ref.train_step()["loss"] for _ in range(12)]
 
-        cfg = _cfg(pp=4, steps=9).resolve(world)
+        cfg = _cfg(pp=4, steps=12).resolve(world)
         tr = Trainer.build(cfg, Comm(cfg.dims, rank))
         losses = [tr.train_step()["loss"] for _ in range(3)]
         kept = []
         for plan in (Plan(2, 1, 2, 1, (2, 2), "1f1b", 8, 1),      # new layout: reshard
-                     Plan(2, 1, 2, 1, (3, 1), "1f1b", 8, 1)):     # same layout: re-split
+                     Plan(2, 1, 2, 1, (3, 1), "1f1b", 8, 1),      # same layout: re-split
+                     Plan(1, 1, 2, 2, (3, 1), "1f1b", 4, 1)):     # TP -> DP replicas
             before = gather_state(tr)
             tr, seconds = switch(tr, plan)
             after = gather_state(tr)
+            # what this rank holds now (full tensors), against the state before the switch
+            mine = held_state(tr)
+            own_ok = all(torch.equal(v, before[k]) for k, v in mine.items())
+            with_optim = sum(k.endswith(".exp_avg") for k in mine)
             kept.append((_equal_states(before, after), len(before), seconds,
-                         str(tr.cfg.dims), tr.cfg.stage_layers, tr.step))
+                         str(tr.cfg.dims), tr.cfg.stage_layers, tr.step,
+                         own_ok, with_optim == len(tr.named_params)))
             losses += [tr.train_step()["loss"] for _ in range(3)]
         res["switched"], res["kept"] = losses, kept
 
@@ -177,15 +183,19 @@ def four_ranks():
 
 def test_in_memory_switches_keep_the_state_bit_for_bit_and_the_losses(four_ranks):
     per_rank, _, _ = four_ranks
+    expect = [("tp2-cp1-pp2-dp1", [2, 2], 3), ("tp2-cp1-pp2-dp1", [3, 1], 6),
+              ("tp1-cp1-pp2-dp2", [3, 1], 9)]
     for r in per_rank:
-        (ok1, n1, _, dims1, split1, step1), (ok2, n2, _, dims2, split2, step2) = r["kept"]
-        assert ok1 and ok2, "parameters or optimizer states changed across a switch"
-        # parameters and their exp_avg, exp_avg_sq and step: 4 tensors each
-        assert n1 == n2 and n1 % 4 == 0 and n1 > 0
-        assert (dims1, split1, step1) == ("tp2-cp1-pp2-dp1", [2, 2], 3)
-        assert (dims2, split2, step2) == ("tp2-cp1-pp2-dp1", [3, 1], 6)
+        sizes = set()
+        for (ok, n, seconds, dims, split, step, own_ok, all_optim), want in zip(r["kept"], expect):
+            assert ok, "parameters or optimizer states changed across a switch"
+            assert own_ok and all_optim, "a rank holds a changed or missing state after a switch"
+            assert (dims, split, step) == want and seconds > 0
+            sizes.add(n)
+        # parameters and their exp_avg, exp_avg_sq and step: 4 tensors each, every time
+        assert len(sizes) == 1 and sizes.pop() % 4 == 0
     ref, switched = per_rank[0]["ref"], per_rank[0]["switched"]
-    assert len(switched) == 9
+    assert len(switched) == 12
     for step, (a, b) in enumerate(zip(ref, switched)):
         assert abs(a - b) <= 1e-5, f"step {step}: {a} (never switched) vs {b}"
     assert ref[3:] != ref[:6]      # the losses do move: the comparison is not vacuous

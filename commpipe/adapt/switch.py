@@ -1,17 +1,19 @@
 """Switch a running job to another `Plan` in the same processes, losing nothing.
 
-1. Every parameter and its AdamW state (exp_avg, exp_avg_sq, step) is gathered as a full tensor
-   (TP shards all-gathered through Comm, as a checkpoint save does) by its holder and shared
-   with every rank (`Comm.gather_objects`): the training state, in memory, in logical names.
+1. Each rank holds full tensors of what it has: its parameters and AdamW states (exp_avg,
+   exp_avg_sq, step), TP shards all-gathered within the TP group (as a checkpoint save does).
+   DP replicas already hold full copies, so a layout change often needs no transfer at all.
 2. Same tp/cp/pp/dp: the Comm is kept; otherwise a new Comm builds the new layout's process
    groups (every rank creates every group, in the same order).
-3. `Trainer.build` makes this rank's stages under the new plan; each takes its slice of the
-   full tensors. Step counter, history, data source (a pure function of step and rank) and
-   the LR schedule (a function of the step) carry over; RNG states are kept as they were.
+3. `Trainer.build` makes this rank's stages under the new plan. What a rank needs and does not
+   hold is sent to it point-to-point by the lowest rank holding it (`Comm.isend`/`irecv`,
+   one tag per transfer); every rank then keeps its slice of the full tensors. Step counter,
+   history, data source (a pure function of step and rank) and the LR schedule (a function of
+   the step) carry over; RNG states are kept as they were.
 Only commpipe.parallel.comm touches torch.distributed: everything here goes through Comm.
-The whole state passes through every rank's memory once: fine for the models one trains on
-an emulated cluster; a large model would stream tensor by tensor or fall back to a checkpoint
-(`commpipe.train.checkpoint` reshards across layouts too).
+Full tensors of one rank's stages pass through its memory once; for models too large for that,
+a checkpoint (`commpipe.train.checkpoint`, which reshards across layouts too) and a relaunch
+is the fallback.
 """
 
 from __future__ import annotations
@@ -21,6 +23,16 @@ import time
 import torch
 
 from commpipe.train.checkpoint import adam_and_holder, gather_tp, shard_tp
+
+
+def optimizer_of(trainer):
+    """(the AdamW stepping this rank's parameters, predicate: does it keep p's state here).
+    Without ZeRO-1 every DP replica keeps every state of its stages (checkpoints write only
+    dp=0's copy); with ZeRO-1 only the owner does."""
+    from commpipe.parallel.data import Zero1
+
+    adam, holds = adam_and_holder(trainer)
+    return (adam, holds) if isinstance(trainer.optimizer, Zero1) else (adam, lambda p: True)
 
 
 def gather_state(trainer) -> dict[str, torch.Tensor]:
@@ -56,7 +68,7 @@ def gather_state(trainer) -> dict[str, torch.Tensor]:
 def load_state(trainer, state: dict[str, torch.Tensor]) -> None:
     """Give every parameter of `trainer` (and its optimizer state) its slice of `state`."""
     comm = trainer.comm
-    adam, holds = adam_and_holder(trainer)
+    adam, holds = optimizer_of(trainer)
     with torch.no_grad():
         for name, p in trainer.named_params:
             key = f"model.{name}"
@@ -74,6 +86,60 @@ def load_state(trainer, state: dict[str, torch.Tensor]) -> None:
                 }
 
 
+def held_state(trainer) -> dict[str, torch.Tensor]:
+    """Full tensors of every parameter and optimizer state this rank holds (collective within
+    each TP group: every member gathers the same items in the same order)."""
+    comm = trainer.comm
+    adam, _ = adam_and_holder(trainer)
+    out: dict[str, torch.Tensor] = {}
+    for name, p in trainer.named_params:
+        tp_dim = getattr(p, "_tp_dim", None)
+        out[f"model.{name}"] = gather_tp(p, tp_dim, comm)
+        st = adam.state.get(p)
+        if st:   # ZeRO-1 owners are per DP rank: the same answer across a TP group
+            for key in ("exp_avg", "exp_avg_sq"):
+                out[f"optim.{name}.{key}"] = gather_tp(st[key], tp_dim, comm)
+            step = st["step"]
+            out[f"optim.{name}.step"] = step.detach().clone() if torch.is_tensor(step) \
+                else torch.tensor(float(step))
+    return out
+
+
+def redistribute(new, held: dict[str, torch.Tensor], held_by: list[dict]) -> tuple[dict, int]:
+    """Full tensors of everything `new` (the rebuilt trainer) needs on this rank: local where
+    held, else received from the lowest rank holding it. held_by[r]: {item: (shape, dtype)} of
+    rank r. Returns (items, bytes received). Collective over the world."""
+    comm = new.comm
+    _, holds = optimizer_of(new)
+    want = []
+    for name, p in new.named_params:
+        want.append(f"model.{name}")
+        if holds(p):
+            want += [f"optim.{name}.{k}" for k in ("exp_avg", "exp_avg_sq", "step")]
+    missing = sorted(k for k in want if k not in held and any(k in h for h in held_by))
+    lacking = [k for k in want if k.startswith("model.") and not any(k in h for h in held_by)]
+    if lacking:
+        raise RuntimeError(f"switch: no rank holds {lacking[:3]}")
+    needs = comm.gather_objects(missing, "world")
+    handles, got, nbytes, tag = [], {}, 0, 0
+    for dst, items in enumerate(needs):
+        for item in items:
+            src = min(r for r, h in enumerate(held_by) if item in h)
+            shape, dtype = held_by[src][item]
+            if comm.rank == src:
+                handles.append(comm.isend(held[item].contiguous(), dst, dim="world", tag=tag))
+            elif comm.rank == dst:
+                buf = torch.empty(shape, dtype=getattr(torch, dtype.split(".")[-1]),
+                                  device=comm.device)
+                got[item] = buf
+                nbytes += buf.numel() * buf.element_size()
+                handles.append(comm.irecv(buf, src, dim="world", tag=tag))
+            tag += 1
+    for h in handles:
+        h.wait()
+    return {k: (held[k] if k in held else got[k]) for k in want if k in held or k in got}, nbytes
+
+
 def switch(trainer, plan):
     """A Trainer running `plan` with `trainer`'s full state (collective); (trainer, seconds)."""
     from commpipe.parallel.comm import Comm
@@ -83,8 +149,10 @@ def switch(trainer, plan):
     rng = torch.get_rng_state()
     old = trainer.comm
     if trainer.monitor is not None:
-        trainer.monitor.detach()    # the state's transfer is not training traffic
-    state = gather_state(trainer)
+        trainer.monitor.detach()    # moving the state is not training traffic
+    held = held_state(trainer)
+    held_by = old.gather_objects({k: (tuple(v.shape), str(v.dtype)) for k, v in held.items()},
+                                 "world")
     if trainer.monitor is not None:
         trainer.monitor.close()     # collective: writes what it holds; the new one appends
     cfg = plan.apply(trainer.cfg)
@@ -92,9 +160,13 @@ def switch(trainer, plan):
     comm = old if same else Comm(cfg.dims, old.rank, device=old.device,
                                  timeout_s=cfg.timeout_s, strict_order=old.strict_order)
     new = Trainer.build(cfg, comm, source=trainer.source)
+    observers, comm.observers = comm.observers, []   # the transfer is not training traffic
+    state, nbytes = redistribute(new, held, held_by)
+    comm.observers = observers
     load_state(new, state)
     new.step, new.history = trainer.step, trainer.history
     new.capture_grads = trainer.capture_grads
     torch.set_rng_state(rng)
     comm.barrier()
+    new.switch_bytes = nbytes
     return new, time.perf_counter() - t0
