@@ -1,6 +1,6 @@
 """The planner against public large-scale runs it was never fitted on (docs/planner.md).
 
-    python benchmarks/plan_public.py [--no-free] [--profile prof.json] [--csv out.csv]
+    python benchmarks/plan_public.py [--no-free] [--memory] [--csv out.csv]
 
 Reads benchmarks/data/public_runs.csv: one published measurement per row (source, the exact
 table and row it comes from, model, GPUs, precision, batch, layout, measured tokens/s per GPU or
@@ -111,6 +111,44 @@ def free_rank(row: Row, eff: Efficiency) -> tuple[int | None, list]:
     return (triples.index(want) + 1 if want in triples else None), triples[:3]
 
 
+# Published peak memory (torch.cuda max reserved, GiB) of torchtitan's H100 benchmarks:
+# github.com/pytorch/torchtitan@31a17bf benchmarks/llama3_h100_202412_torchtitan.md, Tables 1-5
+# (H100 with 96 GB HBM2e at 2.4 TB/s; FSDP2, torch.compile; Float8 = torchao, bf16 weights kept).
+# (label, model, gpus, layout fields, global batch, seq, precision, published GiB)
+MEMORY_ROWS = [
+    ("T1 FSDP 8B", "llama3-8b", 8, dict(dp=8, micro_batch_size=2, recompute="selective", zero=3),
+     16, 8192, "bf16", 82.4),
+    ("T1 FSDP+Float8 8B", "llama3-8b", 8, dict(dp=8, micro_batch_size=2, recompute="selective", zero=3),
+     16, 8192, "fp8", 76.8),
+    ("T3 FSDP 8B, 128 GPUs", "llama3-8b", 128, dict(dp=128, micro_batch_size=2, recompute="selective",
+                                                    zero=3), 256, 8192, "bf16", 67.0),
+    ("T2 FSDP8 CP1 32k", "llama3-8b", 8, dict(dp=8, recompute="full", zero=3), 8, 32768, "fp8", 83.9),
+    ("T4 FSDP32 TP8 70B", "llama3-70b", 256, dict(tp=8, dp=32, micro_batch_size=16, recompute="full",
+                                                  zero=3), 512, 8192, "fp8", 71.9),
+    ("T5 FSDP8 TP8 PP8 405B 1F1B", "llama3-405b", 512, dict(tp=8, pp=8, dp=8, recompute="full", zero=3),
+     256, 8192, "fp8", 82.5),
+]
+
+
+def memory_check() -> None:
+    """Predicted largest-stage memory against torchtitan's published peaks."""
+    from commpipe.plan.estimate import estimate
+    from commpipe.plan.layout import Layout
+
+    gpu = resolve_gpu("h100,mem_gb=96,hbm_gbps=2400")
+    print("== memory: torchtitan's published peaks (H100 96 GB) ==")
+    print(f"{'run':28} {'published':>9} {'predicted':>9}  largest parts (GiB)")
+    for label, model, gpus, fields, gb, seq, prec, published in MEMORY_ROWS:
+        lay = Layout(**fields)
+        job = Job(gb, seq, precision=prec, grad_fp32=True, fp8_params=False)
+        e = estimate(resolve_model(model), lay, job, default_cluster(gpu, gpus, 8), simulate=False)
+        st = max(e.memory, key=lambda x: x.total_gb)
+        parts = (f"states {st.weights_gb + st.grads_gb + st.optimizer_gb:.1f}, activations "
+                 f"{st.activations_gb:.1f}, logits {st.logits_gb:.1f}, reserve {st.reserve_gb:.1f}")
+        print(f"{label:28} {published:9.1f} {e.memory_gb_per_gpu:9.1f}  {parts}")
+    print()
+
+
 def efficiencies() -> dict[str, Efficiency]:
     effs = {"defaults": Efficiency()}
     if VTRAIN.exists():
@@ -128,7 +166,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-free", action="store_true", help="skip the free-layout ranking")
     ap.add_argument("--csv", help="write per-row predictions here")
+    ap.add_argument("--memory", action="store_true", help="only compare memory with published peaks")
     args = ap.parse_args()
+    memory_check()
+    if args.memory:
+        return 0
     sys.path.insert(0, str(ROOT / "benchmarks"))
     rows = load_rows()
     effs = efficiencies()

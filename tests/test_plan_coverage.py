@@ -239,3 +239,19 @@ def test_calibrate_cli_reports_cross_validation(tmp_path, capsys):
                  "--json"]) == 0
     rep = json.loads(capsys.readouterr().out)
     assert rep["cv_method"] == "5-fold" and rep["cv_mape"] >= 0 and len(rep["fitted"]) == 2
+
+
+def test_tp_overlap_hides_collectives_behind_gemms():
+    # TP8 inside a node, SP: per layer and pass 2 collectives of an all-reduce's traffic on
+    # [T, h] bf16 = 2048 * 1024 * 2 B: 2 * 7/8 * 4,194,304 / 360e9 + 2 * 3 * 5e-6 each; with TE's
+    # overlap only the part beyond the layer's four GEMMs shows
+    c, eff = default_cluster(H100, 8, 8), Efficiency()
+    spec = resolve_model("arch=llama,layers=4,hidden=1024,heads=16,kv_heads=8,ffn_hidden=4096,vocab=32000")
+    lay, job = Layout(tp=8), Job(1, 2048)
+    one = 2 * 7 / 8 * 4_194_304 / 360e9 + 6 * 5e-6
+    plain = stage_costs(spec, lay, job, c, eff)
+    hidden = stage_costs(spec, lay, replace(job, tp_overlap=True), c, eff)
+    gemm = layer_compute(spec, lay, job, c, eff)["gemm"]
+    head_f = plain.tp_f[0] - 4 * 2 * one                 # embedding and head collectives, unchanged
+    assert hidden.tp_f[0] - head_f == pytest.approx(4 * max(0.0, 2 * one - gemm), rel=1e-9)
+    assert hidden.tp_f[0] < plain.tp_f[0]

@@ -26,7 +26,7 @@ recomputes kappa from the result, re-prices with the damped mean of old and new,
 kappa moves by less than TOLERANCE. Without contention (at most `host_cores` ranks, or
 `host_cores` None) nothing changes.
 
-Worked example (tests/test_plan.py::test_host_contention_stretches_a_fully_busy_host): four DP
+Worked example (tests/test_plan_host.py::test_host_contention_stretches_a_fully_busy_host): four DP
 ranks that only compute, on two cores: every rank is busy the whole step, kappa = 4/2 = 2, and
 the step takes exactly twice its time on four dedicated cores.
 """

@@ -1,0 +1,197 @@
+"""Planner on CPU hosts: gloo rings, one NIC per node, rank placement, commpipe's own runtime,
+host contention and host-term calibration (benchmarks/plan_vs_sweep.py relies on these).
+
+    python -m pytest -q tests/test_plan_host.py
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from commpipe.cli import main
+from commpipe.models.spec import resolve_model
+from commpipe.plan.calibrate import Point, fit, predict
+from commpipe.plan.cluster import Link
+from commpipe.plan.estimate import estimate
+from commpipe.plan.gpus import resolve_gpu
+from commpipe.plan.layout import Job, Layout
+from commpipe.plan.memory import stage_params
+from commpipe.plan.timing import Efficiency, stage_costs
+
+H100 = resolve_gpu("h100")
+
+
+# -- CPU hosts, gloo and commpipe's own runtime (benchmarks/plan_vs_sweep.py) ----------------------
+DEMO_LIKE = "arch=llama,layers=2,hidden=64,heads=4,kv_heads=2,ffn_hidden=128,vocab=256"
+
+
+def _cpu_cluster(**kw):
+    gpu = resolve_gpu("name=cpu,tflops=0.1,mem_gb=16,hbm_gbps=40")
+    from commpipe.plan.cluster import Cluster
+    return Cluster(gpu, 8, 2, Link(1.0, 1e-4), Link(0.01, 2e-4), **kw)
+
+
+def test_gloo_rings_and_one_nic_per_node():
+    c = _cpu_cluster(backend="gloo", nics_per_node=1)
+    # 4 ranks on 2 nodes: one shared link per node -> bus bandwidth 0.01 GB/s (not 2 x 0.01);
+    # gloo's ring all-reduce pays 2(n-1) = 6 latency steps, all-gather n-1 = 3
+    assert c.all_reduce(1e6, 4, 1) == pytest.approx(2 * 3 / 4 * 1e6 / 1e7 + 6 * 2e-4)
+    assert c.all_gather(1e6, 4, 1) == pytest.approx(3 / 4 * 1e6 / 1e7 + 3 * 2e-4)
+    # NCCL with a NIC per GPU: 2 links per node, 2*ceil(log2 4) = 4 steps
+    n = _cpu_cluster()
+    assert n.all_reduce(1e6, 4, 1) == pytest.approx(2 * 3 / 4 * 1e6 / 2e7 + 4 * 2e-4)
+
+
+def test_node_of_places_groups_and_pipeline_links():
+    from commpipe.cluster.grids import Layout as GridLayout
+    from commpipe.cluster.grids import node_of_rank
+
+    # TP2 x PP4 with TP outermost (the demo's tp2x-pp4), 2 ranks per node: the sweep's own map
+    nodes = tuple(node_of_rank(GridLayout(tp=2, pp=4, placement="cp-dp-pp-tp"), 2))
+    assert nodes == (0, 2, 0, 2, 1, 3, 1, 3)
+    c = _cpu_cluster(node_of=nodes)
+    assert c.placement(2, 1) == (False, 1)              # TP partners 0, 1 sit on nodes 0 and 2
+    # pipeline ranks 0, 2, 4, 6 (stride tp=2): nodes 0, 0, 1, 1
+    assert [c.p2p_link(a, a + 2) is c.intra for a in (0, 2, 4)] == [True, False, True]
+    with pytest.raises(ValueError, match="one node per rank"):
+        _cpu_cluster(node_of=(0, 0, 1))
+
+
+def test_runtime_job_prices_what_commpipe_sends():
+    from commpipe.plan.layout import RUNTIME_JOB
+
+    spec = resolve_model(DEMO_LIKE)
+    c = _cpu_cluster(backend="gloo")                   # tp and cp groups inside a node (2 per node)
+    c = replace(c, gpus_per_node=4)
+    call = 5e-4
+    eff = Efficiency(coll_overhead_s=call)
+    job = Job(8, 32, precision="fp32", **RUNTIME_JOB)
+    costs = stage_costs(spec, Layout(tp=2, cp=2, dp=2), job, c, eff)
+    tokens = 32 / 2                                     # b * s / cp
+    act = 4 * tokens * 64                               # fp32 [b, s/cp, h] = 4096 bytes
+    ar = lambda nbytes: 2 * (1 / 2) * nbytes / 1e9 + 2 * 1e-4     # gloo ring, n = 2
+    # per layer 2 all-reduces forward; embedding 1 all-reduce; vocabulary-parallel CE 3 of 4 B/token
+    tp_f = 2 * 2 * (ar(act) + call) + (ar(act) + call) + 3 * (ar(4 * tokens) + call)
+    assert costs.tp_f[0] == pytest.approx(tp_f)
+    # CP: all-gather K and V (4 * tokens * kv_dim / tp bytes each, gathered over 2) per layer
+    kv = 4 * tokens * 32 / 2
+    ag = (1 / 2) * (2 * kv) / 1e9 + 1 * 1e-4
+    assert costs.cp_f[0] == pytest.approx(2 * 2 * (ag + call))
+    assert costs.p2p_bytes == act                       # full activations between stages
+    # host CPU inside those collectives: one call overhead per collective call
+    assert costs.host_f[0] == pytest.approx((2 * 2 + 2 * 2 + 1 + 3) * call)
+
+
+def test_step_syncs_and_optimizer_host_time():
+    spec = resolve_model(DEMO_LIKE)
+    c = _cpu_cluster(backend="gloo")
+    eff = Efficiency(coll_overhead_s=1e-3, optimizer_overhead_s=2e-3)
+    job = Job(8, 32, precision="fp32", step_syncs=True)
+    lay = Layout(tp=2, pp=2, dp=2)
+    costs = stage_costs(spec, lay, job, c, eff)
+    # grad norm over tp (ranks 0,1: node 0) and pp (ranks 0,4: nodes 0,2); loss over dp (0,2:
+    # nodes 0,1) and pp; each an all-reduce of 8 bytes plus one call overhead
+    intra = 2 * 8 / 2 / 1e9 + 2 * 1e-4
+    inter = 2 * 8 / 2 / 1e7 + 2 * 2e-4
+    assert costs.step_sync[0] == pytest.approx(intra + 3 * inter + 4 * 1e-3)
+    # optimizer host time: rank 0 holds 1 layer + the embedding, rank 1 one layer + the head
+    hbm = 40e9 * 0.8
+    params = [p for _, p in stage_params(spec, lay, job)]
+    assert costs.optimizer == pytest.approx([p * 24 / hbm + 2 * 2e-3 for p in params])
+
+
+def test_busy_overlap_by_hand():
+    from commpipe.plan.pipeline import busy_overlap
+
+    free = dict(latency_ms=0.0, bandwidth_gbps=1e12, activation_bytes=1.0)
+    # one rank: n(t) = 1 whenever it works; weighted by a CPU share of 1/2: n = 1/2
+    assert busy_overlap("1f1b", 1, 1, 4, [1.0], [2.0], [1.0], [1.0], **free) == pytest.approx(1.0)
+    half = {op: [0.5] for op in "FBIW"}
+    assert busy_overlap("1f1b", 1, 1, 4, [1.0], [2.0], [1.0], [1.0], **free, cpu_share=half) == \
+        pytest.approx(0.5)
+    # GPipe, 2 stages, 2 micro-batches, f = b = 1: rank 0 F F . . B B, rank 1 . F F B B; both
+    # busy in [1,2] and [4,5]: integral of n = 8, of n^2 = 1+4+1+1+4+1 = 12 -> 1.5
+    assert busy_overlap("gpipe", 2, 1, 2, [1.0, 1.0], [1.0, 1.0], [0.5, 0.5], [0.5, 0.5], **free) == \
+        pytest.approx(1.5)
+
+
+def test_host_contention_stretches_a_fully_busy_host():
+    from commpipe.plan.host import contended
+
+    spec = resolve_model(DEMO_LIKE)
+    c = replace(_cpu_cluster(backend="gloo"), intra=Link(1e12, 0.0), inter=Link(1e12, 0.0))
+    eff = Efficiency(overhead_s=1e-4, optimizer_overhead_s=1e-4)
+    job, lay = Job(8, 32, precision="fp32"), Layout(dp=4)
+    alone = estimate(spec, lay, job, replace(c, num_gpus=4), eff)
+    # four ranks that only compute, on 2 cores: all four always busy -> kappa = 4/2 = 2, and
+    # every second of the step (compute, optimizer) takes twice as long
+    shared = estimate(spec, lay, job, replace(c, num_gpus=4, host_cores=2), eff)
+    assert shared.host_contention == pytest.approx(2.0, rel=1e-3)
+    assert shared.step_time_s == pytest.approx(2 * alone.step_time_s, rel=1e-3)
+    # as many cores as ranks: no contention
+    own = estimate(spec, lay, job, replace(c, num_gpus=4, host_cores=4), eff)
+    assert own.step_time_s == pytest.approx(alone.step_time_s)
+    # a woken rank waits wake_s per busy rank ahead of it: latency + wake_s * (kappa - 1)
+    c2, e2 = contended(_cpu_cluster(), Efficiency(wake_s=1e-3, overhead_s=1e-4), 3.0)
+    assert c2.inter.latency_s == pytest.approx(2e-4 + 2e-3) and e2.overhead_s == pytest.approx(3e-4)
+    assert c2.gpu.tflops == pytest.approx(0.1 / 3)
+
+
+def test_calibration_recovers_host_terms_and_reads_placement(tmp_path):
+    from commpipe.plan.calibrate import point_from_run
+    from commpipe.plan.layout import RUNTIME_JOB
+
+    spec = resolve_model(DEMO_LIKE)
+    c = _cpu_cluster(backend="gloo")
+    truth = Efficiency(overhead_s=2e-4, coll_overhead_s=5e-4, optimizer_overhead_s=3e-4)
+    job = Job(8, 32, precision="fp32", **RUNTIME_JOB)
+    pts = [Point(spec, Layout(tp=t, pp=p, dp=d), job, 0.0, "synthetic")
+           for t, p, d in [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 1, 2), (1, 1, 2), (2, 2, 1)]]
+    pts = [replace(p, measured_s=float(t)) for p, t in zip(pts, predict(pts, truth, c))]
+    start = Efficiency(overhead_s=1e-4, coll_overhead_s=1e-4, optimizer_overhead_s=1e-4)
+    res = fit(pts, start, c, fit_links=False,
+              params=("overhead_s", "coll_overhead_s", "optimizer_overhead_s"))
+    assert res.mape_after < 0.005
+    assert res.eff.coll_overhead_s == pytest.approx(5e-4, rel=0.05)
+    assert res.eff.optimizer_overhead_s == pytest.approx(3e-4, rel=0.05)
+    with pytest.raises(ValueError, match="start at 0"):
+        fit(pts, Efficiency(), c, params=("wake_s",))
+    # a sweep's run folder: placement from sweep.jsonl becomes the rank -> node map
+    from commpipe.parallel.dims import ParallelDims
+    from commpipe.train.config import TrainConfig
+
+    run = tmp_path / "tp2x-pp4"
+    run.mkdir()
+    TrainConfig(model=DEMO_LIKE.replace("layers=2", "layers=8"), dims=ParallelDims(tp=2, pp=4),
+                global_batch=8, seq_len=32).resolve(8).save(run / "config.json")
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "step_time_s": 0.3}) + "\n"
+                                               for s in range(4)))
+    (tmp_path / "sweep.jsonl").write_text(json.dumps({"name": "tp2x-pp4", "placement": "cp-dp-pp-tp",
+                                                      "cluster": {"ranks_per_node": 2}}) + "\n")
+    point = point_from_run(run, {"recompute": "none", "precision": "fp32", "flash_attention": None})
+    assert point.node_of == (0, 2, 0, 2, 1, 3, 1, 3) and not point.job.pp_sharded
+
+
+def test_cpu_entry_is_measured():
+    from commpipe.plan.cpu import measure_cpu
+
+    g = measure_cpu(gemm=64, copy_mb=1, repeats=2)
+    assert g.name == "cpu" and 0 < g.tflops < 100 and 0 < g.hbm_gbps < 10000 and g.mem_gb > 0
+
+
+def test_estimate_cli_prices_shared_host_cores(capsys):
+    """--host-cores: more busy ranks than cores slow every rank down (never speed it up)."""
+    base = ["estimate", "--model", "arch=llama,layers=8,hidden=64,heads=4,kv_heads=2,"
+            "ffn_hidden=128,vocab=256", "--gpu", "name=toy,tflops=1,mem_gb=16", "--gpus", "4",
+            "--gpus-per-node", "4", "--pp", "4", "--global-batch", "8", "--seq-len", "32",
+            "--schedule", "1f1b", "--backend", "gloo", "--json"]
+    times = []
+    for extra in ([], ["--host-cores", "4"], ["--host-cores", "1"]):
+        assert main(base + extra) == 0
+        times.append(json.loads(capsys.readouterr().out)["step_time_s"])
+    own, enough, shared = times
+    assert enough == pytest.approx(own, rel=1e-9)   # a core per rank: no contention
+    assert shared > 1.5 * own                       # four ranks on one core
