@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import datetime
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -65,7 +66,8 @@ class Handle:
         self._on_done = on_done
         self.done = False
         # a watched call: its completion is observed independently of this handle's wait()
-        self._watch = watch(work, call, comm.device) if call.watch and work is not None else None
+        self._watch = (watch(work, call, comm.device, comm.backend) if call.watch and work is not None
+                       else None)
         if ctxs and call.peer is not None:
             self._link_predecessor(comm)
 
@@ -77,11 +79,13 @@ class Handle:
         event already follows the communication stream's order)."""
         chan = (self.call.dim, self.call.op, self.call.peer)
         prev = comm._last_p2p.get(chan)
-        comm._last_p2p[chan] = self
-        if not self.call.watch or prev is None or prev.done or comm.device.type == "cuda":
+        prev = prev() if prev is not None else None
+        comm._last_p2p[chan] = weakref.ref(self)    # not keeping its buffer alive
+        if (not self.call.watch or prev is None or prev.done or comm.device.type == "cuda"
+                or comm.backend == "nccl"):
             return
         if prev._watch is None and prev._work is not None:
-            prev._watch = watch(prev._work, prev.call, comm.device)
+            prev._watch = watch(prev._work, prev.call, comm.device, comm.backend)
         self.call.prev = prev.call
 
     def wait(self):
@@ -108,7 +112,7 @@ class Comm:
         self.device = device or torch.device("cpu")
         self.observers: list = []
         self._seq: dict[tuple, int] = {}
-        self._last_p2p: dict[tuple, Handle] = {}   # (dim, op, peer) -> latest observed p2p call
+        self._last_p2p: dict[tuple, weakref.ref] = {}   # (dim, op, peer) -> latest p2p Handle
         self.coords = dims.coords(rank)
         self.groups: dict[str, tuple[int, ...]] = {}
         self._pg: dict[str, object] = {}

@@ -93,11 +93,13 @@ def _pool() -> _Pool:
     return _POOL
 
 
-def watch(work, call, device: torch.device) -> Watch | None:
+def watch(work, call, device: torch.device, backend: str = "gloo") -> Watch | None:
     """Start observing `work`'s completion for `call` (see the module docstring). Returns the
-    Watch the consumer must wait on instead of the work (CPU), or None (CUDA: wait as usual)."""
-    if device.type == "cuda":
-        if call.ev_done is None:   # nothing to record: a watcher thread must not wait on NCCL
+    Watch the consumer must wait on instead of the work (gloo), or None (CUDA: wait as usual)."""
+    if backend == "nccl" or device.type == "cuda":
+        # a watcher thread must never wait on an NCCL work: the consumer's own wait() is what
+        # orders its stream after the communication
+        if call.ev_done is None or device.type != "cuda":
             return None
         stream = _SIDE_STREAMS.get(device)
         if stream is None:
