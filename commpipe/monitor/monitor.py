@@ -224,7 +224,14 @@ class Monitor:
         stream.bytes += call.nbytes
         ctx.nbytes, ctx.finished = call.nbytes, True
         if self._cuda is not None:
-            ctx.ev_done = call.ev_done if call.ev_done is not None else self._cuda.record()
+            # the comm recorded the event when the op completed; a caller feeding the monitor
+            # itself (commpipe.monitor.megatron) did not: then completion is now
+            if call.extra.get("ev_done_recorded"):
+                ctx.ev_done = call.ev_done
+            else:
+                if call.ev_done is not None:
+                    self._cuda.release(call.ev_done)
+                ctx.ev_done = self._cuda.record()
         else:
             ctx.post, ctx.done = call.t_post, call.t_done
         self._finished.append(ctx)

@@ -107,6 +107,7 @@ def watch(work, call, device: torch.device, backend: str = "gloo") -> Watch | No
         with torch.cuda.stream(stream):
             work.wait()          # stream order only: the side stream waits for the op's end
         call.ev_done.record(stream)
+        call.extra["ev_done_recorded"] = True
         return None
     w = Watch(work, call)
     _pool().submit(w)
