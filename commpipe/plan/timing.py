@@ -9,8 +9,9 @@ an additive roofline whose two constants (e_max, ai_half_ridge) are dimensionles
 over between GPUs. Backward GEMMs (input and weight gradient) have the same shapes as the
 forward, so each costs one forward. Flash attention is priced at the counted (full s x s)
 FLOPs on half the work (causal blocks are skipped) at `attn_rel` of e_max (FlashAttention-2,
-Dao 2023: ~70% of A100 peak vs ~85% for large GEMMs); without flash the score and value
-products are batched GEMMs of shape (s/cp, d, s) per head.
+Dao 2023: ~70% of A100 peak vs ~85% for large GEMMs), its backward at 2.5 forwards (5 matmuls
+to the forward's 2, the scores recomputed); without flash the score and value products are
+batched GEMMs of shape (s/cp, d, s) per head, and their backward costs two forwards.
 Non-GEMM work (norms, activations, softmax, dropout, residual adds) is HBM-bound: forward time
 = `elementwise` * (bytes the layer stores for backward) / HBM bandwidth, backward twice that.
 A fixed `overhead_s` per layer and pass stands for kernel launches (the vocabulary head with
@@ -60,6 +61,7 @@ from commpipe.plan.memory import (
 )
 
 HBM_EFFICIENCY = 0.8   # STREAM-like kernels reach ~80-90% of datasheet HBM bandwidth
+FLASH_BWD_RATIO = 2.5  # flash attention backward / forward matmul work
 
 
 @dataclass(frozen=True)
@@ -264,7 +266,10 @@ def stage_costs(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
         re_tp = re_cp = 0.0
     else:
         re_comp = re_tp = re_cp = 0.0
-    layer_i = lc["gemm"] + 2 * lc["attn"] + 2 * lc["elem"] + eff.overhead_s + re_comp
+    # flash attention's backward recomputes the scores and runs 5 matmuls to the forward's 2
+    # (Dao 2023, FlashAttention-2, Algorithm 2): 2.5 forwards; materialised scores: 2
+    attn_b = FLASH_BWD_RATIO if job.uses_flash(spec) else 2.0
+    layer_i = lc["gemm"] + attn_b * lc["attn"] + 2 * lc["elem"] + eff.overhead_s + re_comp
     head_gemm, loss = head_compute(spec, layout, job, cluster, eff)
     head_f, head_b, embed_tp = _head_and_embedding_tp(spec, layout, job, cluster, act_bytes, call)
     # collective calls per layer and pass (host CPU time = calls * coll_overhead_s)
