@@ -249,7 +249,7 @@ def test_link_class_rules():
     assert link_class(1, 2, (), nodes) == link_class(2, 1, (), nodes) == "inter_node"
     assert link_class(2, None, (2, 3), nodes) == "intra_node"
     assert link_class(0, None, (0, 1, 2, 3), nodes) == link_class(1, None, (1, 2), nodes) == "inter_node"
-    assert link_class(0, 1, (), None) is None
+    assert link_class(0, 1, (), None) is None and link_class(0, 7, (), nodes) is None   # unknown rank
 
 
 def test_queued_behind_own_earlier_message_is_not_transfer():

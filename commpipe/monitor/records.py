@@ -144,9 +144,9 @@ def split_times(op: str, post: float, done: float, peer_posts, after: float | No
 def link_class(rank: int, peer, group, nodes) -> str | None:
     """`intra_node` when every rank of the call (the pair, or the group) is on one node,
     else `inter_node`; None when the nodes are not known. nodes[r]: node number of rank r."""
-    if nodes is None:
-        return None
     members = group if group else (rank, peer)
+    if nodes is None or any(r is None or not 0 <= r < len(nodes) for r in members):
+        return None
     return "inter_node" if len({nodes[r] for r in members}) > 1 else "intra_node"
 
 
