@@ -36,12 +36,14 @@ def main() -> int:
     cluster = default_cluster(resolve_gpu("h100"), 16384, 8)
 
     cache_clear()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     res = search(spec, job, cluster, top=5)
-    t_search = time.perf_counter() - t0
+    t_search, c_search = time.perf_counter() - t0, time.process_time() - c0
     print("llama3-405b, 16384 x H100 (8/node), global batch 2048 x 8192 tokens")
-    print(f"full search: {t_search:.2f} s; layouts considered {res.considered}, fit in memory "
-          f"{res.feasible}, simulated {res.simulated} (incl. the alternatives' searches)")
+    # the search is single-threaded: its CPU time is what the wall time is on an idle core
+    print(f"full search: {t_search:.2f} s wall, {c_search:.2f} s CPU; layouts considered "
+          f"{res.considered}, fit in memory {res.feasible}, simulated {res.simulated} (incl. the "
+          "alternatives' searches)")
     print(HEADER)
     for n, e in enumerate(res.top, 1):
         print(row(n, e))
@@ -59,7 +61,8 @@ def main() -> int:
     print(f"\nsimulating every feasible layout: {per * 1e3:.1f} ms each (sample of {len(sample)}) x "
           f"{len(feasible)} = ~{every:.0f} s; the search took {t_search:.2f} s "
           f"({every / t_search:.0f}x less)")
-    print(f"budget: < 10 s -> {'ok' if t_search < 10 else 'OVER'}")
+    print(f"budget: < 10 s -> {'ok' if t_search < 10 else 'OVER'} (wall); "
+          f"{'ok' if c_search < 10 else 'OVER'} (CPU, what an idle machine would take)")
     return 0
 
 
