@@ -25,9 +25,22 @@ def add_arguments(p) -> None:
                    help="inter-node link rate of the emulated cluster (default 50)")
     p.add_argument("--cluster", default="auto", choices=("auto", "emulated", "local"),
                    help="auto: emulated when possible, else local loopback")
+    p.add_argument("--adaptive", action="store_true",
+                   help="the adaptive-training story instead (docs/adaptive.md): a link blip to "
+                        "ignore, then a lasting degrade; adaptive, static and oracle runs")
 
 
 def run(args) -> int:
+    if args.adaptive:
+        from commpipe.adapt.demo import format_summary, run_adaptive_demo
+
+        out = Path(args.out if args.out != "runs/demo" else "runs/demo-adaptive")
+        print(f"commpipe demo --adaptive -> {out}")
+        summary = run_adaptive_demo(out)
+        print()
+        print(format_summary(summary))
+        print(f"report: {summary['report']}")
+        return 0
     from commpipe.cluster.sweep import run_demo_sweep
 
     out = Path(args.out)

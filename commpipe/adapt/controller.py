@@ -23,14 +23,21 @@ from commpipe.adapt.candidates import candidates
 from commpipe.adapt.detect import Detector
 from commpipe.adapt.model import CostModel, Measured
 from commpipe.adapt.plan import Plan, payback
-from commpipe.adapt.signals import collective_rates, link_rates, rank_summary, step_signals
+from commpipe.adapt.signals import (
+    CollectiveTimer,
+    collective_rates,
+    link_rates,
+    rank_summary,
+    step_signals,
+)
 from commpipe.models.spec import param_count
 
 # before the first switch of a kind is measured: seconds to rebuild stages (and, for a layout
 # change, process groups) on top of moving the state; replaced by the measured time afterwards
 BASE_SWITCH_S = {"rebatch": 0.1, "resplit": 0.3, "reshard": 1.0}
-# link and collective times come from a few sampled calls per step: median of the last 3
-SMOOTH = {"link": 3, "collective": 3}
+# link times come from a few sampled calls per step: median of the last 3 (large collectives
+# are timed on every call, see signals.CollectiveTimer)
+SMOOTH = {"link": 3}
 
 
 @contextmanager
@@ -65,6 +72,7 @@ class Controller:
         self.measured_cost: dict[str, float] = {}
         self.decisions: list[dict] = []
         self.log = None
+        self.timer = CollectiveTimer()
         if trainer.comm.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             self.log = open(self.out / "adapt.jsonl", "a")
@@ -72,6 +80,8 @@ class Controller:
 
     def prepare(self, trainer) -> None:
         trainer.runtime.events = []               # the step's timeline (cleared every step)
+        if self.timer not in trainer.comm.observers:
+            trainer.comm.observers.append(self.timer)
         if trainer.monitor is not None:
             trainer.monitor.exchange_every = 1    # records of step s are ready after step s
 
@@ -84,7 +94,7 @@ class Controller:
         """Observe the step just done; maybe switch. Returns (trainer, metrics_file), either
         of them new after a switch. Collective: every rank calls it after every step."""
         step = rec["step"]
-        summary = rank_summary(trainer, step, self.rpn)
+        summary = rank_summary(trainer, step, self.rpn, self.timer)
         c = trainer.comm.coords
         if c["dp"] == 0 and c["cp"] == 0 and c["tp"] == 0:
             self.timelines.append([e.to_dict() for e in trainer.runtime.events or ()])

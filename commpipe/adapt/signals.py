@@ -11,7 +11,39 @@ from __future__ import annotations
 
 import statistics
 
+from commpipe.monitor.records import algbw_bytes, busbw_factor
+
 P2P_RECV = "recv"
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+class CollectiveTimer:
+    """A Comm observer that times every large collective (one tuple per call, no device
+    sync). The monitor samples one call in ten; a once-per-step gradient all-reduce would then
+    give one observation in ten steps, too few to detect a change within a few steps.
+
+    Each rank keeps its calls' post and completion times; `step_signals` lines up the members'
+    calls of a group (they issue them in the same order) and counts a call's transfer from the
+    *last* member's post, so a member that arrives late (a straggler) shows as waiting, not as
+    a slower collective. Clocks are the monitor's rank-0-aligned ones (Monitor.offset)."""
+
+    def __init__(self, min_bytes: int = 65536):
+        self.min_bytes = min_bytes
+        self.calls: list[tuple] = []
+
+    def begin(self, call):
+        if call.op in COLLECTIVES and call.dim != "world" and call.nbytes >= self.min_bytes:
+            return call
+        return None
+
+    def end(self, ctx, call) -> None:
+        if ctx is not None:
+            self.calls.append((call.dim, call.op, tuple(call.group), call.nbytes,
+                               call.t_post, call.t_done))
+
+    def take(self) -> list[tuple]:
+        out, self.calls = self.calls, []
+        return out
 
 
 def _link_class(rec: dict, rank: int, peer: int, ranks_per_node: int) -> str:
@@ -21,7 +53,8 @@ def _link_class(rec: dict, rank: int, peer: int, ranks_per_node: int) -> str:
     return "intra_node" if rank // ranks_per_node == peer // ranks_per_node else "inter_node"
 
 
-def rank_summary(trainer, step: int, ranks_per_node: int) -> dict:
+def rank_summary(trainer, step: int, ranks_per_node: int, timer: CollectiveTimer | None = None
+                 ) -> dict:
     """This rank's signals of `step` (a small picklable dict)."""
     rank = trainer.comm.rank
     compute: dict[str, list[float]] = {}
@@ -42,11 +75,15 @@ def rank_summary(trainer, step: int, ranks_per_node: int) -> dict:
                 "bandwidth_gbps": r.get("bandwidth_gbps"),
                 "bytes": per_call_bytes, "sampled": calls,
                 "link_class": _link_class(r, rank, int(r["peer"]), ranks_per_node)}
-        elif r.get("group"):
+        elif r.get("group") and timer is None:
             colls[(r["dim"], r.get("op"), tuple(r["group"]))] = {
                 "transfer_ms": float(r["transfer_ms"]), "busbw_gbps": r.get("busbw_gbps"),
                 "bytes": (r.get("bytes") or 0) / max(r.get("calls") or 1, 1)}
-    return {"rank": rank, "step": step,
+    timed: dict = {}
+    offset = getattr(trainer.monitor, "offset", 0.0) or 0.0
+    for dim, op, group, nbytes, post, done in (timer.take() if timer is not None else ()):
+        timed.setdefault((dim, op, group), []).append((nbytes, post - offset, done - offset))
+    return {"rank": rank, "step": step, "timed": timed,
             "busy_ms": sum(sum(v) for v in compute.values()),
             "compute_ms": {op: statistics.median(v) for op, v in compute.items()},
             "links": links, "collectives": colls}
@@ -58,6 +95,8 @@ def step_signals(summaries: list[dict], step_time_ms: float) -> dict[tuple[str, 
     slowest member's transfer ms, ("step", "step") the step time."""
     out: dict[tuple[str, str], float | None] = {("step", "step"): step_time_ms}
     colls: dict[str, float] = {}
+    for (dim, op, group), (_, ms) in collective_times(summaries).items():
+        out[("collective", f"{dim} {list(group)} {op}")] = ms
     for s in summaries:
         out[("compute", f"rank {s['rank']}")] = s["busy_ms"] or None
         for (dim, src, dst), v in s["links"].items():
@@ -87,17 +126,41 @@ def link_rates(window: list[list[dict]]) -> dict[tuple[int, int], tuple[float | 
     return out
 
 
+def collective_times(summaries: list[dict]) -> dict[tuple, tuple[float, float]]:
+    """(dim, op, group) -> (bytes per call, transfer ms) of the step's timed collectives: per
+    call, each member's completion minus the last member's post; the median over members and
+    calls."""
+    by_key: dict[tuple, dict[int, list]] = {}
+    for s in summaries:
+        for key, calls in (s.get("timed") or {}).items():
+            by_key.setdefault(key, {})[s["rank"]] = calls
+    out = {}
+    for key, members in by_key.items():
+        if len(members) < len(key[2]):
+            continue                       # a member's record is missing: no verdict
+        n_calls = min(len(c) for c in members.values())
+        times, sizes = [], []
+        for i in range(n_calls):
+            last_post = max(c[i][1] for c in members.values())
+            times += [max(c[i][2] - last_post, 0.0) for c in members.values()]
+            sizes.append(next(iter(members.values()))[i][0])
+        if times:
+            out[key] = (statistics.median(sizes), statistics.median(times) * 1e3)
+    return out
+
+
 def collective_rates(window: list[list[dict]], ranks_per_node: int,
                      min_bytes: float = 65536) -> dict[str, float]:
-    """Link class -> median bus bandwidth (GB/s) of the all-reduces of at least `min_bytes`
-    per call over a window (small ones, a loss or a norm, measure latency, not bandwidth)."""
+    """Link class -> median bus bandwidth (GB/s) of the timed all-reduces of at least
+    `min_bytes` per call over a window (small ones, a loss or a norm, measure latency)."""
     rates: dict[str, list[float]] = {}
     for summaries in window:
-        for s in summaries:
-            for (_dim, op, group), v in s["collectives"].items():
-                if op != "all_reduce" or not v.get("busbw_gbps") or v.get("bytes", 0) < min_bytes:
-                    continue
-                nodes = {g // ranks_per_node for g in group}
-                cls = "intra_node" if len(nodes) == 1 else "inter_node"
-                rates.setdefault(cls, []).append(v["busbw_gbps"])
+        for (_dim, op, group), (nbytes, ms) in collective_times(summaries).items():
+            if op != "all_reduce" or nbytes < min_bytes or ms <= 0:
+                continue
+            n = len(group)
+            nodes = {g // ranks_per_node for g in group}
+            cls = "intra_node" if len(nodes) == 1 else "inter_node"
+            rates.setdefault(cls, []).append(
+                algbw_bytes(op, nbytes, n) * busbw_factor(op, n) / (ms * 1e6))
     return {cls: statistics.median(v) for cls, v in rates.items()}

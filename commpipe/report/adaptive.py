@@ -34,8 +34,9 @@ def degrade_steps(run: Path) -> list[tuple[int, str]]:
             sc = json.loads(path.read_text())
             if sc.get("degrade_step") is not None:
                 marks.append((sc["degrade_step"], f"degrade {sc.get('link', '')}".strip()))
-            for s in sc.get("blip_steps") or []:
-                marks.append((s, "blip"))
+            blip = sc.get("blip_steps") or []
+            if blip:
+                marks.append((blip[0], f"blip ({len(blip)} steps)"))
             break
     return marks
 
@@ -90,3 +91,37 @@ def adaptive_figure(sweep_dir, row: dict, out: Path):
     """make_figures hook: the figure of one run of a report folder, if it is adaptive."""
     run = Path(sweep_dir) / row["name"]
     return step_time_figure(run, Path(out) / f"adapt_{row['name']}.png")
+
+
+def compare_figure(out_dir, runs=("adaptive", "static", "oracle"), out_png=None):
+    """Step time over steps of several runs of one scenario on one axis (the adaptive demo)."""
+    out_dir = Path(out_dir)
+    found = [(name, read_jsonl(out_dir / name / "metrics.jsonl")) for name in runs]
+    found = [(n, m) for n, m in found if m]
+    if not found:
+        return None
+    fig, ax = plt.subplots(figsize=(9, 3.8))
+    colors = {"adaptive": "#2ca02c", "static": "#d62728", "oracle": "#7f7f7f"}
+    for name, rows in found:
+        ax.plot([r["step"] for r in rows], [r["step_time_s"] * 1e3 for r in rows], lw=1.3,
+                label=name, color=colors.get(name))
+    for step, label in degrade_steps(out_dir / found[0][0]):
+        ax.axvline(step, color="#d62728", ls="--", lw=1)
+        ax.text(step, 0.98, " " + label, transform=ax.get_xaxis_transform(), color="#d62728",
+                fontsize=8, va="top")
+    for d in read_jsonl(out_dir / "adaptive" / "adapt.jsonl"):
+        if d.get("action") == "switch":
+            ax.axvline(d["step"], color="#2ca02c", lw=1.5)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("step time (ms, log)")
+    ax.set_title("adaptive vs static vs oracle")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out_png = Path(out_png or out_dir / "figures" / "adaptive_vs_static.png")
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return out_png, ("Step time of the adaptive run, the same scenario without the controller "
+                     "(static) and the oracle layout under the degraded link from step 0; red "
+                     "dashed: injected blip and degrade, green: switch.")
