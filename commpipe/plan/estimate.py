@@ -60,7 +60,7 @@ class Estimate:
         b = self.breakdown
         if not b or not self.step_time_s == self.step_time_s:
             return float("nan")
-        comm = sum(b.get(k, 0.0) for k in ("tp", "cp", "pp_p2p", "dp", "embedding_sync"))
+        comm = sum(b.get(k, 0.0) for k in ("tp", "cp", "zero", "pp_p2p", "dp", "embedding_sync"))
         return comm / self.step_time_s
 
     def to_dict(self) -> dict:
@@ -213,7 +213,7 @@ def finish_estimate(est: Estimate, spec: ModelSpec, job: Job, cluster: Cluster, 
         costs = stage_costs(spec, lay, job, c, e)
         _finish_once(est, spec, job, c, costs, detail)
     est.host_contention, est.wake_contention = kappa, wake
-    est.mfu = est.tflops_per_gpu / cluster.gpu.tflops
+    est.mfu = est.tflops_per_gpu / cluster.gpu.peak_tflops(job.precision)
     return est
 
 
@@ -255,7 +255,9 @@ def _finish_once(est: Estimate, spec: ModelSpec, job: Job, cluster: Cluster, cos
         free = dict(args, latency_ms=0.0, bandwidth_gbps=1e12)
         span0, _ = simulate_step(layout.schedule, layout.pp, layout.vpp, m, **free)
         p2p = max(0.0, (makespan_ms - span0) / 1e3)
-    est.breakdown = {"compute": compute, "tp": per["tp"], "cp": per["cp"],
+    zero = m * sum((costs.zero_f[c] if costs.zero_f else 0.0) + (costs.zero_b[c] if costs.zero_b else 0.0)
+                   for c in chunks)
+    est.breakdown = {"compute": compute, "tp": per["tp"], "cp": per["cp"], "zero": zero,
                      "pp_bubble": max(0.0, idle - p2p), "pp_p2p": min(p2p, idle),
                      "dp": costs.dp_exposed[worst], "optimizer": costs.optimizer[worst],
                      "step_sync": costs.step_sync[worst] if costs.step_sync else 0.0,
@@ -267,5 +269,6 @@ def _finish_once(est: Estimate, spec: ModelSpec, job: Job, cluster: Cluster, cos
     est.tflops_per_gpu = flops_per_token(spec, job.seq_len) * tokens / step / n / 1e12
     hw = hardware_flops_per_token(spec, job.seq_len, layout.recompute, job.uses_flash(spec))
     est.hw_tflops_per_gpu = hw * tokens / step / n / 1e12
-    est.mfu = est.tflops_per_gpu / cluster.gpu.tflops
+    # MFU against the peak of the precision the GEMMs run in (FP8's under --precision fp8)
+    est.mfu = est.tflops_per_gpu / cluster.gpu.peak_tflops(job.precision)
     return est

@@ -6,16 +6,25 @@ from commpipe.plan.estimate import Estimate
 from commpipe.plan.search import SearchResult, describe, explain_loss
 
 HEADER = (f"{'#':>2}  {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>5} {'vpp':>3} {'mbs':>3} {'schedule':<11} "
-          f"{'recomp':<9} {'step s':>8} {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7} {'bubble':>7} {'comm':>6}")
+          f"{'recomp':<9} {'zero':>4} {'step s':>8} {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7} {'bubble':>7} "
+          f"{'comm':>6}")
 
 
 def row(n: int | str, e: Estimate) -> str:
     lay = e.layout
     b = e.breakdown.get("pp_bubble", 0.0) / e.step_time_s if e.breakdown else float("nan")
     return (f"{n:>2}  {lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.dp:>5} {lay.vpp:>3} "
-            f"{lay.micro_batch_size:>3} {lay.schedule:<11} {lay.recompute:<9} {e.step_time_s:>8.4g} "
+            f"{lay.micro_batch_size:>3} {lay.schedule:<11} {lay.recompute:<9} {_zero(lay):>4} "
+            f"{e.step_time_s:>8.4g} "
             f"{e.tflops_per_gpu:>8.1f} {e.mfu:>6.1%} {e.memory_gb_per_gpu:>7.1f} {b:>7.1%} "
             f"{e.exposed_comm_fraction:>6.1%}")
+
+
+def _zero(lay) -> str:
+    """ZeRO stage, with the HSDP shard group when it is not the whole dp*cp group."""
+    if lay.zero and lay.dp_shard and lay.dp_shard != lay.dp * lay.cp:
+        return f"{lay.zero}/{lay.dp_shard}"
+    return str(lay.zero)
 
 
 def print_plan(result: SearchResult, spec, job, cluster) -> None:

@@ -205,6 +205,9 @@ def explain_loss(alt: Estimate, best: Estimate, cluster: Cluster) -> str:
     if term == "dp":
         return head + (f"DP gradient reduction over {lay.dp * lay.cp} ranks "
                        f"{group_place(lay, cluster, 'dp')} exposes {x} ms per step")
+    if term == "zero":
+        return head + (f"ZeRO-{lay.zero} per-layer gathers and reduce-scatters over {lay.shard_size} "
+                       f"ranks {group_place(lay, cluster, 'dp')} expose {x} ms per step")
     if term == "cp":
         return head + f"CP{lay.cp} ring exchange {group_place(lay, cluster, 'cp')} exposes {x} ms"
     if term == "optimizer":
@@ -232,4 +235,6 @@ def describe(e: Estimate, cluster: Cluster) -> str:
         parts.append(f"CP {share.get('cp', 0):.0%}")
     if e.layout.dp * e.layout.cp > 1:
         parts.append(f"DP {share.get('dp', 0):.1%}")
+    if share.get("zero", 0) > 0:
+        parts.append(f"ZeRO-{e.layout.zero} traffic {share['zero']:.1%}")
     return "; ".join(parts)
