@@ -29,7 +29,7 @@ class Scenario:
     steps: int = 60
     fast_mbit: float = 1000.0
     slow_mbit: float = 20.0
-    blip: tuple[int, int] = (12, 14)     # [start, end) steps of the short degrade
+    blip: tuple[int, int] = (12, 13)     # [start, end) steps of the short degrade
     degrade_step: int = 26               # lasting degrade from here on
     node: int = 1                        # the node whose link is throttled
     start: dict = field(default_factory=lambda: {"dp": 4})

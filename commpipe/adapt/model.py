@@ -12,7 +12,7 @@ stage's unit over the healthy one (a straggler, or ranks sharing a slow host). A
 stage costs are then unit_healthy * max(k_g over its ranks) * work, split into F and B in the
 measured ratio, plus the host time. Point-to-point links are looked up per rank pair in the
 monitor's measurements (else by node pair, else by link class); TP and CP collectives and the
-DP gradient all-reduce are priced with ring formulas on the bandwidth of their link class.
+DP x CP gradient all-reduce are priced with ring formulas on the bandwidth of their link class.
 Everything else in the measured step (optimizer, loss reduction) is carried over as a constant,
 so the current plan's prediction equals its measured step time. Layout candidates assume one
 device per rank (tp and cp divide a stage's compute); on an emulated cluster whose ranks share
@@ -202,10 +202,11 @@ class CostModel:
         makespan = simulate(program, costs, check=False).makespan
         bare = simulate(program, CostTable(f=f, b=b), check=False).makespan
         dp_ms = 0.0
-        if plan.dp > 1:   # gradient all-reduce of the largest stage's TP shard, fp32
+        if plan.dp * plan.cp > 1:   # gradients are summed over DP and CP ranks (GradReducer):
+            # an all-reduce of the largest stage's TP shard, fp32
             stage_params = max(self._stage_params(x, s == n - 1, s == 0)
                                for s, x in enumerate(plan.stage_layers))
-            dp_ms = self.ring_ms(4.0 * stage_params / plan.tp, dims.group_of("dp", 0))
+            dp_ms = self.ring_ms(4.0 * stage_params / plan.tp, dims.group_of("dp_cp", 0))
         return bare, makespan - bare + dp_ms
 
     def _stage_params(self, layers: int, last: bool, first: bool) -> float:
