@@ -257,3 +257,17 @@ def test_collective_time_counts_from_the_last_members_post():
     assert collective_rates([summaries], ranks_per_node=2) == {"intra_node": pytest.approx(0.1)}
     assert collective_rates([summaries], ranks_per_node=1) == {"inter_node": pytest.approx(0.1)}
     assert collective_times(summaries[:1]) == {}       # a member missing: no verdict
+
+
+def test_switch_moves_only_what_a_rank_lacks():
+    from commpipe.adapt.plan import moved_bytes
+    from commpipe.models.spec import layer_param_count, resolve_model
+
+    spec = resolve_model("tiny")
+    layer = 12.0 * layer_param_count(spec)       # parameter + two AdamW moments, fp32
+    dp4 = Plan(1, 1, 1, 4, (4,), "1f1b", 2, 1)
+    assert moved_bytes(dp4, Plan(1, 2, 2, 1, (2, 2), "1f1b", 8, 1), spec) == 0   # replicas
+    resplit = moved_bytes(Plan(1, 1, 2, 1, (2, 2), "1f1b", 8, 1),
+                          Plan(1, 1, 2, 1, (3, 1), "1f1b", 8, 1), spec)
+    assert resplit == layer                      # rank 0 gains layer 2, rank 1 gains nothing
+    assert moved_bytes(Plan(1, 1, 2, 1, (2, 2), "1f1b", 8, 1), dp4, spec) > 2 * layer

@@ -22,7 +22,7 @@ from pathlib import Path
 from commpipe.adapt.candidates import candidates
 from commpipe.adapt.detect import Detector
 from commpipe.adapt.model import CostModel, Measured
-from commpipe.adapt.plan import Plan, payback
+from commpipe.adapt.plan import Plan, moved_bytes, payback
 from commpipe.adapt.signals import (
     CollectiveTimer,
     collective_rates,
@@ -30,7 +30,6 @@ from commpipe.adapt.signals import (
     rank_summary,
     step_signals,
 )
-from commpipe.models.spec import param_count
 
 # before the first switch of a kind is measured: seconds to rebuild stages (and, for a layout
 # change, process groups) on top of moving the state; replaced by the measured time afterwards
@@ -168,7 +167,7 @@ class Controller:
                 continue
             kind = cur.kind_of_switch(plan)
             rows.append({"plan": plan, "kind": kind, "predicted_ms": ms,
-                         "switch_cost_s": self.switch_cost(kind, model, spec)})
+                         "switch_cost_s": self.switch_cost(cur, plan, model, spec)})
         steps_left = cfg.steps - trainer.step
         a = self.acfg
         for r in rows:
@@ -201,20 +200,21 @@ class Controller:
             "switch_cost_s": best["switch_cost_s"], "reason": verdict.reason,
         }
 
-    def switch_cost(self, kind: str, model: CostModel, spec) -> float:
-        """Fixed (--adapt-switch-cost), else the last measured switch of this kind, else moving
-        the full state (parameters and two AdamW moments, fp32) to every rank plus a rebuild
-        allowance. Bulk data moves at about the best rate a link showed (small activation
-        messages measure latency more than bandwidth), so that rate is used."""
+    def switch_cost(self, cur: Plan, plan: Plan, model: CostModel, spec) -> float:
+        """Fixed (--adapt-switch-cost), else the last measured switch of this kind, else a
+        rebuild allowance plus moving what the busiest rank lacks (parameters and two AdamW
+        moments, fp32; DP replicas and TP groups already hold full copies of their stages).
+        Bulk data moves at about the best rate a link showed (small activation messages
+        measure latency more than bandwidth), so that rate is used."""
+        kind = cur.kind_of_switch(plan)
         if self.acfg.switch_cost_s is not None:
             return self.acfg.switch_cost_s
         if kind in self.measured_cost:
             return self.measured_cost[kind]
-        state_bytes = 12.0 * param_count(spec)
         rates = [bw for _, bw in model.m.links.values() if bw]
         best = max(rates) if rates else min(model.class_gbps("intra_node"),
                                              model.class_gbps("inter_node"))
-        return BASE_SWITCH_S[kind] + self.world * state_bytes / (best * 1e9)
+        return BASE_SWITCH_S[kind] + moved_bytes(cur, plan, spec) / (best * 1e9)
 
     # -- switching (collective) -------------------------------------------------------------------
     def _switch(self, trainer, decision: dict, metrics_file):

@@ -148,9 +148,10 @@ def run_adaptive_demo(out, sc: Scenario | None = None, log=print) -> dict:
                          prefix="cpad") as cluster:
         plan = [(sc.blip[0], sc.slow_mbit), (sc.blip[1], sc.fast_mbit),
                 (sc.degrade_step, sc.slow_mbit)]
+        blip = f"step {sc.blip[0]}" if sc.blip[1] - sc.blip[0] == 1 else \
+            f"steps {sc.blip[0]}-{sc.blip[1] - 1}"
         log(f"adaptive: {sc.start} with --adapt; link of node {sc.node} {sc.fast_mbit:g} Mbit/s, "
-            f"blip to {sc.slow_mbit:g} at steps {sc.blip[0]}-{sc.blip[1] - 1}, lasting from "
-            f"step {sc.degrade_step}")
+            f"blip to {sc.slow_mbit:g} at {blip}, lasting from step {sc.degrade_step}")
         applied = _run(cluster, sc, out / "adaptive", sc.start, True, plan, 29611)
         cluster.set_rate(sc.node, sc.fast_mbit)
         log("static: the same scenario, controller off")

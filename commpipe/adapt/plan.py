@@ -71,6 +71,34 @@ class Plan:
         return new.resolve(self.tp * self.cp * self.pp * self.dp)
 
 
+def held_parts(plan: Plan, rank: int) -> set:
+    """The model parts rank holds under `plan` (full tensors once its TP group gathers them):
+    ("layer", i), ("embedding",), ("head",)."""
+    from commpipe.parallel.dims import ParallelDims
+
+    dims = ParallelDims(dp=plan.dp, pp=plan.pp, cp=plan.cp, tp=plan.tp)
+    stage = dims.coords(rank)["pp"]
+    start = sum(plan.stage_layers[:stage])
+    parts = {("layer", i) for i in range(start, start + plan.stage_layers[stage])}
+    if stage == 0:
+        parts.add(("embedding",))
+    if stage == plan.pp - 1:
+        parts.add(("head",))
+    return parts
+
+
+def moved_bytes(cur: Plan, new: Plan, spec) -> float:
+    """The most bytes any rank must receive to switch from `cur` to `new`: parameters and two
+    AdamW moments (fp32) of the parts it will hold and does not hold now."""
+    from commpipe.models.spec import layer_param_count
+
+    size = {"layer": 12.0 * layer_param_count(spec), "embedding": 12.0 * spec.vocab * spec.hidden,
+            "head": 12.0 * (spec.vocab * spec.hidden + spec.hidden)}
+    world = cur.tp * cur.cp * cur.pp * cur.dp
+    return max(sum(size[p[0]] for p in held_parts(new, r) - held_parts(cur, r))
+               for r in range(world))
+
+
 @dataclass
 class Verdict:
     admit: bool
