@@ -256,3 +256,27 @@ def test_tp_overlap_hides_collectives_behind_gemms():
     head_f = plain.tp_f[0] - 4 * 2 * one                 # embedding and head collectives, unchanged
     assert hidden.tp_f[0] - head_f == pytest.approx(4 * max(0.0, 2 * one - gemm), rel=1e-9)
     assert hidden.tp_f[0] < plain.tp_f[0]
+
+
+def test_public_runs_file_is_complete():
+    # benchmarks/data/public_runs.csv: every row cites where it comes from, states a layout that is
+    # valid for its model and GPU count, and carries one measured rate; three or more sources
+    import csv
+    from pathlib import Path
+
+    from commpipe.plan.layout import layout_problem
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "public_runs.csv"
+    rows = list(csv.DictReader(open(path, newline="")))
+    assert len({r["source"] for r in rows}) >= 3 and len(rows) >= 20
+    models = {"gpt3-5b", "gpt3-20b", "gpt3-175b", "llama2-7b", "llama2-13b", "llama2-70b"}
+    for r in rows:
+        assert r["where"] and (r["measured_tokens_per_s_per_gpu"] or r["measured_tflops_per_gpu"])
+        if r["model"] in models:
+            continue
+        tp, cp, pp, gpus = (int(r[k]) for k in ("tp", "cp", "pp", "gpus"))
+        vpp = int(r["vpp"] or 1)
+        lay = Layout(tp, cp, pp, gpus // (tp * cp * pp), vpp, int(r["micro_batch_size"] or 1),
+                     "interleaved" if vpp > 1 else "1f1b")
+        assert layout_problem(resolve_model(r["model"]), Job(int(r["global_batch"]), int(r["seq_len"])),
+                              lay, gpus) is None, r["where"]
