@@ -144,6 +144,8 @@ class LMHead(nn.Module):
 class Blip(nn.Module):
     """The whole captioner, or the contiguous slice of its layers one pipeline stage holds."""
 
+    io_dict = True   # takes and returns dicts named by its StageIO (commpipe.runtime.executor)
+
     def __init__(self, spec: BlipSpec, layer_ids=None):
         super().__init__()
         spec.validate()

@@ -12,7 +12,7 @@ MLP). A pipeline cuts this sequence anywhere; `stage_io` says what then crosses 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from commpipe.models.boundary import StageIO, TensorDesc, check_counts
 
@@ -55,6 +55,9 @@ class BlipSpec:
     def image_tokens(self) -> int:
         """Patches plus the [CLS] token: the length of the image features."""
         return self.patches + 1
+
+    def to_dict(self) -> dict:
+        return {"arch": self.arch} | {f.name: getattr(self, f.name) for f in fields(self)}
 
     def is_encoder_layer(self, i: int) -> bool:
         return i < self.enc_layers

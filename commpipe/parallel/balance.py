@@ -128,3 +128,15 @@ def blip_layer_costs(spec, how: str = "flops", micro_batch: int = 4, repeats: in
     ios = stage_io(spec, [1] * spec.layers, micro_batch)
     return measure_layer_costs(modules, ios, data,
                                lambda out, d: caption_loss_sum(out["logits"], d["labels"]), repeats)
+
+
+def llama_layer_costs(spec, seq_len: int) -> list[float]:
+    """Forward FLOPs per token of each LLaMA layer, the vocabulary head charged to the last
+    layer (whose stage runs it): the layers are identical, so balancing only moves the head's
+    share (commpipe.models.spec.flops_per_token's accounting)."""
+    h = spec.hidden
+    layer = 2 * h * (h + 2 * spec.kv_dim) + 2 * 2 * seq_len * h + 2 * h * h \
+        + 2 * 3 * h * spec.ffn_hidden
+    costs = [float(layer)] * spec.layers
+    costs[-1] += 2 * h * spec.vocab
+    return costs

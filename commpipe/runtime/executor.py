@@ -8,6 +8,12 @@ Every action of the rank's list runs in order:
 Receives are posted in the order commpipe.schedules.order gives (on NCCL and in strict-order mode
 one sequence per rank pair that both sides agree on). Stage boundaries carry `act_dtype` (bf16
 under bf16 autocast); a received input widens to fp32 and the loss runs in fp32.
+What crosses each boundary comes from the stages' descriptions (`commpipe.models.boundary.
+StageIO`, one per virtual stage): the tensors a stage sends travel packed in one message per
+(boundary, micro-batch), in description order, and their gradients come back packed the same
+way, so a decoder stage can receive text hidden states and image features together. Stages
+take and return dicts named as in the descriptions (a module with `io_dict = True`); a plain
+LLaMA stage `stage(x, positions) -> tensor` is called through a thin adapter.
 Stages on the same rank (the turn of a V schedule) hand tensors over locally. Communication goes
 through the chokepoint (`Comm`); nothing here calls torch.distributed.
 """
@@ -19,6 +25,7 @@ from contextlib import nullcontext
 
 import torch
 
+from commpipe.models.boundary import StageIO, TensorDesc
 from commpipe.parallel.comm import Comm
 from commpipe.runtime.weight_grad import WeightGradStore, enable_weight_grad_split
 from commpipe.schedules.actions import Action, Program, lower
@@ -29,7 +36,8 @@ from commpipe.timeline import Event
 
 class PipelineRuntime:
     def __init__(self, program: Program, stages: dict, comm: Comm, loss_fn,
-                 act_shape: tuple[int, ...], device: torch.device, act_dtype=torch.float32,
+                 stage_io: list[StageIO] | tuple[int, ...], device: torch.device,
+                 act_dtype=torch.float32,
                  autocast_dtype=None, on_compute=None, forward_only: bool = False,
                  posting: list[list[int]] | None = None):
         self.program = program if program.is_lowered else lower(program)
@@ -38,7 +46,9 @@ class PipelineRuntime:
         self.stages = stages
         self.comm = comm
         self.loss_fn = loss_fn
-        self.act_shape, self.act_dtype, self.device = act_shape, act_dtype, device
+        self.act_dtype, self.device = act_dtype, device
+        # a bare shape (one hidden-state tensor at every boundary) is still accepted
+        self.stage_io = as_stage_io(stage_io, self.program.num_stages)
         self.autocast_dtype = autocast_dtype
         self.pp_rank = comm.local_rank("pp")
         self.actions = self.program.actions[self.pp_rank]
@@ -82,14 +92,61 @@ class PipelineRuntime:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def run_step(self, tokens: list[torch.Tensor], labels: list[torch.Tensor],
-                 positions: torch.Tensor, loss_scale: float, step: int = 0) -> torch.Tensor:
-        """Run one step's program; returns the summed scaled loss of the micro-batches whose
-        last stage is on this rank (0 elsewhere). Gradients accumulate in the stage params."""
-        with torch.set_grad_enabled(not self.forward_only):
-            return self._run_actions(tokens, labels, positions, loss_scale, step)
+    def _message(self, kind: str, stage: int) -> tuple[TensorDesc, ...]:
+        """What travels to `stage` (kind F: its inputs) or back from `stage` (kind B: the
+        gradients of the tensors it sent), in packing order."""
+        if kind == "F":
+            return self.stage_io[stage].recv
+        return tuple(d for d in self.stage_io[stage].send if d.has_grad)
 
-    def _run_actions(self, tokens, labels, positions, loss_scale, step):
+    def _pack(self, tensors: dict, descs: tuple[TensorDesc, ...]) -> torch.Tensor:
+        """One buffer per message: a lone tensor as it is, several flattened and concatenated."""
+        missing = [d.name for d in descs if d.name not in tensors]
+        if missing:
+            raise RuntimeError(f"a stage boundary expects {[d.name for d in descs]} but the "
+                               f"stage produced {sorted(tensors)}; its StageIO does not match "
+                               "the stage module")
+        parts = [tensors[d.name].detach().to(self.act_dtype) for d in descs]
+        for d, t in zip(descs, parts):
+            if tuple(t.shape) != tuple(d.shape):
+                raise RuntimeError(f"boundary tensor {d.name!r} has shape {tuple(t.shape)}, its "
+                                   f"description says {d.shape}")
+        if len(parts) == 1:
+            return parts[0]
+        return torch.cat([t.reshape(-1) for t in parts])
+
+    @staticmethod
+    def _unpack(buf: torch.Tensor, descs: tuple[TensorDesc, ...]) -> dict:
+        if len(descs) == 1:
+            return {descs[0].name: buf.view(descs[0].shape)}
+        out, start = {}, 0
+        for d in descs:
+            n = _numel(d)
+            out[d.name] = buf[start:start + n].view(d.shape)
+            start += n
+        return out
+
+    def _forward(self, s: int, received: dict, batch: dict, positions) -> dict:
+        """Stage s on its received tensors and the batch fields its description lists."""
+        module = self.stages[s]
+        if getattr(module, "io_dict", False):
+            fields = {d.name: batch[d.name] for d in self.stage_io[s].data if d.name != "labels"}
+            return module(**received, **fields)
+        x = batch["tokens"] if s == 0 else received["hidden"]   # a LLaMA stage
+        return {"logits" if s == self.last_stage else "hidden": module(x, positions)}
+
+    def run_step(self, tokens: list, labels: list | None, positions: torch.Tensor | None,
+                 loss_scale: float, step: int = 0) -> torch.Tensor:
+        """Run one step's program; returns the summed scaled loss of the micro-batches whose
+        last stage is on this rank (0 elsewhere). Gradients accumulate in the stage params.
+        `tokens[m]`: micro-batch m's token ids with `labels[m]` its labels, or a dict of its
+        batch fields (pixels, tokens, labels, ...; `labels` unused then)."""
+        batches = [t if isinstance(t, dict) else {"tokens": t, "labels": labels[m]}
+                   for m, t in enumerate(tokens)]
+        with torch.set_grad_enabled(not self.forward_only):
+            return self._run_actions(batches, positions, loss_scale, step)
+
+    def _run_actions(self, batches, positions, loss_scale, step):
         recvs, sends = {}, []
         inputs, outputs, grads_to_send = {}, {}, {}
         local_fwd, local_bwd, deferred = {}, {}, {}
@@ -119,7 +176,9 @@ class PipelineRuntime:
             return value
 
         def post(a):
-            buf = torch.empty(self.act_shape, dtype=self.act_dtype, device=self.device)
+            descs = self._message(a.op[-1], a.stage)
+            shape = descs[0].shape if len(descs) == 1 else (sum(_numel(d) for d in descs),)
+            buf = torch.empty(shape, dtype=self.act_dtype, device=self.device)
             src = a.stage - 1 if a.op == "RECV_F" else a.stage + 1
             tag = self._tag(a.op[-1], min(a.stage, src), a.microbatch)
             recvs[(a.op[-1], a.stage, a.microbatch)] = self.comm.irecv(buf, self._peer(src), tag=tag)
@@ -133,25 +192,29 @@ class PipelineRuntime:
             if a.op == "SEND_F":
                 out = outputs.pop((s, m)) if self.forward_only else outputs[(s, m)]
                 # stage boundaries carry the activation dtype (bf16 under autocast)
-                sends.append(self.comm.isend(out.detach().to(self.act_dtype), self._peer(s + 1),
-                                             tag=self._tag("F", s, m)))
+                sends.append(self.comm.isend(self._pack(out, self._message("F", s + 1)),
+                                             self._peer(s + 1), tag=self._tag("F", s, m)))
                 continue
             if a.op == "SEND_B":
-                sends.append(self.comm.isend(grads_to_send.pop((s, m)), self._peer(s - 1),
-                                             tag=self._tag("B", s - 1, m)))
+                sends.append(self.comm.isend(self._pack(grads_to_send.pop((s, m)),
+                                                        self._message("B", s - 1)),
+                                             self._peer(s - 1), tag=self._tag("B", s - 1, m)))
                 continue
 
             # compute actions: inputs are gathered first so the timed interval excludes waits
             if a.op == "F":
-                if s == 0:
-                    x = tokens[m]
-                else:
-                    x = wait(("F", s, m), a) if ("F", s, m) in recvs else local_fwd.pop((s, m))
-                    x = x.detach()
+                x = {}
+                if s > 0:
+                    x = self._unpack(wait(("F", s, m), a), self._message("F", s)) \
+                        if ("F", s, m) in recvs else local_fwd.pop((s, m))
+                    x = {k: v.detach() for k, v in x.items()}
                     if not self.forward_only:
-                        inputs[(s, m)] = x.requires_grad_(True)
+                        for d in self.stage_io[s].recv:
+                            x[d.name].requires_grad_(d.has_grad)
+                        inputs[(s, m)] = x
             elif a.op in ("B", "I") and s != self.last_stage:
-                grad = wait(("B", s, m), a) if ("B", s, m) in recvs else local_bwd.pop((s, m))
+                grad = self._unpack(wait(("B", s, m), a), self._message("B", s)) \
+                    if ("B", s, m) in recvs else local_bwd.pop((s, m))
             mark = torch.profiler.record_function(str(a)) if self.annotate else None
             if mark is not None:
                 mark.__enter__()
@@ -160,14 +223,16 @@ class PipelineRuntime:
                 with self._autocast():
                     # a received input widens to fp32, the dtype of the embedding's output, so
                     # the residual stream is fp32 on every stage, as on one device
-                    out = self.stages[s](x if s == 0 else x.float(), positions)
+                    out = self._forward(s, {k: v.float() for k, v in x.items()}, batches[m],
+                                        positions)
                 if s == self.last_stage:            # the loss in fp32, outside autocast
-                    out = self.loss_fn(out, labels[m]) * loss_scale
+                    out = self.loss_fn(out["logits"], batches[m]["labels"]) * loss_scale
                     loss_total = loss_total + out.detach()
                 local_next = (s != self.last_stage
                               and self.program.rank_of(s + 1) == self.program.rank_of(s))
                 if local_next:
-                    local_fwd[(s + 1, m)] = out.detach().to(self.act_dtype)
+                    local_fwd[(s + 1, m)] = {d.name: out[d.name].detach().to(self.act_dtype)
+                                             for d in self.stage_io[s].send}
                 if not self.forward_only or not (local_next or s == self.last_stage):
                     outputs[(s, m)] = out  # kept for its backward, or until its SEND_F
             elif a.op in ("B", "I"):
@@ -176,12 +241,20 @@ class PipelineRuntime:
                 if s == self.last_stage:
                     out.backward()
                 else:
-                    torch.autograd.backward(out, grad.to(out.dtype))
+                    # every sent tensor that carries a gradient, e.g. text hidden states and
+                    # the image features a decoder stage passes on (autograd adds that
+                    # gradient to the one of its own cross-attention)
+                    sent = [(out[d.name], grad[d.name]) for d in self.stage_io[s].send
+                            if d.has_grad and out[d.name].requires_grad]
+                    torch.autograd.backward([t for t, _ in sent],
+                                            [g.to(t.dtype) for t, g in sent])
                 self.wstore.deferring = False
                 if a.op == "I":
                     deferred[(s, m)] = self.wstore.take()
                 if s > 0:
-                    g = inputs.pop((s, m)).grad
+                    received = inputs.pop((s, m))
+                    g = {d.name: _grad_of(received[d.name]) for d in self.stage_io[s].recv
+                         if d.has_grad}
                     if self.program.rank_of(s - 1) == self.program.rank_of(s):
                         local_bwd[(s - 1, m)] = g
                     else:
@@ -212,3 +285,39 @@ class PipelineRuntime:
                                f"receives {list(recvs)}, outputs {list(outputs)}, "
                                f"deferred W {list(deferred)}")
         return loss_total
+
+
+def _numel(d: TensorDesc) -> int:
+    n = 1
+    for k in d.shape:
+        n *= k
+    return n
+
+
+def _grad_of(t: torch.Tensor) -> torch.Tensor:
+    """The gradient of a received tensor; zeros when the stage did not use it."""
+    return t.grad if t.grad is not None else torch.zeros_like(t)
+
+
+def as_stage_io(stage_io, num_stages: int) -> list[StageIO]:
+    """Stage descriptions, checked to chain (each stage receives what the one before sends);
+    a bare activation shape stands for one hidden-state tensor at every boundary."""
+    if stage_io and isinstance(stage_io[0], int):
+        hidden = (TensorDesc("hidden", tuple(stage_io), "float32"),)
+        tokens = (TensorDesc("tokens", tuple(stage_io[:2]), "int64"),)
+        labels = (TensorDesc("labels", tuple(stage_io[:2]), "int64"),)
+        last = num_stages - 1
+        stage_io = [StageIO(s, range(0), (tokens if s == 0 else ()) + (labels if s == last else ()),
+                            hidden if s > 0 else (), hidden if s < last else ())
+                    for s in range(num_stages)]
+    stage_io = list(stage_io)
+    if len(stage_io) != num_stages:
+        raise ValueError(f"{len(stage_io)} stage descriptions for a program of {num_stages} "
+                         "stages; give one StageIO per virtual stage")
+    for s in range(num_stages - 1):
+        sent = [d.name for d in stage_io[s].send]
+        got = [d.name for d in stage_io[s + 1].recv]
+        if sent != got or [d.shape for d in stage_io[s].send] != [d.shape for d in stage_io[s + 1].recv]:
+            raise ValueError(f"stage {s} sends {stage_io[s].send} but stage {s + 1} expects "
+                             f"{stage_io[s + 1].recv}")
+    return stage_io

@@ -29,12 +29,14 @@ def add_layout_arguments(p) -> None:
     g.add_argument("--vpp", type=int, default=1, help="model chunks per pipeline rank "
                    "(interleaved schedule)")
     g.add_argument("--stage-layers", default=None,
-                   help="explicit layers per pipeline stage, e.g. 3,3,2 (default: even split)")
+                   help="explicit layers per pipeline stage, e.g. 3,3,2 (default: even split); "
+                        "auto: balanced by predicted FLOPs per layer; auto:measured (blip "
+                        "models): by a short per-layer forward+backward profile")
 
 
 def add_arguments(p) -> None:
     p.add_argument("--preset", "--model", dest="model", default="tiny",
-                   help="model preset (tiny, small, llama3-8b, ...) or fields "
+                   help="model preset (tiny, small, llama3-8b, blip-tiny, blip-base, ...) or fields "
                         "arch=llama,layers=..,hidden=..,heads=..,vocab=..")
     add_layout_arguments(p)
     g = p.add_argument_group("batch")
@@ -100,7 +102,9 @@ def add_arguments(p) -> None:
 
 def config_from_args(args) -> TrainConfig:
     stage_layers = None
-    if args.stage_layers:
+    if args.stage_layers and args.stage_layers.startswith("auto"):
+        stage_layers = args.stage_layers          # checked by TrainConfig.set_balanced_split
+    elif args.stage_layers:
         try:
             stage_layers = [int(x) for x in args.stage_layers.split(",")]
         except ValueError:

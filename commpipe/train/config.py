@@ -7,6 +7,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from commpipe.adapt.config import AdaptConfig, SlowRank
+from commpipe.models.blip_spec import is_blip
 from commpipe.models.spec import ModelSpec, resolve_model, with_vocab
 from commpipe.parallel.dims import ParallelDims
 
@@ -35,7 +36,7 @@ class TrainConfig:
     seq_len: int = 64
     steps: int = 10
     seed: int = 0
-    stage_layers: list[int] | None = None
+    stage_layers: list[int] | str | None = None   # counts, or "auto" / "auto:measured"
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: str | None = None
     tokenizer: str | None = None      # a tokenizer.json for --data (default: the one in DIR)
@@ -59,10 +60,16 @@ class TrainConfig:
 
     # filled by resolve()
     spec: ModelSpec | None = None
+    stage_balance: dict | None = None  # --stage-layers auto: costs, split, predicted stage costs
 
     def resolve(self, world_size: int | None = None) -> TrainConfig:
         """Derive micro-batches / global batch and validate everything that can be checked
         without starting processes. Raises ValueError naming the fix."""
+        if is_blip(self.model):    # the BLIP-style captioner (commpipe.train.multimodal)
+            from commpipe.train.multimodal import resolve_blip_config
+
+            resolve_blip_config(self, world_size)
+            return self
         spec = resolve_model(self.model)
         if self.vocab:
             spec = with_vocab(spec, self.vocab)
@@ -73,6 +80,17 @@ class TrainConfig:
         d = self.dims
         if self.vpp < 1:
             raise ValueError(f"vpp={self.vpp} must be >= 1")
+        if isinstance(self.stage_layers, str):
+            from commpipe.parallel.balance import llama_layer_costs
+
+            if self.stage_layers == "auto:measured":
+                raise ValueError("--stage-layers auto:measured profiles the layers of blip models; "
+                                 "LLaMA's layers are identical, use --stage-layers auto")
+            if self.schedule.endswith(".csv"):
+                raise ValueError("--stage-layers auto needs a named schedule (the stage count of "
+                                 "a CSV is known once loaded); give explicit counts")
+            self.set_balanced_split(llama_layer_costs(spec, self.seq_len),
+                                    d.pp * self._stage_multiplier(), "flops")
         if not self.schedule.endswith(".csv"):  # a CSV's stage count is known once loaded
             d.check_model(spec, self.seq_len, self.stage_layers, self._stage_multiplier())
         b = self.micro_batch_size
@@ -162,6 +180,31 @@ class TrainConfig:
             raise ValueError(f"schedule {self.schedule} runs {prog.microbatches} micro-batches, "
                              f"training has {self.microbatches}")
         return prog
+
+    def set_balanced_split(self, costs: list[float], stages: int, source: str) -> None:
+        """--stage-layers auto: contiguous stages minimizing the slowest one (parallel.balance)
+        from per-layer costs (`source`: flops = forward FLOPs per sample, predicted; measured =
+        seconds of forward + backward per micro-batch); the split and its predicted stage costs
+        are kept in stage_balance (config.json) beside the even split's."""
+        from commpipe.parallel.balance import balance, stage_costs
+        from commpipe.parallel.dims import split_layers
+
+        wanted = self.stage_layers if isinstance(self.stage_layers, str) else \
+            "auto:" + (self.stage_balance or {}).get("wanted", "flops")
+        if wanted not in ("auto", "auto:flops", "auto:measured"):
+            raise ValueError(f"--stage-layers {wanted!r}: use counts like 3,3,2, auto (balanced "
+                             "by predicted FLOPs) or auto:measured (by a per-layer profile)")
+        if stages > len(costs):
+            raise ValueError(f"{stages} pipeline stages exceed the model's {len(costs)} layers")
+        split = balance(costs, stages)
+        even = [len(r) for r in split_layers(len(costs), stages)]
+        self.stage_layers = split
+        self.stage_balance = {
+            "from": source, "wanted": "measured" if wanted == "auto:measured" else "flops",
+            "unit": "forward FLOPs per sample" if source == "flops" else "s fwd+bwd per micro-batch",
+            "layer_costs": [float(c) for c in costs], "split": split,
+            "predicted_stage_costs": stage_costs(costs, split),
+            "even_split": even, "even_stage_costs": stage_costs(costs, even)}
 
     def to_dict(self) -> dict:
         d = asdict(self)

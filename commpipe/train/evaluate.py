@@ -33,12 +33,12 @@ def evaluate(trainer) -> float:
     identical on every rank."""
     cfg, comm = trainer.cfg, trainer.comm
     dp_rank, dp_size = comm.local_rank("dp"), comm.size("dp")
-    scale = 1.0 / (cfg.global_batch * cfg.seq_len)   # each batch's loss is a token mean
     total = torch.zeros((), dtype=torch.float64, device=trainer.device)
     batches = 0
-    for inputs, labels in trainer.source.validation(cfg.global_batch, dp_rank, dp_size,
-                                                    max_batches=cfg.eval_batches):
-        mb_inputs, mb_labels, positions = trainer.shard_batch(inputs, labels)
+    for batch in trainer.source.validation(cfg.global_batch, dp_rank, dp_size,
+                                           max_batches=cfg.eval_batches):
+        # each batch's loss is a mean over its (labelled) tokens
+        mb_inputs, mb_labels, positions, scale = trainer.prepare_batch(batch)
         total += trainer.forward_runner.run_step(mb_inputs, mb_labels, positions, scale).double()
         batches += 1
     if batches == 0:

@@ -20,10 +20,12 @@ from pathlib import Path
 import torch
 
 from commpipe.adapt.plan import layout_label
+from commpipe.models.boundary import llama_stage_io
 from commpipe.models.spec import flops_per_token
 from commpipe.parallel.comm import Comm, init_distributed
 from commpipe.parallel.context import apply_cp, cp_positions, cp_split
 from commpipe.parallel.data import GradReducer, Zero1, clip_grad_norm_
+from commpipe.parallel.dims import split_layers
 from commpipe.parallel.pipeline import build_stages
 from commpipe.parallel.tensor import apply_tp, make_loss_fn
 from commpipe.runtime.executor import PipelineRuntime
@@ -34,6 +36,34 @@ from commpipe.train.failures import StopSignals, TrainingDiverged, check_finite_
 from commpipe.train.source import check_vocab, make_source
 
 TRACE_STEPS = 5   # --trace keeps the timeline of the last five steps (bounded in long runs)
+
+
+def step_flops(cfg: TrainConfig) -> float:
+    """Model FLOPs of one optimizer step (forward + backward)."""
+    if cfg.spec.arch == "blip":
+        from commpipe.models.blip_spec import flops_per_sample
+
+        return float(flops_per_sample(cfg.spec, cfg.seq_len) * cfg.global_batch)
+    return flops_per_token(cfg.spec, cfg.seq_len) * cfg.global_batch * cfg.seq_len
+
+
+def stage_counts(cfg: TrainConfig) -> list[int]:
+    """Layers per virtual stage of the run's split."""
+    return [len(r) for r in split_layers(cfg.spec.layers, cfg.program().num_stages,
+                                         cfg.stage_layers)]
+
+
+def format_balance(b: dict) -> str:
+    """--stage-layers auto: the chosen split and the predicted stage costs, beside the even
+    split's (costs in b["unit"], shares of the total in brackets)."""
+    total = sum(b["predicted_stage_costs"]) or 1.0
+
+    def costs(xs):
+        return ", ".join(f"{x:.3g} ({x / total:.0%})" for x in xs)
+
+    return (f"stage layers auto (by {b['from']}): split {b['split']}, predicted stage costs "
+            f"[{costs(b['predicted_stage_costs'])}] {b['unit']}; even split {b['even_split']}: "
+            f"[{costs(b['even_stage_costs'])}]")
 
 
 def pick_device(name: str) -> torch.device:
@@ -104,19 +134,25 @@ class Trainer:
         spec = cfg.spec
         program = cfg.program()
         pp_rank = comm.local_rank("pp")
-        stages = build_stages(spec, program, pp_rank, cfg.seed, cfg.stage_layers, device)
-        for module in stages.values():
-            apply_tp(module, comm)
-            apply_cp(module, comm)
-        last = stages.get(program.num_stages - 1)
-        loss_fn = make_loss_fn(comm, last.output if last is not None else None)
-        params = [p for s in sorted(stages) for p in stages[s].parameters()]
-        seq_local = cfg.seq_len // cfg.dims.cp
         # bf16: autocast, with stage boundaries (pipeline buffers) in bf16 too
         autocast = torch.bfloat16 if cfg.precision == "bf16" else None
         act_dtype = autocast or torch.float32
-        runtime = PipelineRuntime(program, stages, comm, loss_fn,
-                                  (cfg.micro_batch_size, seq_local, spec.hidden), device,
+        if spec.arch == "blip":   # vision encoder + text decoder (commpipe.train.multimodal)
+            from commpipe.train.multimodal import build_blip
+
+            stages, loss_fn, stage_io = build_blip(cfg, comm, program, device, act_dtype)
+        else:
+            stages = build_stages(spec, program, pp_rank, cfg.seed, cfg.stage_layers, device)
+            for module in stages.values():
+                apply_tp(module, comm)
+                apply_cp(module, comm)
+            last = stages.get(program.num_stages - 1)
+            loss_fn = make_loss_fn(comm, last.output if last is not None else None)
+            seq_local = cfg.seq_len // cfg.dims.cp
+            stage_io = llama_stage_io(spec, stage_counts(cfg), cfg.micro_batch_size, seq_local,
+                                      str(act_dtype).removeprefix("torch."))
+        params = [p for s in sorted(stages) for p in stages[s].parameters()]
+        runtime = PipelineRuntime(program, stages, comm, loss_fn, stage_io, device,
                                   act_dtype=act_dtype, autocast_dtype=autocast)
         optimizer = make_optimizer(params, cfg, comm)
         if source is None:
@@ -126,7 +162,7 @@ class Trainer:
         trainer = cls(cfg, comm, stages, runtime, optimizer, GradReducer(params, comm), params,
                       source, device)
         trainer.forward_runner = PipelineRuntime(forward_program(program), stages, comm, loss_fn,
-                                                 runtime.act_shape, device, act_dtype=act_dtype,
+                                                 runtime.stage_io, device, act_dtype=act_dtype,
                                                  autocast_dtype=autocast, forward_only=True)
         trainer.named_params = [(n, p) for s in sorted(stages) for n, p in stages[s].named_parameters()]
         # --trace on CPU: the monitor times every call and writes OUT/trace/rank{r}.json with
@@ -153,12 +189,9 @@ class Trainer:
     def train_step(self) -> dict:
         cfg, comm = self.cfg, self.comm
         t0 = time.perf_counter()
-        inputs, labels = self.source.batch(self.step, cfg.global_batch, comm.local_rank("dp"),
-                                           comm.size("dp"))
-        mb_inputs, mb_labels, positions = self.shard_batch(inputs, labels)
-        # every micro-batch loss is divided by the tokens of the whole global batch, so that
-        # gradients simply add up across micro-batches, CP chunks and DP ranks
-        scale = 1.0 / (cfg.global_batch * cfg.seq_len)
+        batch = self.source.batch(self.step, cfg.global_batch, comm.local_rank("dp"),
+                                  comm.size("dp"))
+        mb_inputs, mb_labels, positions, scale = self.prepare_batch(batch)
         lr = lr_at(self.step, cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -178,7 +211,7 @@ class Trainer:
         comm.all_reduce(loss_t, "pp")  # non-last stages contribute 0: every rank learns it
         step_time = time.perf_counter() - t0
         tokens = cfg.global_batch * cfg.seq_len
-        flops = flops_per_token(cfg.spec, cfg.seq_len) * tokens
+        flops = step_flops(cfg)
         record = {
             "step": self.step, "loss": loss_t.item(), "grad_norm": grad_norm, "lr": lr,
             "step_time_s": step_time, "tokens_per_s": tokens / step_time,
@@ -192,6 +225,18 @@ class Trainer:
             self.monitor.end_step(self.step)
         self.step += 1
         return record
+
+    def prepare_batch(self, batch):
+        """Micro-batches of a DP-local batch and the loss scale. Every micro-batch loss is
+        divided by the tokens of the whole global batch (for captions: its labelled tokens,
+        counted over DP), so gradients simply add up across micro-batches, CP chunks and DP."""
+        cfg = self.cfg
+        if isinstance(batch, dict):   # image-caption batches (commpipe.train.multimodal)
+            from commpipe.train.multimodal import labelled_tokens, split_batch
+
+            return (split_batch(batch, cfg.micro_batch_size, self.device), None, None,
+                    1.0 / labelled_tokens(batch, self.comm))
+        return (*self.shard_batch(*batch), 1.0 / (cfg.global_batch * cfg.seq_len))
 
     def shard_batch(self, inputs: torch.Tensor, labels: torch.Tensor):
         """This rank's CP slice of a DP-local batch [B/dp, s], cut into micro-batches."""
@@ -246,6 +291,8 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
     trainer = Trainer.build(cfg, comm, source)
     comm = trainer.comm
     say = log if (log and comm.rank == 0) else (lambda *_: None)
+    if cfg.stage_balance:
+        say(format_balance(cfg.stage_balance))
     out = Path(cfg.out) if cfg.out else None
     ckpt_root = checkpoint.checkpoints_dir(out) if out else None
     start = checkpoint.resolve_resume(cfg)

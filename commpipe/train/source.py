@@ -32,7 +32,12 @@ def open_data(cfg, world_size: int):
     multi-process job only reads, so no two ranks race to write the same cache.
     """
     from commpipe import data
+    from commpipe.models.blip_spec import is_blip
 
+    if is_blip(cfg.model):   # image-caption pairs in the COCO captions layout
+        from commpipe.train.multimodal import open_coco
+
+        return open_coco(cfg, world_size)
     source = data.open_source(cfg.data, seq_len=cfg.seq_len, seed=cfg.seed,
                               tokenizer=cfg.tokenizer, vocab_size=cfg.vocab_size,
                               build=world_size == 1, progress=False if world_size > 1 else None)
@@ -47,6 +52,10 @@ def make_source(cfg, spec: ModelSpec):
     """A batch source with `batch(step, global_batch, dp_rank, dp_size) -> (inputs, labels)`."""
     from commpipe import data
 
+    if spec.arch == "blip":
+        from commpipe.train.multimodal import make_blip_source
+
+        return make_blip_source(cfg)
     if cfg.data:
         world = cfg.dims.world_size
         source = data.open_source(cfg.data, seq_len=cfg.seq_len, seed=cfg.seed,
