@@ -11,8 +11,11 @@ an independent completion observation right after the op is issued:
   through `is_completed()` before someone waits on them, and have no future (torch 2.13:
   "Work::getFuture not implemented"), so polling cannot see them; and a gloo send or receive
   may be waited on only once, so the consumer's `Handle.wait()` then waits for the watcher
-  instead of the work. Threads come from a small process-wide pool that grows to the number of
-  watched calls in flight at once (a handful at 10% sampling) and stays idle afterwards.
+  instead of the work. If the consumer comes first (a collective waited at once, while the
+  watcher thread has not been scheduled yet), it waits and stamps itself, which is as exact
+  there and spares a thread hand-over on a busy host. Threads come from a small process-wide
+  pool that grows to the number of watched calls in flight at once (a handful at 10% sampling)
+  and stays idle afterwards.
 - CUDA (nccl): no thread. A side stream is made to wait for the op (`work.wait()` under that
   stream only orders streams, the host does not block) and the event the observer put in
   `call.ev_done` is recorded there, so it completes when the communication kernel does; the
@@ -31,16 +34,32 @@ import torch
 
 
 class Watch:
-    """One watched CPU call: `wait()` returns once the watcher has seen the work complete."""
+    """One watched CPU call: whoever starts waiting on the work first (the watcher thread, or
+    the consumer when the watcher has not got a core yet, as for a collective waited at once)
+    waits and stamps the completion; `wait()` returns once that is done."""
 
-    __slots__ = ("work", "call", "done", "error")
+    __slots__ = ("work", "call", "done", "error", "_claim")
 
     def __init__(self, work, call):
         self.work, self.call = work, call
         self.done = threading.Event()
         self.error: BaseException | None = None
+        self._claim = threading.Lock()
+
+    def run(self) -> None:
+        """Wait on the work and stamp its completion, unless the other side already does."""
+        if not self._claim.acquire(blocking=False):
+            return
+        try:
+            self.work.wait()
+        except BaseException as e:   # raised in the consumer's wait()
+            self.error = e
+        self.call.t_done = time.perf_counter()
+        self.work = None
+        self.done.set()
 
     def wait(self) -> None:
+        self.run()
         self.done.wait()
         if self.error is not None:
             raise self.error
@@ -67,16 +86,9 @@ class _Pool:
 
     def _loop(self) -> None:
         while True:
-            w = self._queue.get()
-            try:
-                w.work.wait()
-            except BaseException as e:   # handed to the consumer's wait(), raised there
-                w.error = e
-            w.call.t_done = time.perf_counter()
-            w.work = None
+            self._queue.get().run()
             with self._lock:
                 self._idle += 1
-            w.done.set()
 
 
 _POOL: _Pool | None = None
