@@ -156,6 +156,12 @@ def run(args) -> int:
         raise ValueError("--model is required (a named shape or arch=...,layers=... fields)")
     if args.top < 1:
         raise ValueError("--top must be >= 1")
+    from commpipe.models.blip_spec import is_blip
+
+    if is_blip(args.model):   # a vision encoder + text decoder (commpipe.plan.blip)
+        from commpipe.plan.blip import run_blip_cli
+
+        return run_blip_cli(args)
     from commpipe.plan.report import print_plan
     from commpipe.plan.search import search
 
