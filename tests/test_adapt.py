@@ -181,6 +181,7 @@ def four_ranks():
     return per_rank, decisions, metrics
 
 
+@pytest.mark.slow
 def test_in_memory_switches_keep_the_state_bit_for_bit_and_the_losses(four_ranks):
     per_rank, _, _ = four_ranks
     expect = [("tp2-cp1-pp2-dp1", [2, 2], 3), ("tp2-cp1-pp2-dp1", [3, 1], 6),
@@ -201,6 +202,7 @@ def test_in_memory_switches_keep_the_state_bit_for_bit_and_the_losses(four_ranks
     assert ref[3:] != ref[:6]      # the losses do move: the comparison is not vacuous
 
 
+@pytest.mark.slow
 def test_slow_rank_drill_moves_layers_off_the_slow_stage(four_ranks):
     _, decisions, metrics = four_ranks
     switches = [d for d in decisions if d["action"] == "switch"]
@@ -271,3 +273,33 @@ def test_switch_moves_only_what_a_rank_lacks():
                           Plan(1, 1, 2, 1, (3, 1), "1f1b", 8, 1), spec)
     assert resplit == layer                      # rank 0 gains layer 2, rank 1 gains nothing
     assert moved_bytes(Plan(1, 1, 2, 1, (2, 2), "1f1b", 8, 1), dp4, spec) > 2 * layer
+
+
+@pytest.mark.slow
+def test_relaunch_fallback_continues_under_the_new_layout(tmp_path):
+    """--adapt-relaunch: the first launch checkpoints and stops with a request; the same
+    command again resumes from that checkpoint under the new stage split."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "2", "-m", "commpipe", "train", "--pp", "2", "--seq-len", "64", "--steps", "24",
+           "--adapt", "--adapt-relaunch", "--adapt-resplit-only", "--adapt-min-steps", "4",
+           "--slow-rank", "1:8@6", "--out", str(out), "--log-every", "100"]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    first = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert first.returncode != 0 and "run the same command again" in first.stdout + first.stderr
+    request = json.loads((out / "adapt_relaunch.json").read_text())
+    assert request["to"]["stage_layers"] == [3, 1]
+    second = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr[-2000:]
+    assert f"resumed from {request['checkpoint']}" in second.stdout
+    metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == list(range(24))
+    switched = [m for m in metrics if m["step"] >= request["step"]]
+    assert all("layers 3,1" in m["layout"] for m in switched)
+    log = [json.loads(x) for x in (out / "adapt.jsonl").read_text().splitlines()]
+    modes = [(d["action"], d.get("switch_mode")) for d in log]
+    assert ("switch", "relaunch") in modes and ("relaunched", None) in modes

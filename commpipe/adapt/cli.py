@@ -28,6 +28,10 @@ def add_adapt_arguments(p) -> None:
                    help="assume this switch cost instead of the predicted, then measured one")
     g.add_argument("--adapt-resplit-only", action="store_true",
                    help="consider re-splits and re-batching only, no tp/cp/pp/dp change")
+    g.add_argument("--adapt-relaunch", action="store_true",
+                   help="switch by checkpoint and relaunch instead of in memory: the job "
+                        "stops (ranks exit with code 75) and the same command, run again, "
+                        "continues under the new layout")
     g.add_argument("--slow-rank", default=None, metavar="RANK:FACTOR[@STEP]",
                    help="fault drill: rank RANK's compute takes FACTOR times as long from step "
                         "STEP on, e.g. 1:3@20")
@@ -40,5 +44,6 @@ def adapt_options(args) -> dict:
         adapt = AdaptConfig(min_steps=args.adapt_min_steps, min_shift=args.adapt_min_shift,
                             horizon=args.adapt_horizon, margin=args.adapt_margin,
                             switch_cost_s=args.adapt_switch_cost,
-                            layouts=not args.adapt_resplit_only).validate()
+                            layouts=not args.adapt_resplit_only,
+                            relaunch=args.adapt_relaunch).validate()
     return {"adapt": adapt, "slow_rank": parse_slow_rank(args.slow_rank)}

@@ -37,6 +37,8 @@ class AdaptConfig:
     min_gain: float = 0.05
     layouts: bool = True              # also consider tp/cp/pp/dp changes, not only re-splits
     switch_cost_s: float | None = None  # fixed switch cost; default: predicted, then measured
+    relaunch: bool = False            # switch by checkpoint and relaunch instead of in memory
+    resumed_from: dict | None = None  # set at start when resuming a relaunch request
 
     def validate(self) -> AdaptConfig:
         if self.min_steps < 1:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import statistics
+import time
 from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
@@ -76,6 +77,12 @@ class Controller:
             self.out.mkdir(parents=True, exist_ok=True)
             self.log = open(self.out / "adapt.jsonl", "a")
         self.prepare(trainer)
+        req = self.acfg.resumed_from
+        if req is not None:   # this start continues a switch by checkpoint and relaunch
+            self._write({"step": trainer.step - 1, "action": "relaunched",
+                         "from": req.get("from"), "to": req["to"],
+                         "switch_time_s": time.time() - req["requested_at"],
+                         "reason": f"resumed from {req['checkpoint']} under the new plan"})
 
     def prepare(self, trainer) -> None:
         trainer.runtime.events = []               # the step's timeline (cleared every step)
@@ -223,6 +230,13 @@ class Controller:
 
         plan = Plan(**{k: v for k, v in decision["to"].items() if k != "name"} |
                     {"stage_layers": tuple(decision["to"]["stage_layers"])})
+        if self.acfg.relaunch:
+            from commpipe.adapt.relaunch import request
+
+            try:
+                request(trainer, plan, decision)
+            finally:
+                self._write(decision)
         if metrics_file is not None:
             metrics_file.close()
             metrics_file = None

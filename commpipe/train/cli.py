@@ -139,7 +139,10 @@ def run(args) -> int:
         cfg.dims.check_world(world)
         source = open_data(cfg, world)
     cfg.resolve(world)
+    from commpipe.adapt.relaunch import apply_pending
     from commpipe.train.checkpoint import resolve_resume
+
+    cfg = apply_pending(cfg, world)   # --adapt-relaunch: continue under the requested layout
 
     resolve_resume(cfg, source)
     from commpipe.parallel.comm import shutdown_distributed

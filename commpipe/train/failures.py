@@ -107,6 +107,10 @@ def exit_code_for(rank: int, world: int, exc: BaseException, err=None) -> int:
         if rank == 0:
             print(f"commpipe train: error: {exc}", file=err, flush=True)
         return 3
+    if getattr(exc, "relaunch", False):   # --adapt-relaunch: the job is to be run again
+        if rank == 0:
+            print(f"commpipe: {exc}", file=err, flush=True)
+        return 75
     if isinstance(exc, KeyboardInterrupt):
         print(f"commpipe: rank {rank} interrupted", file=err, flush=True)
         return 130
