@@ -44,8 +44,8 @@ def run(args) -> int:
     from commpipe.cluster.sweep import run_demo_sweep
 
     out = Path(args.out)
-    print(f"commpipe demo: 8 layouts x {args.steps} steps on a 4-node x 2-rank cluster "
-          f"({args.inter_node_mbit:g} Mbit/s between nodes) -> {out}")
+    print(f"commpipe demo: 8 layouts x {args.steps} steps, 4 nodes x 2 ranks, "
+          f"{args.inter_node_mbit:g} Mbit/s between nodes -> {out}")
     _, html = run_demo_sweep(out, steps=args.steps, inter_node_mbit=args.inter_node_mbit,
                              cluster=args.cluster)
     # a table that fits a 100-column terminal; report.html holds every column and figure
