@@ -76,6 +76,13 @@ class Attention(nn.Module):
         k_positions = positions
         if self.kv_exchange is not None:
             k, v, k_positions = self.kv_exchange(k, v, positions)
+        out = self.core(q, k, v, positions, k_positions)           # [b, s, nh * hd]
+        return self.wo(out)
+
+    def core(self, q, k, v, positions, k_positions):
+        """softmax(q k^T / sqrt(d)) v, causal by absolute position: the unit selective
+        recomputation recomputes (commpipe.runtime.recompute)."""
+        b, s = q.shape[:2]
         groups = q.shape[2] // k.shape[2]
         k = k.repeat_interleave(groups, dim=2)
         v = v.repeat_interleave(groups, dim=2)
@@ -85,7 +92,7 @@ class Attention(nn.Module):
         else:  # keys come from other sequence chunks: mask by absolute position
             mask = k_positions[None, :] <= positions[:, None]    # [s_q, s_k]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+        return out.transpose(1, 2).reshape(b, s, -1)
 
 
 class FeedForward(nn.Module):

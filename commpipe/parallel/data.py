@@ -1,9 +1,19 @@
-"""Data parallelism: bucketed gradient all-reduce, global-norm clipping, optional ZeRO-1.
+"""Data parallelism: bucketed gradient reduction overlapped with the backward, global-norm
+clipping, optional ZeRO-1 (a distributed optimizer: gradients reduce-scattered, parameters
+all-gathered).
 
 The loss of every micro-batch is already divided by the number of tokens in the *global*
 batch, so gradients are summed (not averaged) across data-parallel and context-parallel ranks:
 the sum over DP ranks, CP chunks and micro-batches is then exactly the gradient of the global
 mean loss that one device computes.
+
+Overlap: every parameter counts its gradient accumulations (a post-accumulate-grad hook, and a
+call from the deferred weight-gradient GEMMs of commpipe.runtime.weight_grad). Each micro-batch
+adds exactly one, so a parameter is final after `microbatches` of them: on a pipeline stage that
+is its last micro-batch's backward (or W). A bucket is issued as a handle once all its
+parameters are final, while the rest of the backward runs; buckets go out in index order (the
+same on every rank of the group, as NCCL needs) and, after the first step, are rebuilt in the
+order their gradients became final (ready-order buckets, as torch DDP does).
 """
 
 from __future__ import annotations
@@ -16,44 +26,183 @@ from torch import nn
 from commpipe.parallel.comm import Comm
 
 
-class GradReducer:
-    """Sum gradients over the dp_cp group in flat buckets of about `bucket_mb` MB, issued
-    asynchronously so buckets travel while later ones are packed."""
+class Bucket:
+    """Parameters reduced together. For ZeRO-1 each parameter has an owner in the DP group
+    (a greedy size balance, identical on every rank) and the flat buffer is laid out owner by
+    owner, each segment padded to the longest, so one reduce-scatter leaves every rank the
+    summed gradients of exactly the parameters it updates, and one all-gather returns them."""
 
-    def __init__(self, params: list[nn.Parameter], comm: Comm, bucket_mb: float = 25.0):
-        self.comm = comm
-        self.buckets: list[list[nn.Parameter]] = []
-        limit = bucket_mb * 1e6
-        cur, size = [], 0
-        for p in reversed(params):  # reverse: last layers' grads are ready first in backward
+    def __init__(self, params: list[nn.Parameter], n: int):
+        self.params = params
+        loads = [0] * n
+        self.owner = []
+        for p in params:
+            r = loads.index(min(loads))
+            self.owner.append(r)
+            loads[r] += p.numel()
+        self.segment = max(loads)
+        self.by_owner = [[p for p, o in zip(params, self.owner) if o == r] for r in range(n)]
+
+    def pack(self, tensors_of, n: int, zero: bool) -> torch.Tensor:
+        if not zero:
+            return torch.cat([tensors_of(p).reshape(-1) for p in self.params])
+        return torch.cat([self.pack_segment(r, tensors_of) for r in range(n)])
+
+    def pack_segment(self, r: int, tensors_of) -> torch.Tensor:
+        ps = self.by_owner[r]
+        ref = self.params[0]
+        flat = torch.zeros(self.segment, dtype=ref.dtype, device=ref.device)
+        if ps:
+            torch.cat([tensors_of(p).reshape(-1) for p in ps], out=flat[:sum(p.numel() for p in ps)])
+        return flat
+
+    @staticmethod
+    def unpack(flat: torch.Tensor, params: list[nn.Parameter]):
+        offset = 0
+        for p in params:
+            n = p.numel()
+            yield p, flat[offset:offset + n].view_as(p)
+            offset += n
+
+
+class GradReducer:
+    """Sum gradients over the dp_cp group in flat buckets of about `bucket_mb` MB, each issued
+    as soon as its gradients are final (overlap) or all after the backward (no overlap); with
+    sequence parallelism, norm-weight gradients (partial per TP rank) are first summed over TP."""
+
+    def __init__(self, params: list[nn.Parameter], comm: Comm, bucket_mb: float = 25.0,
+                 microbatches: int = 1, overlap: bool = True, zero: bool = False):
+        self.comm, self.params, self.overlap = comm, params, overlap
+        self.n = comm.size("dp_cp")
+        self.zero = zero and comm.size("dp") > 1
+        self.shards = comm.size("dp") if self.zero else 1   # ZeRO-1 shards over DP
+        self.bucket_bytes = bucket_mb * 1e6
+        self.expected = microbatches
+        self.sp_partial = {id(p) for p in params if getattr(p, "_sp_partial", False)} \
+            if comm.size("tp") > 1 else set()
+        self.buckets = self._make_buckets(list(reversed(params)))  # last layers are final first
+        # ready-order buckets: the first step records the order gradients became final
+        # (ZeRO-1 keeps its layout: it decides which rank owns which parameter)
+        self._ready_order: list[nn.Parameter] | None = [] if overlap and not self.zero else None
+        self._begin_step()
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._autograd_accumulated)
+            p._grad_ready_hook = self._accumulated   # deferred weight-gradient GEMMs
+
+    def _autograd_accumulated(self, p: nn.Parameter) -> None:
+        if p.__dict__.pop("_grad_deferred", False):   # nothing added: see weight_grad._Linear
+            return
+        self._accumulated(p)
+
+    def _make_buckets(self, order: list[nn.Parameter]) -> list[Bucket]:
+        buckets, cur, size = [], [], 0
+        for p in order:
             cur.append(p)
             size += p.numel() * p.element_size()
-            if size >= limit:
-                self.buckets.append(cur)
+            if size >= self.bucket_bytes:
+                buckets.append(Bucket(cur, self.shards))
                 cur, size = [], 0
         if cur:
-            self.buckets.append(cur)
+            buckets.append(Bucket(cur, self.shards))
+        self.bucket_of = {id(p): i for i, b in enumerate(buckets) for p in b.params}
+        self.owner_of = {id(p): o for b in buckets for p, o in zip(b.params, b.owner)}
+        return buckets
 
-    def reduce(self) -> None:
-        if self.comm.size("dp_cp") == 1:
+    def _begin_step(self) -> None:
+        self._count = dict.fromkeys(map(id, self.params), 0)
+        self._waiting = [len(b.params) for b in self.buckets]   # params not yet final
+        self._next = 0                                          # next bucket to issue
+        self._inflight: list = []                               # (bucket, flat, handle)
+
+    # -- readiness --------------------------------------------------------------------------------
+    def _accumulated(self, p: nn.Parameter) -> None:
+        c = self._count[id(p)] = self._count[id(p)] + 1
+        if c != self.expected or not self.overlap:
             return
-        pending = []
-        for bucket in self.buckets:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            pending.append((bucket, flat, self.comm.all_reduce(flat, "dp_cp", async_op=True)))
-        for bucket, flat, handle in pending:
-            handle.wait()
-            offset = 0
-            for p in bucket:
-                n = p.numel()
-                p.grad = flat[offset:offset + n].view_as(p).clone()
-                offset += n
+        self._final(p)
+        self._issue_ready()
+
+    @torch.no_grad()
+    def _final(self, p: nn.Parameter) -> None:
+        if id(p) in self.sp_partial:      # sequence shards: each TP rank saw its own tokens
+            self.comm.all_reduce(p.grad, "tp")
+        if self._ready_order is not None:
+            self._ready_order.append(p)
+        self._waiting[self.bucket_of[id(p)]] -= 1
+
+    def _issue_ready(self) -> None:
+        while self._next < len(self.buckets) and self._waiting[self._next] == 0:
+            self._issue(self.buckets[self._next])
+            self._next += 1
+
+    @torch.no_grad()
+    def _issue(self, bucket: Bucket) -> None:
+        if self.n == 1:
+            return
+        grads = lambda p: p.grad if p.grad is not None else torch.zeros_like(p)  # noqa: E731
+        flat = bucket.pack(grads, self.shards, self.zero)
+        if self.zero:
+            # CP replicas hold the same shards: sum over CP, then reduce-scatter over DP
+            self.comm.all_reduce(flat, "cp")
+            handle = self.comm.reduce_scatter(flat, "dp", async_op=True)
+        else:
+            handle = self.comm.all_reduce(flat, "dp_cp", async_op=True)
+        self._inflight.append((bucket, handle))
+
+    @torch.no_grad()
+    def reduce(self) -> None:
+        """Issue what the backward has not, wait for every bucket, unpack (ZeRO-1: this rank's
+        owned gradients only; the others become None)."""
+        if not self.overlap:
+            for p in self.params:
+                self._final(p)
+        self._issue_ready()
+        if self._next != len(self.buckets):
+            missing = [p for p in self.params if self._count[id(p)] != self.expected][:3]
+            raise RuntimeError(f"gradients not final after the step: {len(missing)} parameter(s) "
+                               f"saw accumulations {[self._count[id(p)] for p in missing]}, "
+                               f"expected {self.expected} (one per micro-batch)")
+        me = self.comm.local_rank("dp")
+        for bucket, handle in self._inflight:
+            flat = handle.wait()
+            if self.zero:
+                for p in bucket.params:
+                    p.grad = None
+                for p, g in Bucket.unpack(flat, bucket.by_owner[me]):
+                    p.grad = g.clone()
+            else:
+                for p, g in Bucket.unpack(flat, bucket.params):
+                    p.grad = g.clone()
+        if self._ready_order is not None:   # first step done: buckets in ready order
+            order, self._ready_order = self._ready_order, None
+            if [id(p) for p in order] != [id(p) for b in self.buckets for p in b.params]:
+                self.buckets = self._make_buckets(order)
+        self._begin_step()
+
+    # -- ZeRO-1 ----------------------------------------------------------------------------------
+    def owns(self, p: nn.Parameter) -> bool:
+        return not self.zero or self.owner_of[id(p)] == self.comm.local_rank("dp")
+
+    @torch.no_grad()
+    def all_gather(self, tensors_of, write) -> None:
+        """Every bucket's owned segments all-gathered over DP (issued together, then
+        unpacked): `write(p, full_value)` for every parameter."""
+        me = self.comm.local_rank("dp")
+        pending = [(b, self.comm.all_gather(b.pack_segment(me, tensors_of), "dp",
+                                            async_op=True)) for b in self.buckets]
+        for b, handle in pending:
+            flat = handle.wait()
+            for r in range(self.shards):
+                seg = flat[r * b.segment:(r + 1) * b.segment]
+                for p, value in Bucket.unpack(seg, b.by_owner[r]):
+                    write(p, value)
 
 
-def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, comm: Comm) -> float:
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, comm: Comm,
+                    sharded: bool = False) -> float:
     """Clip by the norm of the *whole model's* gradient: squares summed over this rank's
-    parameters (TP-replicated ones counted on tp rank 0 only), then over the TP and PP groups."""
+    parameters (TP-replicated ones counted on tp rank 0 only), then over the TP and PP groups
+    (and DP when ZeRO-1 left each rank only the gradients it owns: `sharded`)."""
     # on the parameters' device: NCCL reduces only device tensors, and one sync per step
     device = next((p.grad.device for p in params if p.grad is not None), comm.device)
     sq = torch.zeros((), dtype=torch.float64, device=device)
@@ -62,7 +211,7 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, comm: Comm) -> 
         if p.grad is None or (getattr(p, "_tp_dim", None) is None and tp_rank != 0):
             continue
         sq += p.grad.detach().double().pow(2).sum()
-    for dim in ("tp", "pp"):
+    for dim in ("tp", "pp", "dp") if sharded else ("tp", "pp"):
         comm.all_reduce(sq, dim)
     norm = math.sqrt(sq.item())
     if max_norm > 0 and norm > max_norm:
@@ -74,22 +223,19 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, comm: Comm) -> 
 
 
 class Zero1:
-    """ZeRO stage 1 (Rajbhandari et al., 2020): each DP rank keeps optimizer state for, and
-    updates, only the parameters it owns; owners then broadcast the updated values. Ownership
-    is a greedy balance of parameter sizes, identical on every rank."""
+    """ZeRO stage 1 (Rajbhandari et al., 2020) as Megatron's distributed optimizer: each DP rank
+    keeps optimizer state for, and updates, only the parameters it owns (the
+    reducer's bucket layout); gradients arrive reduce-scattered and the updated parameters are
+    all-gathered, bucket by bucket."""
 
-    def __init__(self, params: list[nn.Parameter], comm: Comm, make_optimizer):
-        self.comm = comm
-        n = comm.size("dp")
-        loads = [0] * n
-        self.owner: list[int] = []
-        for p in params:
-            r = loads.index(min(loads))
-            self.owner.append(r)
-            loads[r] += p.numel()
-        self.params = params
-        mine = [p for p, r in zip(params, self.owner) if r == comm.local_rank("dp")]
+    def __init__(self, params: list[nn.Parameter], reducer: GradReducer, make_optimizer):
+        self.comm, self.reducer, self.params = reducer.comm, reducer, params
+        self.group = "dp"
+        mine = [p for p in params if reducer.owns(p)]
         self.optimizer = make_optimizer(mine or [nn.Parameter(torch.zeros(1))])
+
+    def owns(self, p: nn.Parameter) -> bool:
+        return self.reducer.owns(p)
 
     @property
     def param_groups(self):
@@ -101,8 +247,15 @@ class Zero1:
 
     def step(self):
         self.optimizer.step()
-        for p, r in zip(self.params, self.owner):
-            self.comm.broadcast(p.data, "dp", src_local=r)
+        with torch.no_grad():
+            self.reducer.all_gather(lambda p: p.data, lambda p, v: p.data.copy_(v))
+
+    def full_grads(self) -> dict[int, torch.Tensor]:
+        """Every parameter's reduced gradient (tests compare them with one device)."""
+        out = {}
+        zeros = lambda p: p.grad if p.grad is not None else torch.zeros_like(p)  # noqa: E731
+        self.reducer.all_gather(zeros, lambda p, v: out.__setitem__(id(p), v.clone()))
+        return out
 
     def state_dict(self):
         return self.optimizer.state_dict()

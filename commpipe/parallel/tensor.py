@@ -7,6 +7,15 @@
 
 Each block gets `f` (copy into the TP region) on its attention and MLP inputs and `g` (reduce
 out of it) on the outputs of wo and w2, installed as module hooks: the model code stays plain.
+
+Sequence parallelism (Korthikanti et al. 2022): the residual stream, the norms and the stage
+boundaries hold 1/tp of the sequence ([b, s/tp, h]); `f` becomes an all-gather along the
+sequence and `g` a reduce-scatter; the embedding reduce-scatters instead of all-reducing. The
+norm weights then see only their rank's tokens: they carry `_sp_partial` and their gradients
+are summed over TP (commpipe.parallel.data) before the DP reduction.
+
+With overlap, the column-parallel Linears behind each entry stash their weight-gradient GEMMs
+in that entry's `TPRegion`, run while the input-gradient collective travels (functional.py).
 Sharded parameters carry `_tp_dim` (the dimension split across TP ranks), which checkpoints and
 the equivalence tests use to reassemble full tensors.
 """
@@ -19,7 +28,8 @@ from torch import nn
 
 from commpipe.models.llama import Transformer, cross_entropy_sum
 from commpipe.parallel.comm import Comm
-from commpipe.parallel.functional import copy_to, reduce_from
+from commpipe.parallel.functional import TPRegion, copy_to, gather_seq, reduce_from, scatter_seq
+from commpipe.runtime.weight_grad import route_linear
 
 COLUMN = ("wq", "wk", "wv", "w1", "w3")   # output features split: dim 0 of the weight
 ROW = ("wo", "w2")                         # input features split: dim 1 of the weight
@@ -35,9 +45,9 @@ class VocabParallelEmbedding(nn.Module):
     """Rows [start, end) of the embedding table; tokens outside are looked up as zeros and the
     partial results summed across TP ranks (Megatron-LM, VocabParallelEmbedding)."""
 
-    def __init__(self, full: nn.Embedding, comm: Comm):
+    def __init__(self, full: nn.Embedding, comm: Comm, sequence_parallel: bool = False):
         super().__init__()
-        self.comm = comm
+        self.comm, self.sequence_parallel = comm, sequence_parallel
         vocab = full.num_embeddings
         per_rank = vocab // comm.size("tp")
         self.start = comm.local_rank("tp") * per_rank
@@ -49,6 +59,8 @@ class VocabParallelEmbedding(nn.Module):
         outside = (tokens < self.start) | (tokens >= self.end)
         local = (tokens - self.start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside[..., None], 0.0)
+        if self.sequence_parallel:
+            return scatter_seq(out, self.comm, "tp")          # [b, s/tp, h]
         return reduce_from(out, self.comm, "tp")
 
 
@@ -96,28 +108,46 @@ def make_loss_fn(comm: Comm, head: nn.Linear | None):
     return loss_fn
 
 
-def apply_tp(model: Transformer, comm: Comm) -> Transformer:
+def apply_tp(model: Transformer, comm: Comm, sequence_parallel: bool = False,
+             overlap: bool = False) -> Transformer:
     """Shard `model` in place across comm's TP group; a no-op when tp=1."""
     if comm.size("tp") == 1:
         return model
 
-    def pre_f(module, args):
-        return (copy_to(args[0], comm, "tp"), *args[1:])
+    def entry(module: nn.Module, columns: list[nn.Linear]):
+        """`f` (or the SP all-gather) on the module's input; with overlap, the region its
+        column-parallel Linears stash their weight-gradient GEMMs in."""
+        region = TPRegion() if overlap else None
+        for linear in columns:
+            route_linear(linear)
+            linear._wg_region = region
+        enter = gather_seq if sequence_parallel else copy_to
+
+        def pre(mod, args):
+            return (enter(args[0], comm, "tp", region), *args[1:])
+
+        module.register_forward_pre_hook(pre)
 
     def post_g(module, args, out):
-        return reduce_from(out, comm, "tp")
+        return (scatter_seq if sequence_parallel else reduce_from)(out, comm, "tp")
 
     for block in model.layers.values():
         for parent in (block.attention, block.feed_forward):
             for name in COLUMN + ROW:
                 if hasattr(parent, name):
                     _shard_(getattr(parent, name), 0 if name in COLUMN else 1, comm)
-            parent.register_forward_pre_hook(pre_f)
+            entry(parent, [getattr(parent, n) for n in COLUMN if hasattr(parent, n)])
         block.attention.wo.register_forward_hook(post_g)
         block.feed_forward.w2.register_forward_hook(post_g)
+        if sequence_parallel:
+            block.attention_norm.weight._sp_partial = True
+            block.ffn_norm.weight._sp_partial = True
     if model.tok_embeddings is not None:
-        model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, comm)
+        model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, comm,
+                                                      sequence_parallel)
     if model.output is not None:
         _shard_(model.output, 0, comm)
-        model.output.register_forward_pre_hook(pre_f)
+        entry(model.output, [model.output])
+        if sequence_parallel:
+            model.norm.weight._sp_partial = True
     return model

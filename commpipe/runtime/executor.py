@@ -39,7 +39,7 @@ class PipelineRuntime:
                  stage_io: list[StageIO] | tuple[int, ...], device: torch.device,
                  act_dtype=torch.float32,
                  autocast_dtype=None, on_compute=None, forward_only: bool = False,
-                 posting: list[list[int]] | None = None):
+                 posting: list[list[int]] | None = None, prefetch: bool = True):
         self.program = program if program.is_lowered else lower(program)
         # forward_only: a program of F actions (validation): no autograd graph, nothing kept
         self.forward_only = forward_only
@@ -64,8 +64,9 @@ class PipelineRuntime:
         # both sides post each pair's operations in one common sequence, and prefetch never
         # moves a receive past another operation of the same pair.
         self.strict_order = comm.strict_order
+        # prefetch=False (--no-overlap): each receive is posted right before its consumer
         posting = posting if posting is not None else posting_order(
-            self.program, prefetch=True, agree=self.strict_order)
+            self.program, prefetch=prefetch, agree=self.strict_order)
         if self.strict_order:
             conflicts = channel_order_conflicts(self.program, posting)
             if conflicts:

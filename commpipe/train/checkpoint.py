@@ -172,9 +172,7 @@ def adam_and_holder(trainer):
 
     opt = trainer.optimizer
     if isinstance(opt, Zero1):
-        mine = opt.comm.local_rank("dp")
-        owned = {id(p) for p, r in zip(opt.params, opt.owner) if r == mine}
-        return opt.optimizer, lambda p: id(p) in owned
+        return opt.optimizer, opt.owns
     dp0 = trainer.comm.local_rank("dp") == 0
     return opt, lambda p: dp0
 

@@ -97,6 +97,19 @@ def add_arguments(p) -> None:
                    help="pair point-to-point messages in issue order, as NCCL does (gloo: one "
                         "tag per rank pair), to check a schedule's NCCL legality on CPU")
     g.add_argument("--log-every", type=int, default=1)
+    g = p.add_argument_group("overlap and memory (commpipe.runtime.features)")
+    g.add_argument("--recompute", default="none", choices=("none", "selective", "full"),
+                   help="activation recomputation: selective = the attention core, full = the "
+                        "whole layer with its input kept (default none)")
+    g.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
+                   help="with tp > 1, keep norms and residuals on the whole sequence on every TP "
+                        "rank (default: sequence parallelism on)")
+    g.add_argument("--no-overlap", dest="overlap", action="store_false",
+                   help="turn every communication overlap off (TP, DP, pipeline receive "
+                        "prefetch), for A/B measurement; results are identical")
+    g.add_argument("--dp-bucket-mb", type=float, default=25.0,
+                   help="gradients are reduced in buckets of about this many MB, each as soon "
+                        "as its gradients are final (default 25)")
     add_adapt_arguments(p)
 
 
@@ -126,6 +139,8 @@ def config_from_args(args) -> TrainConfig:
                        fail_at=parse_fail_at(args.fail_at), out=args.out, monitor=monitor,
                        trace=args.trace, log_every=args.log_every, device=args.device,
                        precision=args.precision, strict_order=args.strict_order,
+                       recompute=args.recompute, sequence_parallel=args.sequence_parallel,
+                       overlap=args.overlap, dp_bucket_mb=args.dp_bucket_mb,
                        **adapt_options(args))
 
 

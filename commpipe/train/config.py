@@ -57,6 +57,10 @@ class TrainConfig:
     strict_order: bool = False        # match point-to-point messages in issue order, as NCCL does
     adapt: AdaptConfig | None = None  # --adapt: the adaptive controller (commpipe.adapt)
     slow_rank: SlowRank | None = None  # fault drill: one rank's compute FACTOR times slower
+    sequence_parallel: bool = True    # with tp > 1 (commpipe.runtime.features)
+    overlap: bool = True              # --no-overlap: every overlap off, for A/B measurement
+    recompute: str = "none"           # none | selective | full
+    dp_bucket_mb: float = 25.0        # gradient bucket size of the DP reduction
 
     # filled by resolve()
     spec: ModelSpec | None = None
@@ -129,6 +133,9 @@ class TrainConfig:
             raise ValueError("--resume without a path reads OUT/checkpoints; give --out DIR or "
                              "--resume PATH")
         self._check_precision()
+        self.features()
+        if self.dp_bucket_mb <= 0:
+            raise ValueError(f"--dp-bucket-mb {self.dp_bucket_mb} must be positive")
         if (self.tokenizer or self.vocab_size) and not self.data:
             raise ValueError("--tokenizer and --vocab-size choose the tokenizer of --data DIR; "
                              "give --data")
@@ -161,6 +168,24 @@ class TrainConfig:
         if self.precision == "bf16" and on_cuda and not torch.cuda.is_bf16_supported():
             raise ValueError("--precision bf16: this GPU has no bfloat16 support (it predates "
                              "Ampere); use --precision fp32")
+
+    def features(self):
+        """The runtime features this run uses (validated): the one definition the trainer
+        reads and the planner prices."""
+        from commpipe.runtime.features import Overlap, RuntimeFeatures
+
+        # the LLaMA stages run sequence-parallel TP; blip's towers keep whole sequences
+        sp = self.sequence_parallel and self.dims.tp > 1 and resolve_model(self.model).arch == "llama"
+        if sp and self.seq_len % (self.dims.cp * self.dims.tp):
+            fits = [t for t in (1, 2, 4, 8) if self.seq_len % (self.dims.cp * t) == 0]
+            raise ValueError(f"sequence parallelism splits the {self.seq_len // self.dims.cp} "
+                             f"tokens per CP rank across tp={self.dims.tp}; use a --seq-len "
+                             f"divisible by cp*tp={self.dims.cp * self.dims.tp}, tp in {fits}, "
+                             "or --no-sequence-parallel")
+        return RuntimeFeatures(sequence_parallel=sp,
+                               overlap=Overlap() if self.overlap else Overlap.none(),
+                               recompute=self.recompute, precision=self.precision or "fp32",
+                               zero=1 if self.optim.zero1 else 0).validate()
 
     def _stage_multiplier(self) -> int:
         if self.schedule in ("zbv", "dualpipev"):

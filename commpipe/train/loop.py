@@ -3,8 +3,10 @@
 One process:           python -m commpipe train --preset tiny --steps 5
 Several (CPU, gloo):   torchrun --nproc-per-node 4 -m commpipe train --tp 2 --pp 2 --steps 5
 
-Order of application (fixed, documented): pipeline stage split -> tensor parallel -> context
-parallel -> data parallel (gradient reduction) -> optimizer (optionally ZeRO-1).
+Order of application (fixed, documented): pipeline stage split -> tensor parallel (with sequence
+parallelism) -> context parallel -> recomputation -> data parallel (gradient reduction hooks) ->
+optimizer (optionally ZeRO-1). What each applies is read off `cfg.features()`
+(commpipe.runtime.features), the definition the planner prices too.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from commpipe.parallel.dims import split_layers
 from commpipe.parallel.pipeline import build_stages
 from commpipe.parallel.tensor import apply_tp, make_loss_fn
 from commpipe.runtime.executor import PipelineRuntime
+from commpipe.runtime.recompute import ActivationMeter, apply_recompute
 from commpipe.train import checkpoint
 from commpipe.train.config import TrainConfig
 from commpipe.train.evaluate import evaluate, forward_program
@@ -84,15 +87,15 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def make_optimizer(params, cfg: TrainConfig, comm: Comm):
+def make_optimizer(params, cfg: TrainConfig, reducer: GradReducer):
     o = cfg.optim
 
     def adamw(ps):
         return torch.optim.AdamW(ps, lr=o.lr, betas=o.betas, eps=o.eps,
                                  weight_decay=o.weight_decay, foreach=False)
 
-    if o.zero1 and comm.size("dp") > 1:
-        return Zero1(params, comm, adamw)
+    if reducer.zero:
+        return Zero1(params, reducer, adamw)
     return adamw(params)
 
 
@@ -116,6 +119,7 @@ class Trainer:
     capture_grads: bool = False      # keep the last step's reduced gradients before clipping (tests)
     last_grads: dict = field(default_factory=dict)
     forward_runner: PipelineRuntime | None = None   # validation: the schedule's forwards only
+    meter: ActivationMeter | None = None            # activation_mb of each step
 
     @classmethod
     def build(cls, cfg: TrainConfig, comm: Comm | None = None, source=None) -> Trainer:
@@ -137,6 +141,7 @@ class Trainer:
         # bf16: autocast, with stage boundaries (pipeline buffers) in bf16 too
         autocast = torch.bfloat16 if cfg.precision == "bf16" else None
         act_dtype = autocast or torch.float32
+        features = cfg.features()
         if spec.arch == "blip":   # vision encoder + text decoder (commpipe.train.multimodal)
             from commpipe.train.multimodal import build_blip
 
@@ -144,23 +149,29 @@ class Trainer:
         else:
             stages = build_stages(spec, program, pp_rank, cfg.seed, cfg.stage_layers, device)
             for module in stages.values():
-                apply_tp(module, comm)
+                apply_tp(module, comm, features.sequence_parallel, features.overlap.tp)
                 apply_cp(module, comm)
+                apply_recompute(module, features.recompute)
             last = stages.get(program.num_stages - 1)
             loss_fn = make_loss_fn(comm, last.output if last is not None else None)
             seq_local = cfg.seq_len // cfg.dims.cp
+            if features.sequence_parallel:     # stage boundaries carry sequence shards
+                seq_local //= cfg.dims.tp
             stage_io = llama_stage_io(spec, stage_counts(cfg), cfg.micro_batch_size, seq_local,
                                       str(act_dtype).removeprefix("torch."))
         params = [p for s in sorted(stages) for p in stages[s].parameters()]
         runtime = PipelineRuntime(program, stages, comm, loss_fn, stage_io, device,
-                                  act_dtype=act_dtype, autocast_dtype=autocast)
-        optimizer = make_optimizer(params, cfg, comm)
+                                  act_dtype=act_dtype, autocast_dtype=autocast,
+                                  prefetch=features.overlap.pp)
+        reducer = GradReducer(params, comm, cfg.dp_bucket_mb, microbatches=cfg.microbatches,
+                              overlap=features.overlap.dp, zero=features.zero == 1)
+        optimizer = make_optimizer(params, cfg, reducer)
         if source is None:
             source = make_source(cfg, spec)
         else:
             check_vocab(source, spec, cfg.data)
-        trainer = cls(cfg, comm, stages, runtime, optimizer, GradReducer(params, comm), params,
-                      source, device)
+        trainer = cls(cfg, comm, stages, runtime, optimizer, reducer, params, source, device)
+        trainer.meter = ActivationMeter(params, device)
         trainer.forward_runner = PipelineRuntime(forward_program(program), stages, comm, loss_fn,
                                                  runtime.stage_io, device, act_dtype=act_dtype,
                                                  autocast_dtype=autocast, forward_only=True)
@@ -195,11 +206,13 @@ class Trainer:
         lr = lr_at(self.step, cfg)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        loss = self.runtime.run_step(mb_inputs, mb_labels, positions, scale, self.step)
+        with self.meter:   # bytes held for backward; DP buckets go out during the backward
+            loss = self.runtime.run_step(mb_inputs, mb_labels, positions, scale, self.step)
         self.reducer.reduce()
         if self.capture_grads:  # before clipping, which would hide a uniformly scaled gradient
-            self.last_grads = {n: p.grad.detach().clone() for n, p in self.named_params}
-        grad_norm = clip_grad_norm_(self.params, cfg.optim.clip, comm)  # the pre-clip norm
+            self.last_grads = self._full_grads()
+        grad_norm = clip_grad_norm_(self.params, cfg.optim.clip, comm,  # the pre-clip norm
+                                    sharded=self.reducer.zero)
         # a NaN/inf gradient (every rank sees the same global norm) must not reach the
         # parameters: the step is skipped and the loop stops on the non-finite record
         if math.isfinite(grad_norm):
@@ -207,6 +220,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         # the loss lives on the last stage; sum it over the DP and CP ranks that computed it
         loss_t = loss.detach().double().reshape(1)
+        activation_mb = comm.all_reduce_scalars([self.meter.peak / 2**20], op="max")[0]  # MiB
         comm.all_reduce(loss_t, "dp_cp")
         comm.all_reduce(loss_t, "pp")  # non-last stages contribute 0: every rank learns it
         step_time = time.perf_counter() - t0
@@ -220,11 +234,19 @@ class Trainer:
             "schedule": cfg.schedule, "microbatches": cfg.microbatches,
             "micro_batch_size": cfg.micro_batch_size, "global_batch": cfg.global_batch,
             "seq_len": cfg.seq_len, "model": cfg.spec.name, "layout": layout_label(cfg),
+            "activation_mb": activation_mb, "recompute": cfg.recompute, "overlap": cfg.overlap,
         }
         if self.monitor is not None:
             self.monitor.end_step(self.step)
         self.step += 1
         return record
+
+    def _full_grads(self) -> dict:
+        """Every parameter's reduced gradient, also where ZeRO-1 left this rank only a shard."""
+        if isinstance(self.optimizer, Zero1):
+            full = self.optimizer.full_grads()
+            return {n: full[id(p)] for n, p in self.named_params}
+        return {n: p.grad.detach().clone() for n, p in self.named_params}
 
     def prepare_batch(self, batch):
         """Micro-batches of a DP-local batch and the loss scale. Every micro-batch loss is
