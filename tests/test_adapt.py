@@ -156,6 +156,18 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
             losses += [tr.train_step()["loss"] for _ in range(3)]
         res["switched"], res["kept"] = losses, kept
 
+        # ZeRO-1: optimizer states live on their owner DP rank only, and owners change
+        zcfg = _cfg(pp=2, dp=2, steps=8).resolve(world)
+        zcfg.optim.zero1 = True
+        zref = Trainer.build(zcfg, Comm(zcfg.dims, rank))
+        res["zero_ref"] = [zref.train_step()["loss"] for _ in range(8)]
+        zcfg = _cfg(pp=2, dp=2, steps=8).resolve(world)
+        zcfg.optim.zero1 = True
+        tr = Trainer.build(zcfg, Comm(zcfg.dims, rank))
+        zl = [tr.train_step()["loss"] for _ in range(4)]
+        tr, _ = switch(tr, Plan(1, 1, 1, 4, (4,), "1f1b", 2, 1))
+        res["zero_switched"] = zl + [tr.train_step()["loss"] for _ in range(4)]
+
         # the drill: rank 2 (pp stage 1, dp 0) computes 6x slower from step 6 on. Re-splits
         # only: the 4 ranks share 2 cores, which layout candidates (one device per rank) ignore
         out = Path(outdir) / "slow"
@@ -200,6 +212,8 @@ def test_in_memory_switches_keep_the_state_bit_for_bit_and_the_losses(four_ranks
     for step, (a, b) in enumerate(zip(ref, switched)):
         assert abs(a - b) <= 1e-5, f"step {step}: {a} (never switched) vs {b}"
     assert ref[3:] != ref[:6]      # the losses do move: the comparison is not vacuous
+    zref, zsw = per_rank[0]["zero_ref"], per_rank[0]["zero_switched"]
+    assert len(zsw) == 8 and max(abs(a - b) for a, b in zip(zref, zsw)) <= 1e-5
 
 
 @pytest.mark.slow
