@@ -168,6 +168,22 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
         tr, _ = switch(tr, Plan(1, 1, 1, 4, (4,), "1f1b", 2, 1))
         res["zero_switched"] = zl + [tr.train_step()["loss"] for _ in range(4)]
 
+        # a planted bug: a switch that drops the AdamW states must show in the losses
+        import commpipe.adapt.switch as sw
+
+        def lossy(new, state, _load=sw.load_state):
+            _load(new, {k: v for k, v in state.items() if not k.startswith("optim.")})
+
+        cfg = _cfg(pp=4, steps=12).resolve(world)
+        tr = Trainer.build(cfg, Comm(cfg.dims, rank))
+        planted = [tr.train_step()["loss"] for _ in range(3)]
+        sw.load_state, kept_load = lossy, sw.load_state
+        try:
+            tr, _ = switch(tr, Plan(2, 1, 2, 1, (2, 2), "1f1b", 8, 1))
+        finally:
+            sw.load_state = kept_load
+        res["planted"] = planted + [tr.train_step()["loss"] for _ in range(3)]
+
         # the drill: rank 2 (pp stage 1, dp 0) computes 6x slower from step 6 on. Re-splits
         # only: the 4 ranks share 2 cores, which layout candidates (one device per rank) ignore
         out = Path(outdir) / "slow"
@@ -212,6 +228,10 @@ def test_in_memory_switches_keep_the_state_bit_for_bit_and_the_losses(four_ranks
     for step, (a, b) in enumerate(zip(ref, switched)):
         assert abs(a - b) <= 1e-5, f"step {step}: {a} (never switched) vs {b}"
     assert ref[3:] != ref[:6]      # the losses do move: the comparison is not vacuous
+    # the comparison catches a switch that loses the optimizer state
+    planted = per_rank[0]["planted"]
+    assert planted[:4] == pytest.approx(ref[:4], abs=1e-5)
+    assert max(abs(a - b) for a, b in zip(ref[4:6], planted[4:6])) > 1e-5
     zref, zsw = per_rank[0]["zero_ref"], per_rank[0]["zero_switched"]
     assert len(zsw) == 8 and max(abs(a - b) for a, b in zip(zref, zsw)) <= 1e-5
 
