@@ -182,7 +182,7 @@ class Controller:
                                    a.horizon, a.margin, a.min_gain)
         rows.sort(key=lambda r: r["predicted_ms"])
         record = {
-            "step": step, "detections": [d.to_dict() for d in found],
+            "step": step, "detections": [d.to_dict() | self._where(d) for d in found],
             "signals": {f"{k} {n}": v for (k, n), v in sorted(signals.items())},
             "measured_step_ms": step_ms, "from": cur.to_dict(),
             "predicted_current_ms": current_ms, "model": model.describe(),
@@ -206,6 +206,16 @@ class Controller:
             "predicted_saving_s": verdict.saving_s, "horizon_steps": verdict.horizon_steps,
             "switch_cost_s": best["switch_cost_s"], "reason": verdict.reason,
         }
+
+    def _where(self, d) -> dict:
+        """The nodes and link class a link or collective detection spans."""
+        import re
+
+        if d.kind not in ("link", "collective"):
+            return {}
+        ranks = [int(x) for x in re.findall(r"\d+", d.key.split(" ", 1)[1].split("]")[0])]
+        nodes = sorted({r // self.rpn for r in ranks})
+        return {"nodes": nodes, "link_class": "intra_node" if len(nodes) == 1 else "inter_node"}
 
     def switch_cost(self, cur: Plan, plan: Plan, model: CostModel, spec) -> float:
         """Fixed (--adapt-switch-cost), else the last measured switch of this kind, else a
