@@ -242,11 +242,12 @@ def test_slow_rank_drill_moves_layers_off_the_slow_stage(four_ranks):
     switches = [d for d in decisions if d["action"] == "switch"]
     assert switches, f"no switch; decisions: {[d['reason'] for d in decisions]}"
     first = switches[0]
-    # the slow rank's compute change was detected by the time of the switch (other ranks may
-    # show changes too: four ranks share two cores, so one rank's sleeps speed up the others)
-    seen = [x for d in decisions if d["step"] <= first["step"] for x in d["detections"]]
-    assert any(x["kind"] == "compute" and x["key"] == "rank 2" and x["shift"] > 0.5
-               for x in seen), seen
+    # a change confirmed after the drill started triggered it, and the recalibrated model
+    # blames rank 2 (four ranks share two cores: one rank's sleeps speed up the others, so the
+    # first confirmed change may be another rank's or a collective's)
+    assert all(x["onset_step"] >= 6 - 1 for x in first["detections"]), first["detections"]
+    slowdown = first["model"]["slowdown"]
+    assert slowdown["2"] > 1.5 and slowdown["2"] == max(slowdown.values()), slowdown
     assert first["step"] >= 6 and first["kind"] == "resplit"
     # rank 2 holds pipeline stage 1: it must hold fewer layers afterwards
     assert first["from"]["stage_layers"] == [2, 2]
