@@ -59,7 +59,8 @@ def test_param_counts_match_published(name, published):
 
 def test_timing_prices_exactly_the_counted_flops():
     # layer_compute at e_max=1, infinite ridge slack (ai_half->0), no elementwise term and
-    # flash off must take exactly (layer FLOPs / tp) / peak
+    # flash off must take exactly (layer FLOPs / tp) / the achievable matmul rate, H100's MAMF:
+    # 794.5 of its 989 TFLOP/s (0.803)
     spec = resolve_model("llama3-8b")
     eff = Efficiency(e_max=1.0, ai_half_ridge=1e-12, elementwise=0.0, overhead_s=0.0)
     job = Job(8, 4096, flash_attention=False)
@@ -67,7 +68,7 @@ def test_timing_prices_exactly_the_counted_flops():
     lc = layer_compute(spec, lay, job, default_cluster(H100, 8, 8), eff)
     per_token_layer = (flops_per_token(spec, 4096) - 3 * 2 * spec.hidden * spec.vocab) / spec.layers / 3
     tokens = 2 * 4096 / 2
-    assert lc["gemm"] + lc["attn"] == pytest.approx(per_token_layer * tokens / 4 / 989e12, rel=1e-6)
+    assert lc["gemm"] + lc["attn"] == pytest.approx(per_token_layer * tokens / 4 / (989e12 * 0.803), rel=1e-6)
 
 
 # -- memory ----------------------------------------------------------------------------------------

@@ -56,17 +56,18 @@ def test_fp8_memory_of_one_gpu_by_hand():
 
 
 def test_fp8_time_of_one_layer_by_hand():
-    # at e_max = 1 and no roofline knee the four linear GEMMs take their FLOPs at the FP8 peak:
-    #   2 * 2048 * 15,204,352 = 62,277,025,792 FLOPs / 1979e12
+    # at e_max = 1 and no roofline knee the four linear GEMMs take their FLOPs at H100's FP8 MAMF
+    # (1402.6 of 1979 TFLOP/s, 0.709): 2 * 2048 * 15,204,352 = 62,277,025,792 FLOPs / (1979e12 x 0.709)
     # casts: QKV and fc1 inputs [T, h] x2, output projection input [T, h], fc2 input [T, f]:
     #   2048 * (2*1024 + 1024 + 4096) = 14,680,064 elements x 4 bytes / (3350e9 * 0.8)
     eff = Efficiency(e_max=1.0, ai_half_ridge=1e-12, elementwise=0.0, overhead_s=0.0)
     c = default_cluster(H100, 1, 8)
     lc = layer_compute(SPEC, Layout(), Job(1, 2048, precision="fp8"), c, eff)
-    assert lc["gemm"] == pytest.approx(62_277_025_792 / 1979e12, rel=1e-6)
+    assert lc["gemm"] == pytest.approx(62_277_025_792 / (1979e12 * 0.709), rel=1e-6)
     assert lc["elem"] == pytest.approx(14_680_064 * 4 / (3350e9 * 0.8), rel=1e-9)
     bf16 = layer_compute(SPEC, Layout(), Job(1, 2048), c, eff)
-    assert bf16["gemm"] == pytest.approx(lc["gemm"] * 1979 / 989, rel=1e-9)   # at the bf16 peak
+    # at the bf16 MAMF, 0.803 x 989
+    assert bf16["gemm"] == pytest.approx(lc["gemm"] * 1979 * 0.709 / (989 * 0.803), rel=1e-9)
     assert bf16["attn"] == lc["attn"]                                   # attention stays bf16
 
 
@@ -82,6 +83,16 @@ def test_fp8_needs_a_gpu_with_fp8_and_the_table_has_the_peaks(capsys):
     v = resolve_gpu("h100,mem_gb=96,hbm_gbps=2400")
     assert (v.mem_gb, v.hbm_gbps, v.fp8_tflops, v.tflops) == (96.0, 2400.0, 1979.0, 989.0)
     assert resolve_gpu("name=x,tflops=100,mem_gb=10,fp8_tflops=200").peak_tflops("fp8") == 200.0
+    # achievable matmul rates: MAMF / peak measured per GPU and precision; a custom entry without
+    # mamf= takes its tflops as reachable
+    assert resolve_gpu("h100").achievable_tflops("bf16") == pytest.approx(794.2, abs=0.1)
+    assert resolve_gpu("h100").achievable_tflops("fp8") == pytest.approx(1403.1, abs=0.1)
+    assert resolve_gpu("a100-80gb").achievable_tflops("bf16") == pytest.approx(271.1, abs=0.1)
+    assert resolve_gpu("name=x,tflops=100,mem_gb=10").achievable_tflops("bf16") == 100.0
+    h100 = resolve_gpu("h100")
+    assert resolve_gpu("h100,mem_gb=96").achievable_tflops("bf16") == h100.achievable_tflops("bf16")
+    with pytest.raises(ValueError, match="fraction of the peak"):
+        resolve_gpu("name=x,tflops=100,mem_gb=10,mamf=80")
     assert main([*args, "--gpu", "name=x,tflops=100,mem_gb=10,fp8_tflops=200", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["feasible"]
 

@@ -284,9 +284,11 @@ def fit(points: list[Point], eff: Efficiency, cluster: Cluster, fit_links: bool 
     for _ in range(iters):
         jac = np.empty((len(r), len(names)))
         for j in range(len(names)):
+            # backward differences: e_max starts at its bound (1, the GPU's achievable matmul
+            # rate), where a forward step would be clamped away and show no slope
             t = theta.copy()
-            t[j] += 0.02
-            jac[:, j] = (residuals(t)[0] - r) / 0.02
+            t[j] -= 0.02
+            jac[:, j] = (r - residuals(t)[0]) / 0.02
         jtj, g = jac.T @ jac, jac.T @ r
         improved = False
         for _ in range(6):

@@ -24,11 +24,21 @@ class GPU:
     nvlink_gbps: float   # NVLink bandwidth per GPU per direction, decimal GB/s
     nic_gbps: float      # default scale-out bandwidth per GPU (one NIC per GPU), decimal GB/s
     fp8_tflops: float = 0.0   # peak dense FP8 tensor-core TFLOP/s; 0: no FP8 tensor cores
+    mamf: float = 1.0         # maximum achievable matmul FLOP/s / bf16 peak (measured, see below)
+    mamf_fp8: float = 1.0     # the same for FP8 GEMMs
 
     @property
     def ridge_flop_per_byte(self) -> float:
-        """Roofline ridge point: arithmetic intensity at which a kernel stops being HBM-bound."""
-        return self.tflops * 1e12 / (self.hbm_gbps * 1e9)
+        """Roofline ridge point of the achievable matmul rate: arithmetic intensity at which a
+        GEMM stops being HBM-bound."""
+        return self.achievable_tflops("bf16") * 1e12 / (self.hbm_gbps * 1e9)
+
+    def achievable_tflops(self, precision: str) -> float:
+        """The fastest any GEMM of `precision` runs on this GPU (the datasheet peak times the
+        measured MAMF fraction): the ceiling the cost model's efficiency curve scales."""
+        if precision == "fp8":
+            return self.peak_tflops("fp8") * self.mamf_fp8
+        return self.tflops * self.mamf
 
     def peak_tflops(self, precision: str) -> float:
         """Dense tensor-core peak for the GEMMs of `precision` (fp8: the FP8 peak)."""
@@ -57,25 +67,39 @@ class GPU:
 #   bidirectional; eight ConnectX-7 400 Gb/s.
 # FP8 (dense = half the sparse figure): H100 SXM and H200 datasheets 3,958 TFLOPS FP8 with sparsity
 # -> 1979; B200: 72 PF FP8 per 8-GPU DGX B200 with sparsity -> 4500 dense. A100 has no FP8.
+# MAMF (maximum achievable matmul FLOP/s, a microbenchmark: the best of a scan of large GEMM
+# shapes, torch.matmul / torch._scaled_mm) over the datasheet peak, from the table
+# "Maximum Achievable Matmul FLOPS comparison table" of github.com/stas00/ml-engineering
+# compute/accelerator/README.md: bf16 A100 SXM 271.2/312 (0.869), H100 SXM 794.5/989 (0.803,
+# "H200 is the same"), B200 1745.0/2250 (0.776); FP8 H100 SXM 1402.6/1979 (0.709), H200 SXM
+# 1453.4/1979 (0.734), B200 3432.5/4500 (0.763). The peaks assume boost clocks that a GPU under
+# sustained tensor-core load cannot hold within its power limit, so the fraction differs by GPU
+# (and by precision): it is a property of the hardware, not of the training framework, and the
+# cost model's efficiencies are relative to it. A100 40GB and PCIe variants: the SXM figure.
 GPUS: dict[str, GPU] = {
-    "a100-40gb": GPU("a100-40gb", 312.0, 40.0, 1555.0, 300.0, 25.0),
-    "a100-80gb": GPU("a100-80gb", 312.0, 80.0, 2039.0, 300.0, 25.0),
-    "h100": GPU("h100", 989.0, 80.0, 3350.0, 450.0, 50.0, 1979.0),
-    "h200": GPU("h200", 989.0, 141.0, 4800.0, 450.0, 50.0, 1979.0),
-    "b200": GPU("b200", 2250.0, 192.0, 8000.0, 900.0, 50.0, 4500.0),
+    "a100-40gb": GPU("a100-40gb", 312.0, 40.0, 1555.0, 300.0, 25.0, 0.0, 0.869),
+    "a100-80gb": GPU("a100-80gb", 312.0, 80.0, 2039.0, 300.0, 25.0, 0.0, 0.869),
+    "h100": GPU("h100", 989.0, 80.0, 3350.0, 450.0, 50.0, 1979.0, 0.803, 0.709),
+    "h200": GPU("h200", 989.0, 141.0, 4800.0, 450.0, 50.0, 1979.0, 0.803, 0.734),
+    "b200": GPU("b200", 2250.0, 192.0, 8000.0, 900.0, 50.0, 4500.0, 0.776, 0.763),
 }
 ALIASES = {"a100": "a100-80gb", "a100-80": "a100-80gb", "a100-40": "a100-40gb",
            "h100-sxm": "h100", "h100-80gb": "h100", "h200-141gb": "h200", "b200-192gb": "b200"}
 
 # Defaults for a custom entry that does not give them: A100-class memory system and links.
-_CUSTOM_DEFAULTS = {"hbm_gbps": 2000.0, "nvlink_gbps": 300.0, "nic_gbps": 25.0, "fp8_tflops": 0.0}
-_CUSTOM_KEYS = ("name", "tflops", "mem_gb", "hbm_gbps", "nvlink_gbps", "nic_gbps", "fp8_tflops")
+# A custom entry without mamf= takes its tflops as reachable (mamf 1): give mamf=MAMF/peak with a
+# datasheet peak.
+_CUSTOM_DEFAULTS = {"hbm_gbps": 2000.0, "nvlink_gbps": 300.0, "nic_gbps": 25.0, "fp8_tflops": 0.0,
+                    "mamf": 1.0, "mamf_fp8": 1.0}
+_CUSTOM_KEYS = ("name", "tflops", "mem_gb", "hbm_gbps", "nvlink_gbps", "nic_gbps", "fp8_tflops", "mamf",
+                "mamf_fp8")
 
 
 def resolve_gpu(text: str) -> GPU:
     """A table name (`h100`, `a100-80gb`, ...), `cpu` (this machine, measured by
     `commpipe.plan.cpu`), a custom entry
-    `name=foo,tflops=..,mem_gb=..[,hbm_gbps=..,nvlink_gbps=..,nic_gbps=..,fp8_tflops=..]`, or a
+    `name=foo,tflops=..,mem_gb=..[,hbm_gbps=..,nvlink_gbps=..,nic_gbps=..,fp8_tflops=..,mamf=..,
+    mamf_fp8=..]`, or a
     table entry with fields changed: `h100,mem_gb=96,hbm_gbps=2400` (a variant)."""
     head = text.split(",", 1)[0]
     if "=" in text and "=" not in head:
@@ -116,6 +140,8 @@ def resolve_gpu(text: str) -> GPU:
             raise ValueError(f"GPU field {k}={raw!r} is not a number") from None
         if nums[k] < 0 or (nums[k] == 0 and k != "fp8_tflops"):
             raise ValueError(f"GPU field {k}={raw} must be positive")
+        if k.startswith("mamf") and nums[k] > 1:
+            raise ValueError(f"GPU field {k}={raw} is a fraction of the peak: give a value in (0, 1]")
     return GPU(values.get("name", "custom"), **nums)
 
 

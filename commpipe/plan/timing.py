@@ -1,9 +1,12 @@
 """Time per action: compute from FLOPs and a GEMM-shape efficiency curve, plus communication.
 
 Compute. Every matmul of a layer is priced on its own shape after TP/CP sharding:
-    time = 2*M*K*N / (peak * eff),   eff = e_max * x / (x + x_half),
+    time = 2*M*K*N / (mamf * eff),   eff = e_max * x / (x + x_half),
     x = arithmetic intensity M*K*N / (M*K + K*N + M*N)   (FLOP per byte, 2-byte operands),
-    x_half = ai_half_ridge * (peak FLOP/s / HBM byte/s)  (the GPU's roofline ridge point).
+    x_half = ai_half_ridge * (mamf FLOP/s / HBM byte/s)  (the GPU's roofline ridge point),
+    mamf = the GPU's maximum achievable matmul FLOP/s, measured (`gpus.py`: 87% of the datasheet
+    peak on A100, 80% on H100, 71% for H100 FP8): e_max is a fraction of what the GPU can reach,
+    so a value fitted on one GPU carries to another whose clocks throttle more under load.
 Since flops / x is the bytes a GEMM moves, this is time = flops/(e_max*peak) + bytes*const:
 an additive roofline whose two constants (e_max, ai_half_ridge) are dimensionless and carry
 over between GPUs. Backward GEMMs (input and weight gradient) have the same shapes as the
@@ -68,7 +71,9 @@ FLASH_BWD_RATIO = 2.5  # flash attention backward / forward matmul work
 class Efficiency:
     """Calibratable compute-efficiency parameters (see module docstring)."""
 
-    e_max: float = 0.8            # fraction of peak a large GEMM reaches (cuBLAS, A100/H100)
+    e_max: float = 0.92           # fraction of the GPU's achievable matmul rate (MAMF, gpus.py) a
+                                  # large GEMM of the model reaches: 0.8 of the A100's peak, the
+                                  # former default, is 0.92 of its MAMF (0.869); at most 1
     ai_half_ridge: float = 0.5    # intensity at half efficiency, in units of the ridge point
     attn_rel: float = 0.8         # flash-attention efficiency relative to e_max
     elementwise: float = 1.0      # HBM bytes of non-GEMM ops per stored activation byte
@@ -139,7 +144,7 @@ def layer_compute(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
     """Forward seconds of one layer for one micro-batch: 'gemm' (weight matmuls), 'attn'
     (scores and values), 'elem' (HBM-bound ops)."""
     gpu = cluster.gpu
-    peak, ridge = gpu.tflops * 1e12, gpu.ridge_flop_per_byte
+    peak, ridge = gpu.achievable_tflops("bf16") * 1e12, gpu.ridge_flop_per_byte
     t, s, h = layout.tp, job.seq_len, spec.hidden
     tokens = layout.micro_batch_size * s / layout.cp
     kv, f, d = spec.kv_dim, spec.ffn_hidden, spec.head_dim
@@ -174,15 +179,15 @@ def layer_compute(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
 # Hopper, transposed: read 2 bytes, write 1 + 1 per element (`FP8_CAST_BYTES`), HBM-bound; the
 # backward casts its output gradients, charged like the rest of the elementwise work (twice the
 # forward). An FP8 GEMM reaches the same share of its (twice higher) peak as a bf16 one of the
-# same shape (`fp8_rel` = 1): cuBLASLt FP8 8192^3 GEMMs measured at ~1,610 TFLOP/s on H100 SXM
-# (81% of 1979), as bf16 ones reach ~76-80% of 989 (the default curve gives 76% at that shape).
+# same shape relative to its own measured ceiling (`fp8_rel` = 1; the ceiling is the GPU's FP8
+# MAMF: 1402.6 of 1979 TFLOP/s on H100 SXM, against 794.5 of 989 for bf16, `gpus.py`).
 FP8_CAST_BYTES = 4.0
 
 
 def fp8_gemm_time(m: float, k: float, n: float, gpu, eff: Efficiency) -> float:
     """An FP8 GEMM: 1-byte operands double the arithmetic intensity, and the ridge point moves
-    with the FP8 peak, so the curve's shape carries over; `fp8_rel` scales its ceiling."""
-    peak = gpu.peak_tflops("fp8") * 1e12
+    with the FP8 ceiling (the FP8 MAMF), so the curve's shape carries over; `fp8_rel` scales it."""
+    peak = gpu.achievable_tflops("fp8") * 1e12
     ridge = peak / (gpu.hbm_gbps * 1e9)
     ai = 2 * m * k * n / (m * k + k * n + m * n)
     x_half = eff.ai_half_ridge * ridge
@@ -208,8 +213,8 @@ def head_compute(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
     gpu = cluster.gpu
     tokens = layout.micro_batch_size * job.seq_len / layout.cp
     v = spec.vocab / layout.tp
-    g = gemm_time(2 * tokens * spec.hidden * v, tokens, spec.hidden, v, gpu.tflops * 1e12, eff,
-                  gpu.ridge_flop_per_byte)
+    g = gemm_time(2 * tokens * spec.hidden * v, tokens, spec.hidden, v, gpu.achievable_tflops("bf16") * 1e12,
+                  eff, gpu.ridge_flop_per_byte)
     # loss: read bf16 logits, write and re-read the fp32 softmax (~10 bytes per logit)
     loss = 10 * tokens * v / (gpu.hbm_gbps * 1e9 * HBM_EFFICIENCY)
     return g, loss
