@@ -16,7 +16,7 @@ import pytest
 from commpipe.parallel.dims import ParallelDims
 from tests.dist_harness import run_jobs
 from tests.reference import reference_run
-from tests.test_equivalence import check_against, make_cfg
+from tests.test_equivalence import GLOBAL_BATCH, SEQ, check_against, make_cfg
 
 LAYOUTS = {  # world -> name: (dims, schedule, options)
     4: {
@@ -61,6 +61,25 @@ def results_of(world: int) -> dict:
 def test_features_match_single_device(world, reference):
     for key, got in results_of(world).items():
         check_against(reference, got, key)
+
+
+def test_estimate_predicts_activation_mb():
+    """`commpipe estimate --gpu cpu --precision fp32 --json` prices commpipe's own saved tensors:
+    activation_gb_per_gpu within 20% of the activation_mb the tp2 pp2 runs measured."""
+    import json
+    import subprocess
+    import sys
+
+    got = results_of(4)
+    for mode in ("none", "selective", "full"):
+        out = subprocess.run(
+            [sys.executable, "-m", "commpipe", "estimate", "--model", "tiny", "--tp", "2", "--pp",
+             "2", "--gpus", "4", "--gpu", "cpu", "--precision", "fp32", "--global-batch",
+             str(GLOBAL_BATCH), "--seq-len", str(SEQ), "--recompute", mode, "--json"],
+            capture_output=True, text=True, check=True)
+        predicted = json.loads(out.stdout)["activation_gb_per_gpu"] * 1024    # GiB -> MiB
+        measured = max(got[f"tp2pp2-sp-{mode}-overlap"]["activation_mb"])
+        assert abs(predicted - measured) <= 0.2 * measured, (mode, predicted, measured)
 
 
 def test_activation_memory_falls_with_recomputation():

@@ -4,7 +4,8 @@
 - one process: bf16 tracks the fp32 run, ZB-H1's deferred W equals 1F1B exactly, and master
   parameters, gradients and optimizer state stay fp32;
 - four processes: every schedule with tp and pp tracks the fp32 single-device reference within
-  2% per step, with every pipeline message in bf16.
+  2% per step, with every pipeline message in bf16; also with --recompute full and selective
+  beside the deferred weight gradients of ZB-H1 and ZB-V.
 """
 
 from __future__ import annotations
@@ -99,15 +100,18 @@ def check_pp_messages_are_bf16(trainer) -> None:
         setattr(comm, name, checked)
 
 
-JOBS = [(ParallelDims(pp=2, tp=2), name, v) for name, v in
+JOBS = [(ParallelDims(pp=2, tp=2), name, v, "none") for name, v in
         (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zbh1", 1), ("zbv", 1))]
-JOBS += [(ParallelDims(pp=4), "zbv", 1)]
+JOBS += [(ParallelDims(pp=4), "zbv", 1, "none")]
+# recomputation under bf16 autocast, beside the deferred weight gradients of zero-bubble schedules
+JOBS += [(ParallelDims(pp=2, tp=2), "zbh1", 1, "full"), (ParallelDims(pp=2, tp=2), "zbv", 1, "selective")]
 
 
 @functools.cache
 def bf16_results() -> dict:
-    jobs = [(f"{d}-{name}-v{v}", make_cfg(d, name, vpp=v, model=MODEL, precision="bf16"),
-             check_pp_messages_are_bf16) for d, name, v in JOBS]
+    jobs = [(f"{d}-{name}-v{v}-{rc}", make_cfg(d, name, vpp=v, model=MODEL, precision="bf16",
+                                               recompute=rc),
+             check_pp_messages_are_bf16) for d, name, v, rc in JOBS]
     return run_jobs(4, jobs)
 
 

@@ -106,6 +106,19 @@ def job_from_args(args) -> Job:
                fp8_params=not getattr(args, "bf16_weights_with_fp8", False))
 
 
+def for_cluster(job: Job, cluster) -> Job:
+    """On `--gpu cpu` the planner prices commpipe's own runtime: its saved tensors and only what
+    `commpipe train` runs (commpipe.runtime.features)."""
+    if cluster.gpu.name != "cpu":
+        return job
+    from commpipe.runtime.features import PRECISIONS
+
+    if job.precision not in PRECISIONS:
+        raise ValueError(f"--gpu cpu prices commpipe's own runtime, which trains in "
+                         f"{' or '.join(PRECISIONS)}; --precision {job.precision} is for GPU stacks")
+    return replace(job, runtime="commpipe", fused_swiglu=False)
+
+
 def cluster_from_args(args, num_gpus: int | None = None, profile_path: str | None = None):
     """(Cluster, Efficiency): defaults < probe JSON < profile < explicit link flags."""
     n = num_gpus if num_gpus is not None else args.gpus
@@ -166,8 +179,8 @@ def run(args) -> int:
     from commpipe.plan.search import search
 
     spec = resolve_model(args.model)
-    job = job_from_args(args)
     cluster, eff = cluster_from_args(args, profile_path=args.profile)
+    job = for_cluster(job_from_args(args), cluster)
     try:
         result = search(spec, job, cluster, eff, fixed_from_args(args), top=args.top)
     except ValueError as e:

@@ -15,7 +15,13 @@ import json
 import sys
 
 from commpipe.models.spec import resolve_model
-from commpipe.plan.cli import add_common_arguments, cluster_from_args, job_from_args, zero_from_args
+from commpipe.plan.cli import (
+    add_common_arguments,
+    cluster_from_args,
+    for_cluster,
+    job_from_args,
+    zero_from_args,
+)
 from commpipe.plan.estimate import estimate
 from commpipe.plan.layout import Layout
 
@@ -50,6 +56,7 @@ def run(args) -> int:
     layout = Layout(tp, cp, pp, dp, vpp, args.micro_batch_size or 1, schedule, args.recompute or "none",
                     zero, args.dp_shard or 0)
     cluster, eff = cluster_from_args(args, num_gpus=gpus, profile_path=args.profile)
+    job = for_cluster(job, cluster)
     est = estimate(spec, layout, job, cluster, eff)
     if args.json:
         json.dump(est.to_dict(), sys.stdout, indent=2)

@@ -56,6 +56,11 @@ class Estimate:
         return max((s.total_gb for s in self.memory), default=float("nan"))
 
     @property
+    def activation_gb_per_gpu(self) -> float:
+        """Bytes held for backward on the rank holding the most (activations and softmax)."""
+        return max((s.activations_gb + s.logits_gb for s in self.memory), default=float("nan"))
+
+    @property
     def exposed_comm_fraction(self) -> float:
         b = self.breakdown
         if not b or not self.step_time_s == self.step_time_s:
@@ -67,7 +72,8 @@ class Estimate:
         d = dict(self.layout.to_dict())
         d.update(step_time_s=_num(self.step_time_s), tflops_per_gpu=_num(self.tflops_per_gpu),
                  hw_tflops_per_gpu=_num(self.hw_tflops_per_gpu), mfu=_num(self.mfu),
-                 memory_gb_per_gpu=_num(self.memory_gb_per_gpu), feasible=self.feasible,
+                 memory_gb_per_gpu=_num(self.memory_gb_per_gpu),
+                 activation_gb_per_gpu=_num(self.activation_gb_per_gpu), feasible=self.feasible,
                  reason=self.reason, microbatches=self.microbatches,
                  bubble_fraction=_num(self.bubble_fraction),
                  exposed_comm_fraction=_num(self.exposed_comm_fraction),

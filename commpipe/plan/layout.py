@@ -56,6 +56,8 @@ class Job:
     #                             Megatron --tp-comm-overlap, NeMo's performance recipes)
     fused_swiglu: bool = True   # SwiGLU keeps only its input (Megatron/TE recompute SiLU); False:
     #                             plain PyTorch also keeps SiLU's output (commpipe's runtime)
+    runtime: str = "megatron"   # whose activations memory.py counts; "commpipe": this runtime's
+    #                             saved tensors, as activation_mb measures them (runtime_memory.py)
 
     def __post_init__(self):
         if self.global_batch < 1 or self.seq_len < 1:
@@ -217,6 +219,8 @@ def enumerate_layouts(spec: ModelSpec, job: Job, num_gpus: int, fixed: dict | No
                                 continue
                             for rc in _pick(list(recomputes), fixed.get("recompute")):
                                 for z in zero_options(pp, dp * cp, fixed):
+                                    if job.runtime == "commpipe" and (z > 1 or (z and dp == 1)):
+                                        continue      # commpipe train: ZeRO-1 over DP at most
                                     shard = fixed.get("dp_shard", 0) if z else 0
                                     if shard and (dp * cp) % shard:
                                         continue

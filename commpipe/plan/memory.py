@@ -44,6 +44,7 @@ from functools import lru_cache
 from commpipe.models.spec import ModelSpec, layer_param_count
 from commpipe.parallel.dims import split_layers
 from commpipe.plan.layout import Job, Layout, zero_stage
+from commpipe.plan.runtime_memory import stage_activation_bytes
 
 GIB = 2**30
 RESERVE_FIXED_GIB = 1.5
@@ -227,7 +228,12 @@ def stage_memory(spec: ModelSpec, layout: Layout, job: Job, inflight: list[float
         if layout.recompute == "full":
             act += full_layer                   # one layer rematerialised during its backward
         logits = 0.0
-        if stages - 1 in chunks:
+        if job.runtime == "commpipe":           # this runtime's own saved tensors
+            last_inflight = layout.microbatches(job) if layout.schedule == "gpipe" else 1
+            act, logits = stage_activation_bytes(
+                spec, layout.tp, tokens, job.sequence_parallel, layout.recompute, layers,
+                inflight[rank], stages - 1 in chunks, last_inflight, job.activation_bytes)
+        elif stages - 1 in chunks:
             # fp32 softmax saved per micro-batch whose backward has not run yet, plus the
             # transient bf16 logits of the one being computed; the final norm's input too
             last_inflight = layout.microbatches(job) if layout.schedule == "gpipe" else 1
