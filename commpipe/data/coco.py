@@ -326,7 +326,7 @@ class CocoSource:
             yield data.batch(np.arange(first, first + local))
 
     def state_dict(self) -> dict:
-        return self.sampler.state_dict()
+        return {"kind": "corpus", **self.sampler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.sampler.load_state_dict(state)
+        self.sampler.load_state_dict({k: v for k, v in state.items() if k != "kind"})

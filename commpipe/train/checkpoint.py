@@ -43,9 +43,6 @@ from commpipe.models.spec import ModelSpec
 FORMAT = 1
 META = "commpipe.json"
 LATEST = "latest"
-# model fields that decide the parameters' shapes and meaning (the preset's name does not)
-SHAPE_FIELDS = ("arch", "layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab",
-                "norm_eps", "rope_theta")
 
 
 def step_dirname(step: int) -> str:
@@ -103,7 +100,11 @@ def resolve_resume(cfg, source=None) -> Path | None:
                                 f"with {META} and .metadata, or a run folder holding checkpoints/)")
     meta = read_meta(found)
     check_compatible(meta, cfg, found)
-    if source is None and not cfg.data:
+    if source is None and not cfg.data and cfg.spec.arch == "blip":
+        from commpipe.train.multimodal import SyntheticCaptions
+
+        source = SyntheticCaptions(cfg.spec, cfg.seed)
+    elif source is None and not cfg.data:
         from commpipe.data import SyntheticTokens
 
         source = SyntheticTokens(vocab=cfg.spec.vocab, seed=cfg.seed, seq_len=cfg.seq_len)
@@ -127,8 +128,10 @@ def check_compatible(meta: dict, cfg, path: Path) -> None:
     """Refuse what resharding cannot bridge: another model shape, vocabulary or data kind."""
     spec: ModelSpec = cfg.spec
     saved = meta["model"]
-    diffs = [f"{k}={saved.get(k)} (checkpoint) vs {getattr(spec, k)} (this run)"
-             for k in SHAPE_FIELDS if saved.get(k) != getattr(spec, k)]
+    # every field but the preset's name decides the parameters' shapes and meaning (LLaMA or BLIP)
+    current = spec.to_dict()
+    diffs = [f"{k}={saved.get(k)} (checkpoint) vs {current[k]} (this run)"
+             for k in current if k != "name" and saved.get(k) != current[k]]
     if diffs:
         hint = " (with --data the vocabulary is the tokenizer's padded to 64; resume with the " \
                "same tokenizer)" if saved.get("vocab") != spec.vocab else ""

@@ -161,7 +161,7 @@ class SyntheticCaptions:
     (padding labelled IGNORE), so the task is learnable and captions differ in length. Every
     sample is drawn from (seed, step, its index in the global batch): DP shards are slices."""
 
-    kind = "synthetic-captions"
+    kind = "synthetic"
 
     def __init__(self, spec: BlipSpec, seed: int = 0, val_batches: int = 4):
         self.spec, self.seed, self.val_batches = spec, seed, val_batches
@@ -207,9 +207,12 @@ class SyntheticCaptions:
             yield self._samples(1, i, range(dp_rank * local, (dp_rank + 1) * local))
 
     def state_dict(self) -> dict:
-        return {"kind": self.kind, "seed": self.seed}
+        return {"kind": self.kind, "captions": True, "seed": self.seed}
 
     def load_state_dict(self, state: dict) -> None:
+        if not state.get("captions"):
+            raise ValueError("data state is not from synthetic image-caption pairs; resume with "
+                             "the same model and data")
         if state.get("seed", self.seed) != self.seed:
             raise ValueError(f"checkpoint data seed {state.get('seed')} differs from --seed "
                              f"{self.seed}")
