@@ -226,7 +226,8 @@ class TrainConfig:
         self.stage_layers = split
         self.stage_balance = {
             "from": source, "wanted": "measured" if wanted == "auto:measured" else "flops",
-            "unit": "forward FLOPs per sample" if source == "flops" else "s fwd+bwd per micro-batch",
+            "unit": "forward FLOPs (per sample; LLaMA: per token)" if source == "flops"
+            else "s fwd+bwd per micro-batch",
             "layer_costs": [float(c) for c in costs], "split": split,
             "predicted_stage_costs": stage_costs(costs, split),
             "even_split": even, "even_stage_costs": stage_costs(costs, even)}
