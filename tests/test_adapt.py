@@ -281,6 +281,86 @@ def test_report_draws_step_time_with_degrade_and_switch(tmp_path):
     assert path.stat().st_size > 10_000 and "switches (1)" in caption
 
 
+# -- the demo's oracle and criteria (no launch) ----------------------------------------------------
+
+def test_oracle_candidates_are_every_admitted_layout_with_even_and_balanced_splits():
+    from commpipe.adapt.demo import MODEL
+    from commpipe.adapt.oracle import candidate_layouts
+
+    train = {"model": MODEL, "seq_len": 32, "global_batch": 8, "seed": 0, "steps": 60}
+    found, rejected = candidate_layouts(train, 4)
+    # every (tp, cp, pp, dp) with product 4, written out by hand; tp 4 cannot split 2 KV heads
+    every = {(1, 1, 1, 4), (1, 1, 2, 2), (1, 1, 4, 1), (1, 2, 1, 2), (1, 2, 2, 1), (1, 4, 1, 1),
+             (2, 1, 1, 2), (2, 1, 2, 1), (2, 2, 1, 1), (4, 1, 1, 1)}
+    got = {(c["tp"], c["cp"], c["pp"], c["dp"]) for c in found}
+    assert got == every - {(4, 1, 1, 1)} and len(found) == len(got)   # head cost: even = balanced
+    assert [(r["tp"], "KV heads" in r["reason"]) for r in rejected] == [(4, True)]
+    for c in found:
+        assert c["stage_layers"] == {1: [4], 2: [2, 2], 4: [1, 1, 1, 1]}[c["pp"]]
+        assert c["schedule"] == "1f1b" or c["pp"] == 1
+        assert "--steps" in c["flags"] and c["flags"][c["flags"].index("--steps") + 1] == "60"
+    # a head worth ~50 layers (vocab 32000, hidden 64): the balanced split puts 3 layers
+    # before it, and both splits are measured
+    big = "arch=llama,layers=4,hidden=64,heads=4,kv_heads=2,ffn_hidden=128,vocab=32000"
+    found, _ = candidate_layouts({**train, "model": big}, 2)
+    pp2 = [(c["stage_layers"], c["split"]) for c in found if c["pp"] == 2]
+    assert pp2 == [([2, 2], "even"), ([3, 1], "balanced")]
+
+
+def _summary_inputs(tmp_path, after_ms: float, static_ms: float, chosen: tuple):
+    """Synthetic adaptive/static runs (degrade at 10, switch at 12) and an oracle record."""
+    def write(name, times, loss_shift=0.0):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": s, "step_time_s": t / 1e3, "loss": 5.0 - 0.01 * s + loss_shift})
+            + "\n" for s, t in enumerate(times)))
+
+    write("adaptive", [100] * 10 + [900] * 2 + [after_ms] * 18)
+    write("static", [100] * 10 + [static_ms] * 20, 3e-6)
+    to = {"tp": 1, "cp": chosen[0], "pp": 2, "dp": chosen[1], "stage_layers": [2, 2],
+          "name": "chosen"}
+    (tmp_path / "adaptive" / "adapt.jsonl").write_text(
+        json.dumps({"step": 3, "action": "stay", "detections": [{"key": "rank 0", "onset_step": 0}]})
+        + "\n" + json.dumps({"step": 12, "action": "switch", "to": to, "switch_time_s": 0.1,
+                             "detections": [{"key": "pp 0->2", "onset_step": 10}]}) + "\n")
+    cands = [{"name": n, "tp": 1, "cp": cp, "pp": 2, "dp": dp, "stage_layers": [2, 2],
+              "split": "even", "median_ms": ms, "steps_measured": 8, "stopped_early": False,
+              "losses": [5.0 - 0.01 * s for s in range(10)]}
+             for n, cp, dp, ms in (("pp2-dp2", 1, 2, 200.0), ("cp2-pp2", 2, 1, 300.0))]
+    return {"best": cands[0], "candidates": cands, "sweep_s": 90.0}
+
+
+def test_demo_summary_checks_the_criteria_against_the_measured_oracle(tmp_path):
+    from commpipe.adapt.demo import Scenario, criteria, format_summary, summarize
+
+    sc = Scenario(steps=30, blip=(4, 5), degrade_step=10)
+    applied = [(4, 20.0), (5, 1000.0), (10, 20.0)]
+    oracle = _summary_inputs(tmp_path, after_ms=220.0, static_ms=1000.0, chosen=(1, 2))
+    s = summarize(tmp_path, sc, applied, oracle)
+    s["elapsed_s"] = 300.0
+    assert (s["switch_delay_steps"], s["step_ms_after_switch"], s["step_ms_oracle"]) == (2, 220, 200)
+    assert s["detection_delay_steps"] == 2 and s["switches_before_degrade"] == 0
+    assert s["controller_choice_is_best"] and s["static_vs_oracle"] == pytest.approx(4.0)
+    assert s["max_loss_diff_adaptive_vs_static"] == pytest.approx(3e-6)
+    assert [ok for _, ok, _ in criteria(s)] == [True] * 6
+    text = format_summary(s)
+    assert "FAIL" not in text and "= measured-best static layout: yes" in text
+    # the controller picked the slower layout, too slow after the switch, static not slow
+    # enough, a demo over 8 minutes: each criterion fails on its own
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    oracle = _summary_inputs(bad, after_ms=300.0, static_ms=240.0, chosen=(2, 1))
+    s = summarize(bad, sc, applied, oracle)
+    s["elapsed_s"] = 500.0
+    assert not s["controller_choice_is_best"] and s["controller_choice_ms"] == 300.0
+    verdict = {what: ok for what, ok, _ in criteria(s)}
+    assert [k for k, ok in verdict.items() if not ok] == [
+        "after the switch within 15% of the oracle",
+        "static at least 25% slower than the oracle after the degrade",
+        "whole demo under 8 minutes"]
+    assert "no (chosen measured 300 ms)" in format_summary(s)
+
+
 def test_collective_time_counts_from_the_last_members_post():
     from commpipe.adapt.signals import collective_rates, collective_times
 

@@ -102,9 +102,16 @@ def compare_figure(out_dir, runs=("adaptive", "static", "oracle"), out_png=None)
         return None
     fig, ax = plt.subplots(figsize=(9, 3.8))
     colors = {"adaptive": "#2ca02c", "static": "#d62728", "oracle": "#7f7f7f"}
+    oracle = _read_json(out_dir / "oracle" / "candidates.json")
     for name, rows in found:
+        label = name
+        if name == "oracle" and oracle:
+            label = f"oracle ({oracle['best']['name']}, from step 0)"
         ax.plot([r["step"] for r in rows], [r["step_time_s"] * 1e3 for r in rows], lw=1.3,
-                label=name, color=colors.get(name))
+                label=label, color=colors.get(name))
+    if oracle:   # its median, across the whole run for comparison
+        ax.axhline(oracle["best"]["median_ms"], color=colors["oracle"], ls=":", lw=1,
+                   label=f"oracle median {oracle['best']['median_ms']:.0f} ms")
     for step, label in degrade_steps(out_dir / found[0][0]):
         ax.axvline(step, color="#d62728", ls="--", lw=1)
         ax.text(step, 0.98, " " + label, transform=ax.get_xaxis_transform(), color="#d62728",
@@ -123,5 +130,50 @@ def compare_figure(out_dir, runs=("adaptive", "static", "oracle"), out_png=None)
     fig.savefig(out_png, dpi=100)
     plt.close(fig)
     return out_png, ("Step time of the adaptive run, the same scenario without the controller "
-                     "(static) and the oracle layout under the degraded link from step 0; red "
-                     "dashed: injected blip and degrade, green: switch.")
+                     "(static) and the oracle (the fastest static layout measured under the "
+                     "degraded link from step 0; dotted: its median); red dashed: injected blip "
+                     "and degrade, green: switch.")
+
+
+def _read_json(path: Path):
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def oracle_figure(out_dir, out_png=None):
+    """Median step time of every static layout the oracle sweep measured (candidates.json),
+    the controller's choice marked; returns (path, caption) or None."""
+    out_dir = Path(out_dir)
+    rec = _read_json(out_dir / "oracle" / "candidates.json")
+    if not rec or not rec.get("candidates"):
+        return None
+    cands = rec["candidates"]
+    chosen = next((d["to"] for d in read_jsonl(out_dir / "adaptive" / "adapt.jsonl")
+                   if d.get("action") == "switch"), None)
+
+    def is_chosen(c):
+        return chosen is not None and all(c[k] == chosen[k] for k in ("tp", "cp", "pp", "dp")) \
+            and list(c["stage_layers"]) == list(chosen["stage_layers"])
+
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(cands) + 1.2))
+    names = [f"{c['name']} [{','.join(map(str, c['stage_layers']))}]" for c in cands]
+    colors = ["#2ca02c" if is_chosen(c) else "#7f7f7f" if i == 0 else "#9ecae1"
+              for i, c in enumerate(cands)]
+    ax.barh(names, [c["median_ms"] for c in cands], color=colors)
+    for i, c in enumerate(cands):
+        note = " (stopped early)" if c.get("stopped_early") else ""
+        ax.text(c["median_ms"], i, f" {c['median_ms']:.0f} ms{note}", va="center", fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xscale("log")
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    ax.set_xlabel("median step time under the degraded link (ms, log)")
+    ax.set_title("oracle sweep: every static layout, degraded network from step 0")
+    fig.tight_layout()
+    out_png = Path(out_png or out_dir / "figures" / "oracle_candidates.png")
+    out_png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)
+    return out_png, (f"Oracle sweep: median step time of each static layout ({rec['steps']} steps "
+                     f"from step 0, the first {rec['warmup']} left out) under the degraded link; "
+                     "the fastest (top, grey) is the oracle; green: the controller's choice. A "
+                     "layout clearly slower than the best so far stopped after "
+                     f"{rec['min_steps']} steps.")
