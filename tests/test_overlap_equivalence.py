@@ -1,4 +1,4 @@
-"""Sequence parallelism, overlap (TP, DP, pipeline prefetch), recomputation and ZeRO-1 as a
+"""Sequence parallelism, overlap (TP, DP, CP, pipeline prefetch), recomputation and ZeRO-1 as a
 distributed optimizer compute what one device computes: loss and pre-clip gradient norm of each
 step, the last step's pre-clip gradients and the final parameters (fp32, CPU, gloo), every
 layout with overlap on and with `--no-overlap`. Measured activation memory falls from none to

@@ -6,8 +6,8 @@
   sequence shards; all-gather before column-parallel, reduce-scatter after row-parallel.
 - overlap per dimension: tp (input-gradient collective beside the weight-gradient GEMM), dp
   (gradient buckets reduced during the backward), pp (receives posted one compute early).
-  cp has no overlapped K/V exchange yet: its flag is kept (and priced as exposed) so that the
-  planner never assumes what the runtime does not do.
+  cp (the K/V all-gather beside the attention over the rank's own chunk, merged by
+  log-sum-exp).
 - recompute: none | selective (the attention core) | full (the whole layer, its input kept).
 - precision: compute dtype (fp32 or bf16 autocast); parameters, gradients, optimizer states
   and the loss stay fp32; pipeline messages carry the compute dtype.
@@ -31,7 +31,7 @@ class Overlap:
     tp: bool = True
     dp: bool = True
     pp: bool = True
-    cp: bool = False     # not implemented: the K/V all-gather is exposed
+    cp: bool = True
 
     @classmethod
     def none(cls) -> Overlap:
@@ -65,8 +65,6 @@ class RuntimeFeatures:
                              "(--zero1)")
         if self.zero_group not in ZERO_GROUPS:
             raise ValueError(f"ZeRO group {self.zero_group!r}: commpipe shards over dp")
-        if self.overlap.cp:
-            raise ValueError("overlapped context-parallel K/V exchange is not implemented")
         return self
 
     def to_dict(self) -> dict:

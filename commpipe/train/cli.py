@@ -105,7 +105,7 @@ def add_arguments(p) -> None:
                    help="with tp > 1, keep norms and residuals on the whole sequence on every TP "
                         "rank (default: sequence parallelism on)")
     g.add_argument("--no-overlap", dest="overlap", action="store_false",
-                   help="turn every communication overlap off (TP, DP, pipeline receive "
+                   help="turn every communication overlap off (TP, DP, CP, pipeline receive "
                         "prefetch), for A/B measurement; results are identical")
     g.add_argument("--dp-bucket-mb", type=float, default=25.0,
                    help="gradients are reduced in buckets of about this many MB, each as soon "

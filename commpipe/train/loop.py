@@ -150,7 +150,7 @@ class Trainer:
             stages = build_stages(spec, program, pp_rank, cfg.seed, cfg.stage_layers, device)
             for module in stages.values():
                 apply_tp(module, comm, features.sequence_parallel, features.overlap.tp)
-                apply_cp(module, comm)
+                apply_cp(module, comm, features.overlap.cp)
                 apply_recompute(module, features.recompute)
             last = stages.get(program.num_stages - 1)
             loss_fn = make_loss_fn(comm, last.output if last is not None else None)
