@@ -22,13 +22,13 @@ identical gradients on every TP rank, as LLaMA's norms do. No sequence paralleli
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from commpipe.models.blip import IGNORE, Attention, Blip, DecoderBlock
 from commpipe.parallel.comm import Comm
 from commpipe.parallel.functional import copy_to, reduce_from
 from commpipe.parallel.tensor import VocabParallelEmbedding, _shard_, _VocabParallelCE
+from commpipe.runtime.weight_grad import route_linear
 
 
 def _column(linear: nn.Linear, comm: Comm) -> None:
@@ -39,13 +39,11 @@ def _column(linear: nn.Linear, comm: Comm) -> None:
 
 
 def _row(linear: nn.Linear, comm: Comm) -> None:
-    """Input features split; the partial products are summed across TP, then the bias added."""
+    """Input features split; the partial products are summed across TP, then the bias added.
+    Routed through commpipe.runtime.weight_grad now, so that a zero-bubble schedule's I/W split
+    (which routes every other Linear later) defers this weight and bias too."""
     _shard_(linear, 1, comm)
-
-    def forward(x):
-        return reduce_from(F.linear(x, linear.weight), comm, "tp") + linear.bias
-
-    linear.forward = forward
+    route_linear(linear, reduce=lambda y: reduce_from(y, comm, "tp"))
 
 
 def _enter(module: nn.Module, comm: Comm) -> None:
