@@ -6,6 +6,7 @@ the same run_commands path real layouts take), so they do not train models.
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import os
@@ -16,7 +17,7 @@ import pytest
 
 from commpipe.cluster import netns
 from commpipe.cluster.grids import DEFAULT_ORDER, STUDY_LAYOUTS, Grid, Layout, demo8, load_grid, study
-from commpipe.cluster.launch import NodeCommand, run_commands
+from commpipe.cluster.launch import NodeCommand, run_commands, train_flags
 from commpipe.cluster.sweep import (
     EmulatedRunner,
     LocalRunner,
@@ -228,3 +229,42 @@ def test_real_sweep_end_to_end(tmp_path):
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
     out = write_report(tmp_path)
     assert Path(out["html"]).exists() and len(out["rows"]) == 2
+
+
+@pytest.mark.slow
+def test_blip_sweep_and_report(tmp_path):
+    """A grid with model = "blip-tiny" runs (2 local ranks, PP2 ZB-H1) and reports: TFLOP/s from
+    BLIP's FLOPs per image-caption pair, a bubble from the trace, PP bandwidth from the monitor,
+    and losses equal to one process training the same configuration."""
+    pytest.importorskip("commpipe.train.loop")
+    from commpipe.models.blip_spec import flops_per_sample
+    from commpipe.parallel.comm import Comm
+    from commpipe.report.cli import write_report
+    from commpipe.train import cli as train_cli
+    from commpipe.train.loop import Trainer
+
+    path = tmp_path / "blip.toml"
+    path.write_text('[train]\nmodel = "blip-tiny"\nsteps = 2\nglobal_batch = 4\ncomm_monitor = "all"\n'
+                    'trace = true\n\n[[layout]]\npp = 2\nschedule = "zbh1"\n')
+    grid = load_grid(str(path))
+    recs = run_sweep(grid, tmp_path, LocalRunner(timeout_s=240), progress=False, log=lambda *_: None)
+    assert [r["status"] for r in recs] == ["ok"], [r["reason"] for r in recs]
+    metrics = [json.loads(x) for x in (tmp_path / recs[0]["name"] / "metrics.jsonl").read_text().splitlines()]
+    (row,) = write_report(tmp_path)["rows"]
+
+    # one process, same flags: the reference losses
+    parser = argparse.ArgumentParser()
+    train_cli.add_arguments(parser)
+    cfg = train_cli.config_from_args(parser.parse_args(
+        train_flags(Layout(schedule="1f1b"), grid.train, tmp_path / "ref")))
+    cfg.resolve(1)
+    trainer = Trainer.build(cfg, Comm(cfg.dims, 0))
+    ref = [trainer.train_step()["loss"] for _ in range(cfg.steps)]
+    assert [m["loss"] for m in metrics] == pytest.approx(ref, rel=1e-5)
+    assert row["final_loss"] == pytest.approx(ref[-1], rel=1e-5)
+
+    flops = flops_per_sample(cfg.spec, cfg.seq_len) * 4          # training FLOPs of one step
+    want = flops / metrics[1]["step_time_s"] / 2 / 1e12      # step 0 is the warm-up
+    assert row["tflops_per_gpu"] == pytest.approx(want, rel=1e-9)
+    assert 0 < row["bubble"] < 1
+    assert row["pp_bw_gbps"] > 0 and row["pp_calls"] > 0
