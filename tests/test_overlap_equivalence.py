@@ -4,7 +4,8 @@ step, the last step's pre-clip gradients and the final parameters (fp32, CPU, gl
 layout with overlap on and with `--no-overlap`. Measured activation memory falls from none to
 selective to full recomputation.
 
-One launch per world size; the checks are tests/test_equivalence.py's.
+One launch per world size; the checks are tests/test_equivalence.py's, shown to fail on a planted
+bug (DP buckets issued before their gradients are final).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 from commpipe.parallel.dims import ParallelDims
 from tests.dist_harness import run_jobs
 from tests.reference import reference_run
-from tests.test_equivalence import GLOBAL_BATCH, SEQ, check_against, make_cfg
+from tests.test_equivalence import GLOBAL_BATCH, SEQ, check_against, check_grads, make_cfg
 
 LAYOUTS = {  # world -> name: (dims, schedule, options)
     4: {
@@ -32,8 +33,6 @@ LAYOUTS = {  # world -> name: (dims, schedule, options)
     },
     8: {
         "tp2cp2pp2": (ParallelDims(tp=2, cp=2, pp=2), "1f1b", {}),
-        "tp2cp2dp2-zero1-selective": (ParallelDims(tp=2, cp=2, dp=2), "1f1b",
-                                      {"zero1": True, "recompute": "selective"}),
     },
 }
 
@@ -50,17 +49,31 @@ def _cfg(dims, schedule, options, overlap):
     return make_cfg(dims, schedule, zero1=zero1, overlap=overlap, dp_bucket_mb=0.05, **options)
 
 
+def plant_early_buckets(trainer) -> None:
+    """Gradients counted final after the first micro-batch: buckets go out too early."""
+    trainer.reducer.expected = 1
+
+
 @functools.cache
 def results_of(world: int) -> dict:
     jobs = [(f"{name}-{'overlap' if ov else 'no-overlap'}", _cfg(d, s, o, ov))
             for name, (d, s, o) in LAYOUTS[world].items() for ov in (True, False)]
+    if world == 4:
+        jobs.append(("planted-early-buckets", _cfg(ParallelDims(tp=2, dp=2), "1f1b", {}, True),
+                     plant_early_buckets))
     return run_jobs(world, jobs)
 
 
 @pytest.mark.parametrize("world", [4, 8])
 def test_features_match_single_device(world, reference):
     for key, got in results_of(world).items():
-        check_against(reference, got, key)
+        if not key.startswith("planted-"):
+            check_against(reference, got, key)
+
+
+def test_planted_early_buckets_are_caught(reference):
+    with pytest.raises(AssertionError, match="grad"):
+        check_grads(reference, results_of(4)["planted-early-buckets"], "early buckets")
 
 
 def test_estimate_predicts_activation_mb():
