@@ -24,7 +24,7 @@ def test_one_gpu_step_is_flops_over_rate():
     gpu = resolve_gpu("a100-80gb")
     cluster = default_cluster(gpu, 1, 8)
     p = plan_layout(spec, cluster, eff, global_batch=32, tp=1, pp=1, mbs=8)
-    rate = gpu.tflops * 1e12 * eff.e_max
+    rate = gpu.tflops * gpu.mamf * 1e12 * eff.e_max   # the measured matmul ceiling, not the datasheet
     want = 32 * flops_per_sample(spec) / rate + 4 * 3 * spec.layers * eff.overhead_s
     assert math.isclose(p.step_ms, want * 1e3, rel_tol=1e-9)
     assert p.dp == 1 and p.microbatches == 4 and p.split == [24] and p.fits

@@ -81,7 +81,7 @@ def plan_layout(spec: BlipSpec, cluster, eff, global_batch: int, tp: int, pp: in
         return None
     fwd = [float(x) for x in layer_flops(spec)]
     split = balance(fwd, pp)
-    peak = cluster.gpu.peak_tflops("bf16") * 1e12 * eff.e_max
+    peak = cluster.gpu.achievable_tflops("bf16") * 1e12 * eff.e_max
     tp_size, tp_stride = tp, 1
     pp_stride = tp * dp
     f_s, b_s, tp_s, mem = [], [], [], []
