@@ -136,7 +136,8 @@ def summarize(out: Path, sc: Scenario, applied: list, oracle: dict) -> dict:
     # the oracle's candidates trained from step 0 too: their losses are the static run's
     static_loss = {r["step"]: r["loss"] for r in static}
     oracle_loss_diff = max(abs(x - static_loss[i]) for c in oracle["candidates"]
-                           for i, x in enumerate(c["losses"]))
+                           for ls in (c["losses"], c.get("losses_pass2", []))
+                           for i, x in enumerate(ls))
     chosen = None
     if ran:
         key = _layout_key(ran["to"])
