@@ -97,7 +97,20 @@ class TrainConfig:
                                     d.pp * self._stage_multiplier(), "flops")
         if not self.schedule.endswith(".csv"):  # a CSV's stage count is known once loaded
             d.check_model(spec, self.seq_len, self.stage_layers, self._stage_multiplier())
-        b = self.micro_batch_size
+        self.resolve_batch()
+        self._check_run_options()
+        self.spec = spec
+        prog = self.program()  # the schedule validates m against p and v
+        d.check_model(spec, self.seq_len, self.stage_layers, prog.num_stages // d.pp)
+        if world_size is not None:  # last: a wrong layout is worth more to hear about
+            d.check_world(world_size)
+        self._check_adapt(d.world_size)
+        return self
+
+    def resolve_batch(self) -> None:
+        """Micro-batches per pipeline m = B / (b * dp) and the global batch B, from whichever
+        was given (m defaults to 2*pp); the step count."""
+        d, b = self.dims, self.micro_batch_size
         if self.microbatches is None and self.global_batch is None:
             self.microbatches = max(2 * d.pp, 2)
         if self.global_batch is None:
@@ -110,14 +123,6 @@ class TrainConfig:
         self.microbatches = m
         if self.steps < 1:
             raise ValueError(f"--steps {self.steps} must be >= 1")
-        self._check_run_options()
-        self.spec = spec
-        prog = self.program()  # the schedule validates m against p and v
-        d.check_model(spec, self.seq_len, self.stage_layers, prog.num_stages // d.pp)
-        if world_size is not None:  # last: a wrong layout is worth more to hear about
-            d.check_world(world_size)
-        self._check_adapt(d.world_size)
-        return self
 
     def _check_run_options(self) -> None:
         for flag, value in (("--eval-every", self.eval_every), ("--save-every", self.save_every)):

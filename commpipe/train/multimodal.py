@@ -53,19 +53,7 @@ def resolve_blip_config(cfg, world_size: int | None) -> None:
                          f"{spec.name}")
     cfg.seq_len = spec.text_len
     cfg.sequence_parallel = False   # boundaries and norms keep whole captions on every TP rank
-    b = cfg.micro_batch_size
-    if cfg.microbatches is None and cfg.global_batch is None:
-        cfg.microbatches = max(2 * d.pp, 2)
-    if cfg.global_batch is None:
-        cfg.global_batch = cfg.microbatches * b * d.dp
-    m = d.check_batch(cfg.global_batch, b)
-    if cfg.microbatches is not None and cfg.microbatches != m:
-        raise ValueError(f"--microbatches {cfg.microbatches} disagrees with --global-batch "
-                         f"{cfg.global_batch} / (micro-batch-size {b} * dp {d.dp}) = {m}; "
-                         "give one of them")
-    cfg.microbatches = m
-    if cfg.steps < 1:
-        raise ValueError(f"--steps {cfg.steps} must be >= 1")
+    cfg.resolve_batch()
     cfg._check_run_options()
     cfg.spec = spec
     prog = cfg.program()
