@@ -43,7 +43,7 @@ from pathlib import Path
 import numpy as np
 
 from commpipe.data.sampler import WindowSampler, check_dp
-from commpipe.data.tokenizer import Tokenizer, load_tokenizer
+from commpipe.data.tokenizer import Tokenizer, load_tokenizer, train_byte_level_bpe
 
 SPLITS = {"train": ("annotations/captions_train2017.json", "train2017"),
           "val": ("annotations/captions_val2017.json", "val2017")}
@@ -122,27 +122,10 @@ def normalize(images: np.ndarray):
 
 def train_caption_tokenizer(captions: list[str], vocab_size: int, out_path: str | Path) -> Tokenizer:
     """Byte-level BPE trained on the (train) captions, [PAD] [BOS] [EOS] first."""
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
     if vocab_size < 259:
         raise ValueError(f"caption vocabulary {vocab_size} is too small: a byte-level BPE needs "
                          "256 bytes + [PAD] [BOS] [EOS] = 259")
-    hf = HFTokenizer(models.BPE())
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    hf.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[PAD, BOS, EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    hf.train_from_iterator(captions, trainer)
-    out_path = Path(out_path)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(f"{out_path.name}.tmp-{os.getpid()}")
-    try:
-        hf.save(str(tmp))
-        os.replace(tmp, out_path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    train_byte_level_bpe(captions, vocab_size, [PAD, BOS, EOS], out_path)
     return load_tokenizer(out_path)
 
 

@@ -82,23 +82,29 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 def train_bpe(corpus: Corpus, vocab_size: int, out_path: str | Path,
               progress: bool | None = None) -> Tokenizer:
     """Train a byte-level BPE on the train split and save it (atomically) at `out_path`."""
-    from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
     if vocab_size < MIN_BPE_VOCAB:
         raise ValueError(f"--vocab-size {vocab_size} is too small: a byte-level BPE needs at least "
                          f"{MIN_BPE_VOCAB} (256 bytes + end-of-document token)")
+    # Only the train split: valid/test text must not shape the vocabulary.
+    hf = train_byte_level_bpe(corpus.documents("train"), vocab_size, [EOD_TOKEN], out_path,
+                              progress=bool(progress))
+    return Tokenizer(hf, Path(out_path), EOD_TOKEN, trained=True)
+
+
+def train_byte_level_bpe(texts, vocab_size: int, special_tokens: list[str], out_path: str | Path,
+                         progress: bool = False):
+    """A byte-level BPE (HF tokenizers) trained on `texts`, special tokens first (ids 0, 1, ..),
+    saved atomically at `out_path`; returns the HF tokenizer."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[EOD_TOKEN],  # first special token -> id 0
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=bool(progress),
-    )
-    # Only the train split: valid/test text must not shape the vocabulary.
-    hf.train_from_iterator(corpus.documents("train"), trainer)
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=special_tokens,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=progress)
+    hf.train_from_iterator(texts, trainer)
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_path.with_name(f"{out_path.name}.tmp-{os.getpid()}")
@@ -107,7 +113,7 @@ def train_bpe(corpus: Corpus, vocab_size: int, out_path: str | Path,
         os.replace(tmp, out_path)
     finally:
         tmp.unlink(missing_ok=True)
-    return Tokenizer(hf, out_path, EOD_TOKEN, trained=True)
+    return hf
 
 
 def trained_path(cache_dir: str | Path, vocab_size: int) -> Path:
