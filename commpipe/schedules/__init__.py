@@ -9,6 +9,7 @@ from commpipe.schedules.actions import (
     load_csv,
     lower,
 )
+from commpipe.schedules.braided import dualpipev, stp
 from commpipe.schedules.generators import gpipe, interleaved, one_f_one_b, zb_h1, zbv
 from commpipe.schedules.validate import ScheduleDeadlock, ScheduleError, check_program, dry_run
 
@@ -31,12 +32,24 @@ def _zbv(p, m, v=2):
     return zbv(p, m)
 
 
+def _v2(name, gen):
+    """Braided V schedules: always two chunks per rank; vpp 1 (the default) or 2 accepted."""
+    def build(p, m, v=2):
+        if v not in (1, 2):
+            raise ValueError(f"{name} always uses 2 chunks per rank (V shape), got vpp={v}; "
+                             "use --vpp 2 or drop --vpp")
+        return gen(p, m)
+    return build
+
+
 GENERATORS = {
     "gpipe": _one_chunk("gpipe", gpipe),
     "1f1b": _one_chunk("1f1b", one_f_one_b),
     "interleaved": lambda p, m, v=1: interleaved(p, m, v),
     "zbh1": _one_chunk("zbh1", zb_h1),
     "zbv": _zbv,
+    "stp": _v2("stp", stp),
+    "dualpipev": _v2("dualpipev", dualpipev),
 }
 
 
@@ -52,4 +65,5 @@ def generate(name: str, pp: int, microbatches: int, vpp: int = 1) -> Program:
 
 __all__ = ["Action", "Program", "COMM_OPS", "COMPUTE_OPS", "dump_csv", "load_csv", "lower",
            "generate", "GENERATORS", "gpipe", "one_f_one_b", "interleaved", "zb_h1", "zbv",
+           "stp", "dualpipev",
            "check_program", "dry_run", "ScheduleError", "ScheduleDeadlock"]

@@ -6,6 +6,20 @@ holds it, so interleaved and V-shaped schedules are the same data as plain ones.
 
 String form: "<stage><OP><microbatch>[.<unit>]", e.g. "1F3", "0B7", "2SEND_F0", "1I4.attn".
 
+Units: a compute action may address one unit of its stage instead of the whole stage, one of
+UNITS = pre_attn, attn, pre_mlp, mlp (the stage's layers cut into four consecutive parts, after
+STP; for a one-layer chunk exactly that layer's units). A stage's pass for one micro-batch is
+written either whole ("1F3") or as all four units ("1F3.pre_attn" ... "1F3.mlp"); forward units
+run in UNITS order, backward (B, I) units in reverse order, a W unit after its own I unit.
+
+Braids: "<forward>&<other>", e.g. "2F5&5B1" or "1F3.attn&1I0.pre_mlp", pairs the forward of one
+micro-batch with a B, I or W of another (or the same micro-batch of another stage) on the
+same rank. Its op is "F&B", "F&I" or "F&W"; `stage`, `microbatch`, `unit` are the forward's
+and `pair` is the other action. A braid is executed unit by unit, alternating forward and
+other, so each unit's TP collective is in flight while the other pass's next unit computes;
+`parts` gives the two plain actions, which validation and lowering treat like two actions
+at one step.
+
 Compute ops: F (forward), B (full backward), I (input gradient only), W (weight gradient).
 Communication ops (inserted by `lower`):
     SEND_F s m   send stage s's output activation of micro-batch m to stage s+1
@@ -26,7 +40,9 @@ from pathlib import Path
 
 COMPUTE_OPS = ("F", "B", "I", "W")
 COMM_OPS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
-OPS = COMPUTE_OPS + COMM_OPS
+BRAID_OPS = ("F&B", "F&I", "F&W")
+OPS = COMPUTE_OPS + COMM_OPS + BRAID_OPS
+UNITS = ("pre_attn", "attn", "pre_mlp", "mlp")
 
 _ACTION_RE = re.compile(r"^(\d+)(SEND_F|RECV_F|SEND_B|RECV_B|F|B|I|W)(\d+)(?:\.(\w+))?$")
 
@@ -37,30 +53,68 @@ class Action:
     stage: int
     microbatch: int
     unit: str | None = None
+    pair: Action | None = None      # a braid's B/I/W side (None for plain actions)
 
     def __post_init__(self):
         if self.op not in OPS:
             raise ValueError(f"unknown action op {self.op!r}; use one of {', '.join(OPS)}")
+        if self.unit is not None and self.unit not in UNITS:
+            raise ValueError(f"action {self.stage}{self.op}{self.microbatch}.{self.unit}: unknown "
+                             f"unit {self.unit!r}; use one of {', '.join(UNITS)}")
+        if self.unit is not None and self.op in COMM_OPS:
+            raise ValueError(f"{self.stage}{self.op}{self.microbatch}.{self.unit}: communication "
+                             "actions carry whole-stage tensors and take no unit")
+        if (self.op in BRAID_OPS) != (self.pair is not None):
+            raise ValueError(f"op {self.op} {'needs' if self.op in BRAID_OPS else 'takes no'} a "
+                             "paired action; build braids with braid(forward, other)")
+        if self.pair is not None and (self.pair.op != self.op[2] or self.pair.pair is not None):
+            raise ValueError(f"braid {self.op} pairs a forward with a plain {self.op[2]} action, "
+                             f"got {self.pair!r}")
 
     def __str__(self) -> str:
-        base = f"{self.stage}{self.op}{self.microbatch}"
-        return f"{base}.{self.unit}" if self.unit else base
+        base = f"{self.stage}{'F' if self.pair is not None else self.op}{self.microbatch}"
+        base = f"{base}.{self.unit}" if self.unit else base
+        return f"{base}&{self.pair}" if self.pair is not None else base
 
     __repr__ = __str__
 
     @property
     def is_compute(self) -> bool:
-        return self.op in COMPUTE_OPS
+        return self.op in COMPUTE_OPS or self.op in BRAID_OPS
+
+    @property
+    def is_braid(self) -> bool:
+        return self.pair is not None
+
+    @property
+    def parts(self) -> tuple[Action, ...]:
+        """The plain actions this one runs: (forward, other) for a braid, else (self,)."""
+        if self.pair is None:
+            return (self,)
+        return (Action("F", self.stage, self.microbatch, self.unit), self.pair)
 
     @staticmethod
     def parse(text: str) -> Action:
-        m = _ACTION_RE.match(text.strip())
+        text = text.strip()
+        if "&" in text:
+            left, _, right = text.partition("&")
+            return braid(Action.parse(left), Action.parse(right))
+        m = _ACTION_RE.match(text)
         if not m:
             raise ValueError(
-                f"cannot parse action {text!r}; write <stage><op><microbatch>, e.g. 1F3 or 0B7 "
-                f"(ops: {', '.join(OPS)})"
+                f"cannot parse action {text!r}; write <stage><op><microbatch>[.<unit>], e.g. 1F3, "
+                f"0B7 or 1F3.attn, or a braid <forward>&<B|I|W action> such as 2F5&5B1 "
+                f"(ops: {', '.join(OPS[:8])}; units: {', '.join(UNITS)})"
             )
         return Action(m.group(2), int(m.group(1)), int(m.group(3)), m.group(4))
+
+
+def braid(forward: Action, other: Action) -> Action:
+    """The braided action running `forward` (an F) and `other` (a B, I or W) unit by unit."""
+    if forward.op != "F" or other.op not in ("B", "I", "W"):
+        raise ValueError(f"a braid pairs a forward with a B, I or W: write e.g. 2F5&5B1, "
+                         f"got {forward}&{other}")
+    return Action("F&" + other.op, forward.stage, forward.microbatch, forward.unit, other)
 
 
 def F(stage: int, mb: int) -> Action:
@@ -142,18 +196,24 @@ def lower(program: Program) -> Program:
     for rank, acts in enumerate(base.actions):
         seq: list[Action] = []
         for a in acts:
-            s, m = a.stage, a.microbatch
-            prev_remote = s > 0 and base.rank_of(s - 1) != rank
-            next_remote = s < last and base.rank_of(s + 1) != rank
-            if a.op == "F" and prev_remote:
-                seq.append(Action("RECV_F", s, m))
-            if a.op in ("B", "I") and next_remote:
-                seq.append(Action("RECV_B", s, m))
+            after: list[Action] = []
+            for part in a.parts:         # a braid: both parts' receives before, sends after
+                s, m, u = part.stage, part.microbatch, part.unit
+                prev_remote = s > 0 and base.rank_of(s - 1) != rank
+                next_remote = s < last and base.rank_of(s + 1) != rank
+                # with units, the first unit of a pass receives and the last one sends
+                first_f, last_b = u in (None, UNITS[0]), u in (None, UNITS[0])
+                first_b, last_f = u in (None, UNITS[-1]), u in (None, UNITS[-1])
+                if part.op == "F" and prev_remote and first_f:
+                    seq.append(Action("RECV_F", s, m))
+                if part.op in ("B", "I") and next_remote and first_b:
+                    seq.append(Action("RECV_B", s, m))
+                if part.op == "F" and next_remote and last_f:
+                    after.append(Action("SEND_F", s, m))
+                if part.op in ("B", "I") and prev_remote and last_b:
+                    after.append(Action("SEND_B", s, m))
             seq.append(a)
-            if a.op == "F" and next_remote:
-                seq.append(Action("SEND_F", s, m))
-            if a.op in ("B", "I") and prev_remote:
-                seq.append(Action("SEND_B", s, m))
+            seq += after
         out.append(tuple(seq))
     return replace(base, actions=tuple(out))
 

@@ -20,7 +20,7 @@ Pure Python, linear in the number of actions.
 
 from __future__ import annotations
 
-from commpipe.schedules.actions import OPS, Action, Program, lower
+from commpipe.schedules.actions import COMM_OPS, COMPUTE_OPS, UNITS, Action, Program, lower
 
 _MAX_LISTED = 8
 
@@ -76,41 +76,88 @@ def check_program(program: Program) -> None:
     if empty:
         problems.append(f"ranks {empty} hold no stage; every pipeline rank needs at least one")
 
-    # pos[op][stage][microbatch] = step of that action on its rank, -1 when absent
-    pos = {op: [[-1] * m for _ in range(n)] for op in OPS}
+    # pos[op][stage][microbatch] = step of that pass on its rank (-1 when absent); `end` the
+    # same for its last step, which differs from pos only for passes written as units
+    plain = COMPUTE_OPS + COMM_OPS
+    pos = {op: [[-1] * m for _ in range(n)] for op in plain}
+    end = {op: [[-1] * m for _ in range(n)] for op in COMPUTE_OPS}
+    units: dict[tuple[str, int, int], list[tuple[str, int]]] = {}
     for r, acts in enumerate(program.actions):
         for k, a in enumerate(acts):
-            s, mb = a.stage, a.microbatch
-            if a.unit is not None:
-                raise ScheduleError(f"rank {r} step {k}: {a} names unit {a.unit!r}; unit-level "
-                                    "actions are not supported by the validator and simulator yet")
-            if not (0 <= s < n and 0 <= mb < m and rank_of[s] == r):
-                problems.append(_misplaced(program, r, k, a))
-                continue
-            row = pos[a.op][s]
-            if row[mb] >= 0:
-                problems.append(f"rank {r}: {a} appears twice (steps {row[mb]} and {k})")
-                continue
-            row[mb] = k
+            for part in a.parts:
+                s, mb = part.stage, part.microbatch
+                if not (0 <= s < n and 0 <= mb < m and rank_of[s] == r):
+                    problems.append(_misplaced(program, r, k, part))
+                    continue
+                if part.unit is not None:
+                    units.setdefault((part.op, s, mb), []).append((part.unit, k))
+                    continue
+                row = pos[part.op][s]
+                if row[mb] >= 0:
+                    problems.append(f"rank {r}: {part} appears twice (steps {row[mb]} and {k})")
+                    continue
+                row[mb] = k
+                if part.op in end:
+                    end[part.op][s][mb] = k
+            if a.is_braid:
+                fw, other = a.parts
+                if (fw.stage, fw.microbatch) == (other.stage, other.microbatch):
+                    problems.append(f"rank {r} step {k}: braid {a} pairs two passes of one stage and "
+                                    "micro-batch, which depend on each other; braid different "
+                                    "micro-batches")
+    for key, seen in units.items():
+        problems += _check_units(program, key, seen, pos, end)
     _fail(problems, program)
 
     for s in range(n):
         r = rank_of[s]
         fs, bs, is_, ws = pos["F"][s], pos["B"][s], pos["I"][s], pos["W"][s]
+        fe, be, ie = end["F"][s], end["B"][s], end["I"][s]
         # same-rank neighbours pass tensors locally (the turn of a V): their order matters
-        f_prev = pos["F"][s - 1] if s > 0 and rank_of[s - 1] == r else None
-        b_next = (pos["B"][s + 1], pos["I"][s + 1]) if s + 1 < n and rank_of[s + 1] == r else None
+        f_prev = end["F"][s - 1] if s > 0 and rank_of[s - 1] == r else None
+        b_next = (end["B"][s + 1], end["I"][s + 1]) if s + 1 < n and rank_of[s + 1] == r else None
         for mb in range(m):
             f, b, i, w = fs[mb], bs[mb], is_[mb], ws[mb]
             bwd = b if b >= 0 else i
-            if (f >= 0 and bwd > f and (b < 0 or (i < 0 and w < 0)) and (b >= 0 or w > i)
+            if (f >= 0 and bwd > fe[mb] and (b < 0 or (i < 0 and w < 0)) and (b >= 0 or w > ie[mb])
                     and (f_prev is None or f_prev[mb] < f)
                     and (b_next is None or max(b_next[0][mb], b_next[1][mb]) < bwd)):
                 continue                                        # the common, valid case
-            problems += _explain(s, mb, r, f, b, i, w, f_prev, b_next)
+            found = _explain(s, mb, r, fe[mb], b, i, w, f_prev, b_next)
+            if not found:                                       # only unit-level orders failed
+                found = [f"stage {s} micro-batch {mb} (rank {r}): its units run out of dependency "
+                         f"order (forward F {f}..{fe[mb]}, backward {bwd}..{max(be[mb], ie[mb])}, "
+                         f"W from {w}): every backward unit must follow the whole forward, and "
+                         "W the whole I"]
+            problems += found
     if program.is_lowered:
-        problems += _check_comm(program, pos)
+        problems += _check_comm(program, pos, end)
     _fail(problems, program)
+
+
+def _check_units(program: Program, key, seen, pos, end) -> list[str]:
+    """A pass written as units: all four exactly once, in dependency order, and not also whole.
+    Records its first and last step in pos / end."""
+    op, s, mb = key
+    r = program.stage_to_rank[s]
+    name = f"rank {r}: stage {s} micro-batch {mb} {op}"
+    if pos[op][s][mb] >= 0:
+        return [f"{name} is written both whole ({s}{op}{mb}) and as units; use one or the other"]
+    names = [u for u, _ in seen]
+    if sorted(names) != sorted(UNITS):
+        missing = [u for u in UNITS if u not in names]
+        twice = sorted({u for u in names if names.count(u) > 1})
+        return [f"{name} written as units needs each of {', '.join(UNITS)} exactly once"
+                + (f"; missing {', '.join(missing)}" if missing else "")
+                + (f"; repeated {', '.join(twice)}" if twice else "")]
+    step = dict(seen)
+    order = UNITS if op == "F" else UNITS[::-1]
+    steps = [step[u] for u in order]
+    if op != "W" and steps != sorted(steps):
+        return [f"{name} units must run in the order {' -> '.join(order)} "
+                f"(steps {', '.join(f'{u}={step[u]}' for u in order)})"]
+    pos[op][s][mb], end[op][s][mb] = min(steps), max(steps)
+    return []
 
 
 def _misplaced(program: Program, r: int, k: int, a: Action) -> str:
@@ -151,7 +198,7 @@ def _explain(s, mb, r, f, b, i, w, f_prev, b_next) -> list[str]:
     return out
 
 
-def _check_comm(program: Program, pos: dict) -> list[str]:
+def _check_comm(program: Program, pos: dict, end: dict) -> list[str]:
     """Sends follow their producer, receives precede their consumer, and they pair up."""
     n, m, problems = program.num_stages, program.microbatches, []
     rank_of = program.stage_to_rank
@@ -178,7 +225,8 @@ def _check_comm(program: Program, pos: dict) -> list[str]:
         for kind, snd_s, rcv_s, snd_r, rcv_r in (("F", s, s + 1, a, b), ("B", s + 1, s, b, a)):
             snd_op, rcv_op = f"SEND_{kind}", f"RECV_{kind}"
             sends, recvs = pos[snd_op][snd_s], pos[rcv_op][rcv_s]
-            prod = pos["F"][snd_s] if kind == "F" else _bwd(pos, snd_s)
+            # a send follows the last step of its producer, a receive precedes the first
+            prod = end["F"][snd_s] if kind == "F" else _bwd(end, snd_s)
             cons = pos["F"][rcv_s] if kind == "F" else _bwd(pos, rcv_s)
             what = "activation" if kind == "F" else "gradient"
             for mb in range(m):

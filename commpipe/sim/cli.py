@@ -35,7 +35,9 @@ def add_arguments(parser) -> None:
                              "bandwidth_gbps=25,activation_bytes=1e6,tp_comm=0.2,tp_mode=overlapped. "
                              "Scalars are per micro-batch through one rank's share of the model "
                              "(split evenly over its chunks); JSON lists are per stage. "
-                             "Default f=1,b=2 (i=w=b/2)")
+                             "Default f=1,b=2 (i=w=b/2). tp_comm: one pass's TP collective time (F, or "
+                             "B/I) per rank share; braids and units split it per unit "
+                             "(docs/schedules.md)")
     parser.add_argument("--json", action="store_true", help="print only a JSON object on stdout")
     parser.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON here")
     parser.add_argument("--png", default=None, help="write a Gantt chart PNG here")
@@ -92,6 +94,9 @@ def run(args) -> int:
           f"(vpp={p.vpp})")
     print(f"makespan {res.makespan:.4g} ms   bubble {res.bubble_fraction:.2%} "
           f"(idle share, mean over ranks)")
+    if res._tp:
+        print(f"tp_bubble {res.to_dict()['tp_bubble']:.4g} ms (TP communication the compute waits "
+              f"for, mean over ranks)")
     print("rank      busy      idle  peak activations (micro-batch units)")
     for r in range(p.pp):
         print(f"{r:>4} {res.busy[r]:>9.4g} {res.idle[r]:>9.4g}  {res.peak_activations[r]:g}")

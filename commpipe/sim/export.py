@@ -23,7 +23,9 @@ def to_chrome_trace(result: SimResult, path) -> Path:
 def gantt_png(result: SimResult, path, title: str | None = None) -> Path:
     """One row per rank; F/B/I/W coloured; micro-batch numbers where the boxes are wide enough.
 
-    Chunks of interleaved/V schedules are told apart by shade (later chunks lighter)."""
+    Chunks of interleaved/V schedules are told apart by shade (later chunks lighter). Braided
+    and unit actions are drawn unit by unit (a braid's two passes alternate, each in its own
+    colour), and TP collectives, when there are any, as a thin black bar under the row."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -36,24 +38,31 @@ def gantt_png(result: SimResult, path, title: str | None = None) -> Path:
     fig, ax = plt.subplots(figsize=(fig_w, 0.45 * prog.pp + 1.4))
     span = result.makespan or 1.0
     min_label = span / (fig_w * 12)            # a box narrower than ~1/12 inch gets no label
-    for r, k, start, end in result._compute:
-        a = prog.actions[r][k]
+    boxes = [(r, prog.actions[r][k], start, end) for r, k, start, end in result._compute
+             if not (prog.actions[r][k].is_braid or prog.actions[r][k].unit)]
+    boxes += [(r, prog.actions[r][k].parts[j], start, end)
+              for r, k, j, _, start, end in result._units]
+    for r, a, start, end in boxes:
         alpha = 1.0 - 0.45 * chunk_of.get(a.stage, 0) / max(prog.vpp, 1)
         ax.barh(r, end - start, left=start, height=0.8, color=COLOURS[a.op], alpha=alpha,
                 edgecolor="white", linewidth=0.3)
         if end - start >= min_label * len(str(a.microbatch)):
             ax.text((start + end) / 2, r, str(a.microbatch), ha="center", va="center",
                     fontsize=6, color="white")
+    for r, _, start, end in result._tp:
+        ax.barh(r + 0.47, end - start, left=start, height=0.12, color="black")
     ax.set_yticks(range(prog.pp), [f"rank {r}" for r in range(prog.pp)])
     ax.invert_yaxis()
     ax.set_xlim(0, span)
     ax.set_xlabel("time (ms)")
-    ops = sorted({prog.actions[r][k].op for r, k, _, _ in result._compute}, key="FBIW".index)
+    ops = sorted({a.op for _, a, _, _ in boxes}, key="FBIW".index)
     ax.legend(handles=[Patch(color=COLOURS[o], label=o) for o in ops], loc="lower right",
               bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=len(ops), frameon=False)
     ax.set_title(title or f"{prog.name}: pp={prog.pp} m={prog.microbatches} "
                  f"stages={prog.num_stages}  makespan={result.makespan:.3g} "
-                 f"bubble={result.bubble_fraction:.1%}", fontsize=9, loc="left")
+                 f"bubble={result.bubble_fraction:.1%}"
+                 + (f"  tp_bubble={sum(result.tp_bubble) / prog.pp:.3g}" if result._tp else ""),
+                 fontsize=9, loc="left")
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

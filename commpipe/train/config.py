@@ -203,6 +203,10 @@ class TrainConfig:
         from commpipe.schedules import generate
 
         prog = generate(self.schedule, self.dims.pp, self.microbatches, self.vpp)
+        if any(a.is_braid or a.unit is not None for acts in prog.actions for a in acts):
+            raise ValueError(f"schedule {self.schedule!r} has braided or unit-level actions: the "
+                             "runtime does not execute braided actions yet; use `commpipe simulate "
+                             f"--schedule {self.schedule}` to time it, or train with zbv or interleaved")
         if prog.pp != self.dims.pp:
             raise ValueError(f"schedule {self.schedule} is for pp={prog.pp}, layout has "
                              f"pp={self.dims.pp}")
