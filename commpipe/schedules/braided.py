@@ -73,12 +73,7 @@ def dualpipev(p: int, m: int) -> Program:
     per_rank = []
     for r in range(p):
         k = _Rank(p, r)
-        # 1. warm-up: chunk-0 forwards until micro-batch 0 is back at this rank's chunk 1
-        for _ in range(2 * (p - r - 1)):
-            k.emit(k.f(0))
-        # 2. warm-up: chunk-1 inputs arrive every other slot; alternate F0, F1
-        for _ in range(r + 1):
-            k.emit(k.f(0), k.f(1))
+        _v_warm_up(k, p, r)                                   # phases 1 and 2
         # 3. ramp: the first chunk-1 gradients; I, its W at once, then the next F1
         for _ in range(p - r - 1):
             k.emit(k.b(1, True), k.w(), k.f(1))
@@ -112,6 +107,16 @@ def dualpipev(p: int, m: int) -> Program:
     return make_program("dualpipev", p, m, _v_placement(p), per_rank)
 
 
+def _v_warm_up(k: _Rank, p: int, r: int) -> None:
+    """The warm-up both V schedules share, on rank r of p."""
+    # 1. chunk-0 forwards until micro-batch 0 is back at this rank's chunk 1
+    for _ in range(2 * (p - r - 1)):
+        k.emit(k.f(0))
+    # 2. alternate F0, F1 while chunk-1 inputs arrive every other slot
+    for _ in range(r + 1):
+        k.emit(k.f(0), k.f(1))
+
+
 def stp(p: int, m: int) -> Program:
     """STP's braided V schedule (Qi et al., "Synergistic Tensor and Pipeline Parallelism",
     NeurIPS 2025), after the paper's description: warm-up forwards; F&W braids where the first
@@ -129,12 +134,7 @@ def stp(p: int, m: int) -> Program:
     per_rank = []
     for r in range(p):
         k = _Rank(p, r)
-        # 1. warm-up: chunk-0 forwards until micro-batch 0 is back at this rank's chunk 1
-        for _ in range(2 * (p - r - 1)):
-            k.emit(k.f(0))
-        # 2. warm-up: alternate F0, F1 while chunk-1 inputs arrive every other slot
-        for _ in range(r + 1):
-            k.emit(k.f(0), k.f(1))
+        _v_warm_up(k, p, r)                                   # phases 1 and 2
         # 3. ramp: chunk-1 gradients arrive; I (on the critical path), then F1&W braided
         for _ in range(p - r - 1):
             k.emit(k.b(1, True))
