@@ -21,17 +21,26 @@ def reference_run(cfg: TrainConfig) -> dict:
     last step before clipping."""
     cfg.resolve(cfg.dims.world_size)
     model = build_model(cfg.spec, cfg.seed)
+    source = make_source(cfg, cfg.spec)
+
+    def loss_at(step: int) -> torch.Tensor:
+        inputs, labels = source.batch(step, cfg.global_batch, 0, 1)
+        return F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten())
+
+    return reference_loop(cfg, model, loss_at)
+
+
+def reference_loop(cfg: TrainConfig, model, loss_at) -> dict:
+    """cfg.steps steps of `loss_at(step)`, backward, global-norm clipping and AdamW with the
+    trainer's learning-rate schedule; what reference_run returns."""
     o = cfg.optim
     opt = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps,
                             weight_decay=o.weight_decay, foreach=False)
-    source = make_source(cfg, cfg.spec)
     losses, norms, grads = [], [], {}
     for step in range(cfg.steps):
-        inputs, labels = source.batch(step, cfg.global_batch, 0, 1)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        loss = loss_at(step)
         loss.backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         max_norm = o.clip if o.clip > 0 else float("inf")   # commpipe: clip=0 is off
