@@ -15,13 +15,15 @@ from commpipe.models.blip_spec import layer_flops, resolve_blip, stage_io
 from commpipe.parallel.balance import balance, blip_layer_costs, measure_layer_costs, stage_costs
 
 
-def brute_force(costs, stages):
+def brute_force(costs, stages, slowdown=None):
     """Smallest slowest-stage cost over every placement of stages - 1 cuts."""
     n = len(costs)
+    slowdown = slowdown or [1.0] * stages
     best = float("inf")
     for cuts in itertools.combinations(range(1, n), stages - 1):
         bounds = (0, *cuts, n)
-        best = min(best, max(sum(costs[a:b]) for a, b in itertools.pairwise(bounds)))
+        best = min(best, max(sum(costs[a:b]) * f
+                             for (a, b), f in zip(itertools.pairwise(bounds), slowdown)))
     return best
 
 
@@ -35,6 +37,26 @@ def test_balance_is_optimal_on_random_inputs(seed):
     counts = balance(costs, stages)
     assert len(counts) == stages and all(c >= 1 for c in counts) and sum(counts) == n
     assert max(stage_costs(costs, counts)) == pytest.approx(brute_force(costs, stages), abs=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_balance_with_stage_slowdowns_is_optimal(seed):
+    # a straggling stage (the adaptive controller's re-split) should get fewer layers
+    rng = random.Random(100 + seed)
+    n = rng.randint(2, 9)
+    stages = rng.randint(2, min(n, 4))
+    costs = [rng.uniform(0.1, 5.0) for _ in range(n)]
+    slowdown = [rng.choice([1.0, 1.0, 2.5, 4.0]) for _ in range(stages)]
+    counts = balance(costs, stages, slowdown)
+    got = max(c * f for c, f in zip(stage_costs(costs, counts), slowdown))
+    assert got == pytest.approx(brute_force(costs, stages, slowdown), abs=1e-12)
+
+
+def test_a_slow_stage_gets_fewer_layers():
+    assert balance([1] * 4, 2) == [2, 2]
+    assert balance([1] * 4, 2, [1.0, 4.0]) == [3, 1]
+    with pytest.raises(ValueError, match="one positive factor per stage"):
+        balance([1] * 4, 2, [1.0])
 
 
 def test_balance_examples_and_errors():

@@ -213,34 +213,22 @@ class CostModel:
         emb = self.spec.vocab * self.spec.hidden
         return layers * layer_param_count(self.spec) + (emb if first else 0) + (emb if last else 0)
 
-    def stage_time(self, plan: Plan, s: int, layers: int) -> float:
-        """F+B of one micro-batch through stage s holding `layers` layers under `plan` (ms)."""
+    def stage_rate(self, plan: Plan, s: int) -> float:
+        """ms per unit of work of stage s under `plan`: its slowest rank's measured factor."""
         dims = ParallelDims(dp=plan.dp, pp=plan.pp, cp=plan.cp, tp=plan.tp)
         group = [dims.rank_of(pp=s, dp=d, cp=q, tp=t) for d in range(plan.dp)
                  for q in range(plan.cp) for t in range(plan.tp)]
         k = max(self.k.get(g, 1.0) for g in group)
-        work = stage_work(self.spec, self.seq_len, layers, s == plan.pp - 1)
-        return self.unit * k * work * plan.micro_batch_size / (plan.tp * plan.cp)
+        return self.unit * k * plan.micro_batch_size / (plan.tp * plan.cp)
+
+    def stage_time(self, plan: Plan, s: int, layers: int) -> float:
+        """F+B of one micro-batch through stage s holding `layers` layers under `plan` (ms)."""
+        return self.stage_rate(plan, s) * stage_work(self.spec, self.seq_len, layers, s == plan.pp - 1)
 
     def balanced_split(self, plan: Plan) -> tuple[int, ...]:
-        """Contiguous layers per stage minimising the slowest stage (exact dynamic programme)."""
-        L, p = self.spec.layers, plan.pp
-        best: dict[tuple[int, int], tuple[float, tuple]] = {}
+        """Contiguous layers per stage minimising the slowest stage, each stage's work scaled by
+        its measured slowdown (the same balancer as --stage-layers auto)."""
+        from commpipe.parallel.balance import balance, llama_layer_costs
 
-        def solve(s: int, start: int) -> tuple[float, tuple]:
-            if (s, start) in best:
-                return best[(s, start)]
-            left = L - start
-            if s == p - 1:
-                out = (self.stage_time(plan, s, left), (left,))
-            else:
-                out = (float("inf"), ())
-                for n in range(1, left - (p - 1 - s) + 1):
-                    rest, split = solve(s + 1, start + n)
-                    worst = max(self.stage_time(plan, s, n), rest)
-                    if worst < out[0]:
-                        out = (worst, (n, *split))
-            best[(s, start)] = out
-            return out
-
-        return solve(0, 0)[1]
+        costs = llama_layer_costs(self.spec, self.seq_len)   # the head on the last layer
+        return tuple(balance(costs, plan.pp, [self.stage_rate(plan, s) for s in range(plan.pp)]))

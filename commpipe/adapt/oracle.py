@@ -49,17 +49,10 @@ def _config(flags: list[str]):
 
 def balanced_split(spec, seq_len: int, pp: int) -> tuple[int, ...]:
     """Contiguous layers per stage minimising the largest stage's matmul work (the last stage
-    also holds the head): what a pipeline on equal devices should run."""
-    from commpipe.adapt.model import stage_work
+    also holds the head): what a pipeline on equal devices should run (--stage-layers auto)."""
+    from commpipe.parallel.balance import balance, llama_layer_costs
 
-    best = None
-    for cuts in itertools.combinations(range(1, spec.layers), pp - 1):
-        bounds = (0, *cuts, spec.layers)
-        split = tuple(b - a for a, b in zip(bounds, bounds[1:]))
-        worst = max(stage_work(spec, seq_len, n, s == pp - 1) for s, n in enumerate(split))
-        if best is None or worst < best[0]:
-            best = (worst, split)
-    return best[1]
+    return tuple(balance(llama_layer_costs(spec, seq_len), pp))
 
 
 def candidate_layouts(train: dict, world: int) -> tuple[list[dict], list[dict]]:

@@ -28,15 +28,19 @@ def stage_costs(costs: Sequence[float], counts: Sequence[int]) -> list[float]:
     return out
 
 
-def balance(costs: Sequence[float], stages: int) -> list[int]:
+def balance(costs: Sequence[float], stages: int, slowdown: Sequence[float] | None = None) -> list[int]:
     """Layer counts per stage (each at least one layer, contiguous, first stage first)
     minimizing the largest stage cost. Among optimal splits the one whose last stage is
-    lightest wins (the last stage also computes the loss)."""
+    lightest wins (the last stage also computes the loss). `slowdown[k]` multiplies stage k's
+    cost: a straggling device (the adaptive controller re-balances with it)."""
     n = len(costs)
     if stages < 1 or stages > n:
         raise ValueError(f"cannot cut {n} layers into {stages} stages; use 1..{n} stages")
     if any(c < 0 for c in costs):
         raise ValueError(f"layer costs must be non-negative, got {list(costs)}")
+    slowdown = [1.0] * stages if slowdown is None else list(slowdown)
+    if len(slowdown) != stages or any(f <= 0 for f in slowdown):
+        raise ValueError(f"slowdown needs one positive factor per stage ({stages}), got {slowdown}")
     prefix = [0.0, *accumulate(costs)]
     inf = float("inf")
     # best[k][j]: smallest possible slowest stage when the first j layers form k stages
@@ -46,7 +50,7 @@ def balance(costs: Sequence[float], stages: int) -> list[int]:
     for k in range(1, stages + 1):
         for j in range(k, n - (stages - k) + 1):
             for i in range(k - 1, j):        # stage k holds layers i..j-1
-                worst = max(best[k - 1][i], prefix[j] - prefix[i])
+                worst = max(best[k - 1][i], (prefix[j] - prefix[i]) * slowdown[k - 1])
                 if worst <= best[k][j]:      # <=: prefer the latest cut, a lighter last stage
                     best[k][j], cut[k][j] = worst, i
     counts, j = [], n
