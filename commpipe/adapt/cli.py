@@ -24,6 +24,11 @@ def add_adapt_arguments(p) -> None:
     g.add_argument("--adapt-margin", type=float, default=d.margin, metavar="X",
                    help=f"saving over the horizon must be X times the switch cost "
                         f"(default {d.margin})")
+    g.add_argument("--adapt-trials", type=int, default=d.trials, metavar="K",
+                   help=f"confirm an admitted switch by measurement: run the K best predicted "
+                        f"candidates (and any within {d.trial_margin:.0%} of the best) for "
+                        f"{d.trial_steps} steps each and keep the fastest measured; 0 trusts the "
+                        f"cost model (default {d.trials})")
     g.add_argument("--adapt-switch-cost", type=float, default=None, metavar="SECONDS",
                    help="assume this switch cost instead of the predicted, then measured one")
     g.add_argument("--adapt-resplit-only", action="store_true",
@@ -43,7 +48,7 @@ def adapt_options(args) -> dict:
     if args.adapt:
         adapt = AdaptConfig(min_steps=args.adapt_min_steps, min_shift=args.adapt_min_shift,
                             horizon=args.adapt_horizon, margin=args.adapt_margin,
-                            switch_cost_s=args.adapt_switch_cost,
+                            switch_cost_s=args.adapt_switch_cost, trials=args.adapt_trials,
                             layouts=not args.adapt_resplit_only,
                             relaunch=args.adapt_relaunch).validate()
     return {"adapt": adapt, "slow_rank": parse_slow_rank(args.slow_rank)}

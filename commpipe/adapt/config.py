@@ -19,6 +19,10 @@ Defaults and why:
                   wrong prediction from costing more than it could gain).
   min_gain=0.05   a candidate predicted less than 5% faster is not worth a switch whatever the
                   horizon: that is within the simulator's error on measured costs.
+  trials=3, trial_steps=3, trial_margin=0.10
+                  an admitted switch is confirmed by measurement: the 3 best predicted
+                  candidates (and any within 10% of the best prediction) run 3 steps each after
+                  a warm-up step, and the fastest measured wins (commpipe.adapt.trial says why).
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ class AdaptConfig:
     min_gain: float = 0.05
     layouts: bool = True              # also consider tp/cp/pp/dp changes, not only re-splits
     switch_cost_s: float | None = None  # fixed switch cost; default: predicted, then measured
+    trials: int = 3                   # candidates trialled by measurement (0: trust the model)
+    trial_steps: int = 3              # measured steps per trial (after one warm-up step)
+    trial_margin: float = 0.10        # also trial candidates predicted within this of the best
     relaunch: bool = False            # switch by checkpoint and relaunch instead of in memory
     resumed_from: dict | None = None  # set at start when resuming a relaunch request
 
@@ -55,6 +62,9 @@ class AdaptConfig:
                              "least pay for the switch)")
         if self.min_gain < 0:
             raise ValueError(f"min_gain {self.min_gain} must be >= 0")
+        if self.trials < 0 or self.trial_steps < 1 or self.trial_margin < 0:
+            raise ValueError(f"--adapt-trials {self.trials} must be >= 0 (0 turns trials off), "
+                             f"trial_steps {self.trial_steps} >= 1, trial_margin >= 0")
         if self.switch_cost_s is not None and self.switch_cost_s < 0:
             raise ValueError(f"switch_cost_s {self.switch_cost_s} must be >= 0")
         return self

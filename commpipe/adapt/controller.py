@@ -31,6 +31,7 @@ from commpipe.adapt.signals import (
     rank_summary,
     step_signals,
 )
+from commpipe.adapt.trial import Trials, plan_trials
 
 # before the first switch of a kind is measured: seconds to rebuild stages (and, for a layout
 # change, process groups) on top of moving the state; replaced by the measured time afterwards
@@ -73,6 +74,7 @@ class Controller:
         self.decisions: list[dict] = []
         self.log = None
         self.timer = CollectiveTimer()
+        self.trials: Trials | None = None   # the running trial phase, if any
         if trainer.comm.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             self.log = open(self.out / "adapt.jsonl", "a")
@@ -101,6 +103,7 @@ class Controller:
         of them new after a switch. Collective: every rank calls it after every step."""
         step = rec["step"]
         summary = rank_summary(trainer, step, self.rpn, self.timer)
+        summary["step_ms"] = rec["step_time_s"] * 1e3
         c = trainer.comm.coords
         if c["dp"] == 0 and c["cp"] == 0 and c["tp"] == 0:
             self.timelines.append([e.to_dict() for e in trainer.runtime.events or ()])
@@ -109,6 +112,9 @@ class Controller:
         signals = step_signals(summaries, rec["step_time_s"] * 1e3)
         self.window.append((signals, summaries))
         self.steps_in_plan += 1
+        if self.trials is not None:     # the slowest rank's step time: the same on every rank
+            return self._trial_step(trainer, step, max(s["step_ms"] for s in summaries),
+                                    metrics_file)
         if self.steps_in_plan <= self.acfg.warmup_steps:
             return trainer, metrics_file
         found = [d for d in self.detector.observe_all(step, signals, SMOOTH) if d.kind != "step"]
@@ -118,7 +124,54 @@ class Controller:
         if decision["action"] != "switch":
             self._write(decision)
             return trainer, metrics_file
-        return self._switch(trainer, decision, metrics_file)
+        trainer, metrics_file = self._switch(trainer, decision, metrics_file)
+        if decision.get("trial_plans"):
+            self.trials = Trials([(_plan(d), r["predicted_ms"])
+                                  for d, r in zip(decision["trial_plans"], decision["trials"])],
+                                 (_plan(decision["from"]), decision["measured_step_ms"]),
+                                 steps=self.acfg.trial_steps, warmup=1)
+            self.trials.switch_s.append(decision["switch_time_s"])
+        return trainer, metrics_file
+
+    # -- the trial phase (collective) -----------------------------------------------------------
+    def _trial_step(self, trainer, step: int, step_ms: float, metrics_file):
+        """One step of the trial phase: when the plan on trial has its measured steps, log a
+        `trial` record and switch to the next candidate, or after the last one log `settle` and
+        switch to the fastest measured (none if it is the plan running)."""
+        t = self.trials
+        if not t.observe(step_ms) and trainer.step < trainer.cfg.steps:
+            return trainer, metrics_file
+        r = t.finish()
+        running = r["plan"]
+        record = {"step": step, "action": "trial", "plan": running.name,
+                  "predicted_ms": r["predicted_ms"], "measured_ms": r["measured_ms"],
+                  "steps_ms": r["steps_ms"], "warmup_ms": r["warmup_ms"]}
+        if not t.done and trainer.step < trainer.cfg.steps:
+            nxt = t.plan
+            record |= {"to": nxt.to_dict(), "kind": running.kind_of_switch(nxt)}
+            trainer, metrics_file = self._switch(trainer, record, metrics_file)
+            t.switch_s.append(record["switch_time_s"])
+            return trainer, metrics_file
+        self._write(record)
+        best, best_ms = t.settle()
+        self.trials = None
+        settle = {"step": step, "action": "settle", "to": best.to_dict(), "measured_ms": best_ms,
+                  "measured": [{"plan": t.current[0].name, "measured_ms": t.current[1],
+                                "before_trials": True}]
+                  + [{"plan": p.name, "measured_ms": m, "steps_ms": k} for p, m, k in t.results],
+                  "trial_cost_s": t.cost_s(best_ms),
+                  "reason": "fastest measured" + (" (the plan before the trials)"
+                                                  if best == t.current[0] else "")}
+        if best != running and trainer.step < trainer.cfg.steps:
+            settle["kind"] = running.kind_of_switch(best)
+            return self._switch(trainer, settle, metrics_file)
+        settle["kind"] = None
+        self._write(settle)
+        self.detector.reset()       # a new baseline under the settled plan
+        self.window.clear()
+        self.timelines.clear()
+        self.steps_in_plan = 0
+        return trainer, metrics_file
 
     # -- evaluation (collective; planning on rank 0) -----------------------------------------------
     def _evaluate(self, trainer, step, found, signals) -> dict:
@@ -199,7 +252,16 @@ class Controller:
         best = max(admitted, key=lambda r: r["verdict"].saving_s - r["switch_cost_s"]) \
             if admitted else rows[0]
         verdict = best["verdict"]
-        return record | {
+        trials = {}
+        if verdict.admit and a.trials > 0 and not a.relaunch:
+            # confirm by measurement: trial the best predicted; their cost joins the payback
+            picked, cost, verdict = plan_trials(rows, best, current_ms, steps_left, a)
+            if verdict.admit:
+                trials = {"trials": [{"plan": r["plan"].name, "predicted_ms": r["predicted_ms"],
+                                      "switch_cost_s": r["switch_cost_s"]} for r in picked],
+                          "trial_plans": [r["plan"].to_dict() for r in picked],
+                          "trial_cost_s": cost}
+        return record | trials | {
             "action": "switch" if verdict.admit else "stay",
             "to": best["plan"].to_dict(), "kind": best["kind"],
             "predicted_best_ms": best["predicted_ms"],
@@ -238,8 +300,7 @@ class Controller:
         from commpipe.adapt.switch import switch
         from commpipe.train.loop import open_metrics
 
-        plan = Plan(**{k: v for k, v in decision["to"].items() if k != "name"} |
-                    {"stage_layers": tuple(decision["to"]["stage_layers"])})
+        plan = _plan(decision["to"])
         if self.acfg.relaunch:
             from commpipe.adapt.relaunch import request
 
@@ -254,6 +315,8 @@ class Controller:
         times = new.comm.gather_objects(seconds, "world")
         decision["switch_time_s"] = max(times)
         self.measured_cost[decision["kind"]] = max(times)
+        if decision["action"] == "settle":
+            decision["trial_cost_s"] += max(times)
         if new.is_logger and new.cfg.out:
             metrics_file = open_metrics(Path(new.cfg.out) / "metrics.jsonl", new.step)
         self.detector.reset()
@@ -269,6 +332,11 @@ class Controller:
         if self.log is not None:
             self.log.write(json.dumps(decision, default=str) + "\n")
             self.log.flush()
+
+
+def _plan(d: dict) -> Plan:
+    return Plan(**{k: v for k, v in d.items() if k != "name"} |
+                {"stage_layers": tuple(d["stage_layers"])})
 
 
 def _host_ms(costs, per_rank) -> float:

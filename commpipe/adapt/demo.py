@@ -129,6 +129,15 @@ def summarize(out: Path, sc: Scenario, applied: list, oracle: dict) -> dict:
     # degrade), and from when: two steps after its switch (the switch step and the next are
     # its warm-up), never before the degrade
     ran = first_after or next((d for d in reversed(switches) if d["step"] <= degrade), None)
+    # with trials (--adapt-trials), the layout is the one the phase settled on, from its settle
+    settled = next((d for d in decisions if d["action"] == "settle" and ran
+                    and d["step"] > ran["step"]), None)
+    trials = []
+    if settled is not None:
+        trials = [{"plan": d["plan"], "predicted_ms": d["predicted_ms"],
+                   "measured_ms": d["measured_ms"]} for d in decisions
+                  if d["action"] == "trial" and ran["step"] < d["step"] <= settled["step"]]
+        ran = settled
     after = max(degrade + 1, ran["step"] + 2) if ran else None
     same_steps = [a["step"] for a in adaptive] == [b["step"] for b in static] == list(range(sc.steps))
     loss_diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(adaptive, static))
@@ -153,6 +162,8 @@ def summarize(out: Path, sc: Scenario, applied: list, oracle: dict) -> dict:
         "first_switch_step": first_after["step"] if first_after else None,
         "switch_delay_steps": first_after["step"] - degrade if first_after else None,
         "switch_to": ran["to"]["name"] if ran else None,
+        "trials": trials,
+        "settle_step": settled["step"] if settled else None,
         "switch_trigger": [f"{x['key']} (onset step {x.get('onset_step')})"
                            for x in first_after.get("detections", [])] if first_after else None,
         "switch_time_s": first_after.get("switch_time_s") if first_after else None,
@@ -278,6 +289,10 @@ def format_summary(s: dict) -> str:
                                               f"({s['switch_delay_steps']} steps after), "
                                               f"triggered by {'; '.join(s['switch_trigger'])}, "
                                               f"switch time {s['switch_time_s'] or 0:.2f} s"),
+        *([f"trials (step {s['first_switch_step']} to {s['settle_step']}, predicted -> measured "
+           f"median): " + "; ".join(f"{t['plan']} {t['predicted_ms']:.0f} -> "
+                                    f"{t['measured_ms']:.0f} ms" for t in s["trials"])]
+          if s.get("trials") else []),
         f"layout during the degrade: {s['switch_to'] or 'the start layout'}",
         f"step time (median): before {ms(s['step_ms_before'])}, degraded (static) "
         f"{ms(s['step_ms_degraded_static'])}, after the switch {ms(s['step_ms_after_switch'])}, "

@@ -1,0 +1,125 @@
+"""Confirming a switch by measurement (pure Python): the TRIAL phase.
+
+The cost model ranks candidates on simulated step times; on a host whose ranks share cores its
+errors (pipeline bubbles free cores, tp/cp ranks compete for them) are larger than the gaps
+between the cheap layouts. An in-memory switch costs ~0.1 s and every layout computes the same
+values, so once the payback rule admits a switch the controller runs the best few candidates
+for a few real training steps each, and settles on the fastest *measured* one (the current
+plan, measured before the detection fired, included).
+
+Defaults and why:
+  trials=3          the 3 best predicted candidates (plus any within `trial_margin` of the best
+                    prediction): on the demo the measured best was the model's second of four
+                    within 10%; 3 covers that at ~12 steps of trials.
+  trial_steps=3     measured steps per candidate, after one warm-up step (the first step after a
+                    switch rebuilds buffers and process-group state); the median of 3 survives
+                    one noisy step.
+  trial_margin=0.10 candidates predicted within 10% of the best are indistinguishable to the
+                    model (its error on measured costs is of that order), so they are trialled
+                    too; at most 2 x trials candidates in all.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+
+def trial_rows(rows: list[dict], chosen: dict, k: int, margin: float) -> list[dict]:
+    """The candidates to trial: `chosen` (the admitted switch) first, then the k best by
+    predicted_ms, then any within `margin` (relative) of the best prediction; 2k at most."""
+    if k <= 0:
+        return [chosen]
+    ranked = sorted(rows, key=lambda r: r["predicted_ms"])
+    best = ranked[0]["predicted_ms"]
+    picked = [chosen]
+    for i, r in enumerate(ranked):
+        if len(picked) >= 2 * k:
+            break
+        if r is not chosen and r["plan"] != chosen["plan"] and \
+                (i < k or r["predicted_ms"] <= best * (1 + margin)):
+            picked.append(r)
+    return picked
+
+
+def trial_cost_s(picked: list[dict], steps_per_trial: int) -> float:
+    """Predicted cost of trialling `picked` beyond the plain switch to picked[0]: the switches to
+    the others and one more to settle (each at its switch cost), and the steps run on
+    candidates slower than the best prediction."""
+    if len(picked) <= 1:
+        return 0.0
+    best = min(r["predicted_ms"] for r in picked)
+    switches = sum(r["switch_cost_s"] for r in picked[1:]) + max(r["switch_cost_s"] for r in picked)
+    slower = sum(r["predicted_ms"] - best for r in picked) * steps_per_trial / 1e3
+    return switches + slower
+
+
+def plan_trials(rows: list[dict], chosen: dict, current_ms: float, steps_left: int, acfg):
+    """The trial list for an admitted switch to `chosen` and the payback verdict with the
+    trials' predicted cost added to the switch cost; candidates are dropped from the end of the
+    list (the worst predicted last) until it pays. Returns (picked, trial cost s, verdict)."""
+    from commpipe.adapt.plan import payback
+
+    picked = trial_rows(rows, chosen, acfg.trials, acfg.trial_margin)
+    while True:
+        cost = trial_cost_s(picked, acfg.trial_steps + 1)
+        verdict = payback(current_ms, chosen["predicted_ms"], chosen["switch_cost_s"] + cost,
+                          steps_left, acfg.horizon, acfg.margin, acfg.min_gain)
+        if verdict.admit or len(picked) == 1:
+            return picked, cost, verdict
+        picked = picked[:-1]
+
+
+@dataclass
+class Trials:
+    """The running trial phase: `plans` in order, each measured for `steps` steps after
+    `warmup` discarded steps; `current` is the plan before the trials and its measured ms."""
+
+    plans: list          # [(plan, predicted_ms)]
+    current: tuple       # (plan, measured_ms)
+    steps: int = 3
+    warmup: int = 1
+    index: int = 0
+    seen: list = field(default_factory=list)       # step times (ms) of the plan on trial
+    results: list = field(default_factory=list)    # [(plan, median ms, [ms...])]
+    switch_s: list = field(default_factory=list)   # measured switch times during the phase
+
+    @property
+    def plan(self):
+        return self.plans[self.index][0]
+
+    def observe(self, step_ms: float) -> bool:
+        """One step of the plan on trial; True when its measurement is complete."""
+        self.seen.append(step_ms)
+        return len(self.seen) >= self.warmup + self.steps
+
+    def finish(self) -> dict:
+        """Close the plan on trial; its record (median after the warm-up). Advances."""
+        warm, kept = self.seen[:self.warmup], self.seen[self.warmup:]
+        kept = kept or warm                # the run ended during the warm-up
+        med = statistics.median(kept)
+        plan, predicted = self.plans[self.index]
+        self.results.append((plan, med, kept))
+        self.index += 1
+        self.seen = []
+        return {"plan": plan, "predicted_ms": predicted, "measured_ms": med, "steps_ms": kept,
+                "warmup_ms": warm}
+
+    @property
+    def done(self) -> bool:
+        return self.index >= len(self.plans)
+
+    def settle(self) -> tuple:
+        """(plan, measured ms) of the fastest measured, the plan before the trials included
+        (it wins ties: staying costs nothing)."""
+        best = self.current
+        for plan, med, _ in self.results:
+            if med < best[1]:
+                best = (plan, med)
+        return best
+
+    def cost_s(self, best_ms: float) -> float:
+        """Measured cost of the phase: the switches it made plus the time its measured steps
+        took beyond the settled plan's speed (s)."""
+        extra = sum(max(ms - best_ms, 0.0) for _, _, kept in self.results for ms in kept)
+        return sum(self.switch_s) + extra / 1e3
