@@ -103,7 +103,7 @@ def test_hta_reads_the_traces_of_a_tp2_pp2_run(trace_dir):
 
 
 def test_trace_keeps_the_last_steps(trace_dir):
-    from commpipe.train.loop import TRACE_STEPS
+    from commpipe.train.run_files import TRACE_STEPS
 
     for rank in range(WORLD):
         trace = json.loads((trace_dir / f"rank{rank}.json").read_text())

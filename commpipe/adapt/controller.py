@@ -298,7 +298,7 @@ class Controller:
     # -- switching (collective) -------------------------------------------------------------------
     def _switch(self, trainer, decision: dict, metrics_file):
         from commpipe.adapt.switch import switch
-        from commpipe.train.loop import open_metrics
+        from commpipe.train.run_files import open_metrics
 
         plan = _plan(decision["to"])
         if self.acfg.relaunch:

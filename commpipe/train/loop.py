@@ -36,9 +36,8 @@ from commpipe.train import checkpoint
 from commpipe.train.config import TrainConfig
 from commpipe.train.evaluate import evaluate, forward_program
 from commpipe.train.failures import StopSignals, TrainingDiverged, check_finite_params, is_finite
+from commpipe.train.run_files import TRACE_STEPS, format_record, kineto_trace, open_metrics
 from commpipe.train.source import check_vocab, make_source
-
-TRACE_STEPS = 5   # --trace keeps the timeline of the last five steps (bounded in long runs)
 
 
 def step_flops(cfg: TrainConfig) -> float:
@@ -294,13 +293,6 @@ class Trainer:
                 f.write(json.dumps(e.to_dict()) + "\n")
 
 
-def _format(rec: dict) -> str:
-    line = (f"step {rec['step']:>5} | loss {rec['loss']:.4f} | {rec['step_time_s'] * 1e3:8.1f} ms"
-            f" | {rec['tokens_per_s']:9.0f} tok/s | {rec['tflops_per_gpu']:.4f} TFLOP/s/GPU"
-            f" | lr {rec['lr']:.2e}")
-    return line + (f" | val {rec['val_loss']:.4f}" if "val_loss" in rec else "")
-
-
 def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) -> list[dict]:
     """Train until cfg.steps (resuming from cfg.resume if given), evaluating and saving as
     configured; returns this run's per-step metric records (on every rank).
@@ -360,7 +352,7 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
                     metrics_file.write(json.dumps(rec) + "\n")
                     metrics_file.flush()
                 if log and (rec["step"] % cfg.log_every == 0 or done or not finite):
-                    log(_format(rec))
+                    log(format_record(rec))
             if not finite:
                 raise TrainingDiverged(_diverged(rec, ckpt_root))
             if controller is not None:   # may switch to another plan, in memory
@@ -404,52 +396,6 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
             else:
                 trainer.monitor.detach()
     return trainer.history
-
-
-def open_metrics(path: Path, step: int):
-    """metrics.jsonl opened to append from `step` on. Records of steps >= `step` (written after
-    the checkpoint a resumed run starts from, or a torn last line) move to
-    metrics.replaced.jsonl, so the file holds each step once and nothing is thrown away."""
-    if step > 0 and path.exists():
-        keep, moved = [], []
-        for line in path.read_text().splitlines(keepends=True):
-            try:
-                ok = json.loads(line)["step"] < step
-            except (ValueError, KeyError, TypeError):
-                ok = False
-            (keep if ok else moved).append(line if line.endswith("\n") else line + "\n")
-        if moved:
-            with open(path.with_name("metrics.replaced.jsonl"), "a") as f:
-                f.writelines(moved)
-            tmp = path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(keep))
-            tmp.replace(path)
-    return open(path, "a")
-
-
-def kineto_trace(trainer):
-    """--trace on CUDA: torch.profiler (Kineto) records the last TRACE_STEPS steps with real
-    kernels (NCCL's included) on one device clock, commpipe's action names as annotations
-    (record_function in the runtime) and ProfilerStep#N marks, into OUT/trace/rank{r}.json,
-    a file HTA reads as it is. On CPU the monitor writes that file instead."""
-    cfg = trainer.cfg
-    if not (cfg.trace and cfg.out and trainer.device.type == "cuda"):
-        return None
-    from torch.profiler import ProfilerActivity, profile, schedule
-
-    remaining = max(cfg.steps - trainer.step, 1)
-    active = min(TRACE_STEPS, remaining)
-    skip = remaining - active
-    path = Path(cfg.out) / "trace" / f"rank{trainer.comm.rank}.json"
-
-    def export(prof) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(path))
-
-    return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-                   schedule=schedule(wait=max(skip - 1, 0), warmup=min(skip, 1), active=active,
-                                     repeat=1),
-                   on_trace_ready=export)
 
 
 @contextmanager

@@ -1,0 +1,64 @@
+"""What a training run writes into its folder besides checkpoints: the metrics file (continued
+without repeated steps after a resume), the console line per step, and on GPU the profiler
+timeline (commpipe.train.loop calls these)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+TRACE_STEPS = 5   # --trace keeps the timeline of the last five steps (bounded in long runs)
+
+
+def open_metrics(path: Path, step: int):
+    """metrics.jsonl opened to append from `step` on. Records of steps >= `step` (written after
+    the checkpoint a resumed run starts from, or a torn last line) move to
+    metrics.replaced.jsonl, so the file holds each step once and nothing is thrown away."""
+    if step > 0 and path.exists():
+        keep, moved = [], []
+        for line in path.read_text().splitlines(keepends=True):
+            try:
+                ok = json.loads(line)["step"] < step
+            except (ValueError, KeyError, TypeError):
+                ok = False
+            (keep if ok else moved).append(line if line.endswith("\n") else line + "\n")
+        if moved:
+            with open(path.with_name("metrics.replaced.jsonl"), "a") as f:
+                f.writelines(moved)
+            tmp = path.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(keep))
+            tmp.replace(path)
+    return open(path, "a")
+
+
+def format_record(rec: dict) -> str:
+    """The console line of one step's metrics record."""
+    line = (f"step {rec['step']:>5} | loss {rec['loss']:.4f} | {rec['step_time_s'] * 1e3:8.1f} ms"
+            f" | {rec['tokens_per_s']:9.0f} tok/s | {rec['tflops_per_gpu']:.4f} TFLOP/s/GPU"
+            f" | lr {rec['lr']:.2e}")
+    return line + (f" | val {rec['val_loss']:.4f}" if "val_loss" in rec else "")
+
+
+def kineto_trace(trainer):
+    """--trace on CUDA: torch.profiler (Kineto) records the last TRACE_STEPS steps with real
+    kernels (NCCL's included) on one device clock, commpipe's action names as annotations
+    (record_function in the runtime) and ProfilerStep#N marks, into OUT/trace/rank{r}.json,
+    a file HTA reads as it is. On CPU the monitor writes that file instead."""
+    cfg = trainer.cfg
+    if not (cfg.trace and cfg.out and trainer.device.type == "cuda"):
+        return None
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    remaining = max(cfg.steps - trainer.step, 1)
+    active = min(TRACE_STEPS, remaining)
+    skip = remaining - active
+    path = Path(cfg.out) / "trace" / f"rank{trainer.comm.rank}.json"
+
+    def export(prof) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(path))
+
+    return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                   schedule=schedule(wait=max(skip - 1, 0), warmup=min(skip, 1), active=active,
+                                     repeat=1),
+                   on_trace_ready=export)
