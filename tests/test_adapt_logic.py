@@ -334,3 +334,24 @@ def test_demo_summary_takes_the_layout_the_trials_settled_on(tmp_path):
     assert s["step_ms_after_switch"] == 210 and s["settle_step"] == 20
     assert [ok for _, ok, _ in criteria(s)] == [True] * 6
     assert "cp2-pp2 250 -> 300 ms; pp2-dp2 260 -> 210 ms" in format_summary(s)
+
+
+def test_only_slowdowns_and_recoveries_of_compute_call_for_replanning():
+    from commpipe.adapt.controller import worth_replanning
+    from commpipe.adapt.detect import Detection
+
+    def det(kind, key, shift):
+        return Detection(kind, key, 100.0, 100.0 * (1 + shift), shift, 10, 15)
+
+    stragglers: set[str] = set()
+    # a rank that got faster without having been slow: the host got less busy, no re-plan
+    assert not worth_replanning(det("compute", "rank 2", -0.35), stragglers)
+    # a slowdown is a straggler; its later speed-up is a recovery and re-plans once
+    assert worth_replanning(det("compute", "rank 1", +0.8), stragglers)
+    assert stragglers == {"rank 1"}
+    assert worth_replanning(det("compute", "rank 1", -0.45), stragglers)
+    assert not stragglers
+    assert not worth_replanning(det("compute", "rank 1", -0.3), stragglers)
+    # links re-plan both ways: a degrade and a repair
+    assert worth_replanning(det("link", "1->2", -0.9), stragglers)
+    assert worth_replanning(det("link", "1->2", +4.0), stragglers)

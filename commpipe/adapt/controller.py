@@ -54,6 +54,23 @@ def unmonitored(trainer):
         mon.attach()
 
 
+def worth_replanning(d, stragglers: set[str]) -> bool:
+    """Whether a detection calls for re-planning. Links count both ways (a degrade, a repair).
+    A rank whose compute got slower is a straggler. One that got faster only matters when it
+    recovers from a slowdown detected before (the split made room for it); otherwise it is the
+    host becoming less busy: the detector has already taken the new level as its baseline, and
+    re-planning on it would reset the baselines the next real change is measured against."""
+    if d.kind != "compute":
+        return True
+    if d.shift > 0:
+        stragglers.add(d.key)
+        return True
+    if d.key in stragglers:
+        stragglers.discard(d.key)
+        return True
+    return False
+
+
 def ranks_per_node(world: int) -> int:
     """torchrun's LOCAL_WORLD_SIZE (processes on this node); the whole world otherwise."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", world)) or world
@@ -67,6 +84,7 @@ class Controller:
         self.rpn = ranks_per_node(self.world)
         a = self.acfg
         self.detector = Detector(a.min_steps, a.min_shift, a.baseline_steps)
+        self.stragglers: set[str] = set()   # ranks whose slowdown was detected (see worth_replanning)
         self.window: deque = deque(maxlen=max(a.min_steps, a.baseline_steps))
         self.timelines: deque = deque(maxlen=a.min_steps)   # this rank's recent step timelines
         self.steps_in_plan = 0
@@ -117,7 +135,8 @@ class Controller:
                                     metrics_file)
         if self.steps_in_plan <= self.acfg.warmup_steps:
             return trainer, metrics_file
-        found = [d for d in self.detector.observe_all(step, signals, SMOOTH) if d.kind != "step"]
+        found = [d for d in self.detector.observe_all(step, signals, SMOOTH)
+                 if d.kind != "step" and worth_replanning(d, self.stragglers)]
         if not found or trainer.step >= trainer.cfg.steps:
             return trainer, metrics_file
         decision = self._evaluate(trainer, step, found, signals)
