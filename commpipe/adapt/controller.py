@@ -12,6 +12,7 @@ broadcast. Controller traffic is kept out of the monitor's link records.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import statistics
@@ -85,6 +86,7 @@ class Controller:
         a = self.acfg
         self.detector = Detector(a.min_steps, a.min_shift, a.baseline_steps)
         self.stragglers: set[str] = set()   # ranks whose slowdown was detected (see worth_replanning)
+        self.before_trials: Detector | None = None
         self.window: deque = deque(maxlen=max(a.min_steps, a.baseline_steps))
         self.timelines: deque = deque(maxlen=a.min_steps)   # this rank's recent step timelines
         self.steps_in_plan = 0
@@ -143,6 +145,9 @@ class Controller:
         if decision["action"] != "switch":
             self._write(decision)
             return trainer, metrics_file
+        if decision.get("trial_plans"):
+            # the running plan's baselines, kept in case the trials settle back on it
+            self.before_trials = copy.deepcopy(self.detector)
         trainer, metrics_file = self._switch(trainer, decision, metrics_file)
         if decision.get("trial_plans"):
             self.trials = Trials([(_plan(d), r["predicted_ms"])
@@ -181,15 +186,23 @@ class Controller:
                   "trial_cost_s": t.cost_s(best_ms),
                   "reason": "fastest measured" + (" (the plan before the trials)"
                                                   if best == t.current[0] else "")}
+        back = best == t.current[0]
         if best != running and trainer.step < trainer.cfg.steps:
             settle["kind"] = running.kind_of_switch(best)
-            return self._switch(trainer, settle, metrics_file)
-        settle["kind"] = None
-        self._write(settle)
-        self.detector.reset()       # a new baseline under the settled plan
-        self.window.clear()
-        self.timelines.clear()
-        self.steps_in_plan = 0
+            trainer, metrics_file = self._switch(trainer, settle, metrics_file)
+        else:
+            settle["kind"] = None
+            self._write(settle)
+            self.detector.reset()       # a new baseline under the settled plan
+            self.window.clear()
+            self.timelines.clear()
+            self.steps_in_plan = 0
+        if back:
+            # Back on the plan the trials left: its levels from before them are still its
+            # reference. New baselines taken now would absorb any change that began during
+            # the trials (a link that degraded meanwhile would read as normal).
+            self.detector = self.before_trials
+        self.before_trials = None
         return trainer, metrics_file
 
     # -- evaluation (collective; planning on rank 0) -----------------------------------------------
