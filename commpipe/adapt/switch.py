@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from commpipe.train.checkpoint import adam_and_holder, gather_tp, shard_tp
+from commpipe.train.checkpoint import adam_and_holder, full_state_here, gather_tp, shard_tp
 
 
 def optimizer_of(trainer):
@@ -37,30 +37,8 @@ def optimizer_of(trainer):
 
 def gather_state(trainer) -> dict[str, torch.Tensor]:
     """Full parameters and optimizer states of the whole model, on every rank (collective)."""
-    comm = trainer.comm
-    c = comm.coords
-    local: dict[str, torch.Tensor] = {}
-    if c["dp"] == 0 and c["cp"] == 0:
-        for name, p in trainer.named_params:
-            full = gather_tp(p, getattr(p, "_tp_dim", None), comm)
-            if c["tp"] == 0:
-                local[f"model.{name}"] = full.cpu()
-    adam, holds = adam_and_holder(trainer)
-    for name, p in trainer.named_params:
-        st = adam.state.get(p) if holds(p) and c["cp"] == 0 else None
-        if not st:
-            continue   # the same answer on every rank of this TP group: gathers stay matched
-        tp_dim = getattr(p, "_tp_dim", None)
-        for key in ("exp_avg", "exp_avg_sq"):
-            full = gather_tp(st[key], tp_dim, comm)
-            if c["tp"] == 0:
-                local[f"optim.{name}.{key}"] = full.cpu()
-        if c["tp"] == 0:
-            step = st["step"]
-            local[f"optim.{name}.step"] = step.detach().clone().cpu() if torch.is_tensor(step) \
-                else torch.tensor(float(step))
     merged: dict[str, torch.Tensor] = {}
-    for part in comm.gather_objects(local, "world"):
+    for part in trainer.comm.gather_objects(full_state_here(trainer), "world"):
         merged.update(part)
     return merged
 

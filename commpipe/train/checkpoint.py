@@ -188,16 +188,12 @@ def _rng_keys(rank: int) -> dict[str, torch.Tensor]:
 
 
 # -- save -------------------------------------------------------------------------------------------
-def save(trainer, root) -> Path:
-    """Save `trainer` after `trainer.step` steps into root/step_N (collective: every rank)."""
+def full_state_here(trainer) -> dict[str, torch.Tensor]:
+    """The whole-tensor state this rank writes (collective over TP): `model.<name>` from dp=0,
+    cp=0, tp=0 of the stage holding it, `optim.<name>.exp_avg|exp_avg_sq|step` (step a 0-d
+    float32) from tp=0, cp=0 of the DP rank keeping its AdamW state (dp=0, or the ZeRO-1 owner).
+    A checkpoint save writes it; an adaptive switch gathers it everywhere."""
     comm = trainer.comm
-    root = Path(root)
-    final = root / step_dirname(trainer.step)
-    tmp = root / f"{final.name}.tmp"
-    if comm.rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)          # left by a save that crashed
-    comm.barrier()
     c = comm.coords
     model_writer = c["dp"] == 0 and c["cp"] == 0       # gathers TP shards; tp=0 writes
     state: dict[str, torch.Tensor] = {}
@@ -217,7 +213,21 @@ def save(trainer, root) -> Path:
             if c["tp"] == 0:
                 state[f"optim.{name}.{key}"] = full.cpu()
         if c["tp"] == 0:
-            state[f"optim.{name}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(1)
+            state[f"optim.{name}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(())
+    return state
+
+
+def save(trainer, root) -> Path:
+    """Save `trainer` after `trainer.step` steps into root/step_N (collective: every rank)."""
+    comm = trainer.comm
+    root = Path(root)
+    final = root / step_dirname(trainer.step)
+    tmp = root / f"{final.name}.tmp"
+    if comm.rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)          # left by a save that crashed
+    comm.barrier()
+    state = {k: v.reshape(1) if k.endswith(".step") else v for k, v in full_state_here(trainer).items()}
     state.update(_rng_keys(comm.rank))
     with _quiet_single_process():
         dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=comm.dims.world_size == 1)
