@@ -46,6 +46,7 @@ def _worker(rank: int, world: int, port: int, jobs: list, outdir: str) -> None:
                            for n, p in trainer.named_params},
                 "grads": trainer.last_grads,
                 "activation_mb": [r.get("activation_mb") for r in records],
+                "log": getattr(trainer, "test_log", None),    # what a planted probe recorded
             }
         torch.save(results, Path(outdir) / f"rank{rank}.pt")
     finally:
@@ -92,4 +93,5 @@ def assemble(rank_results: list) -> dict:
     loss_holder = next(r for r in rank_results if r["losses"])
     return {"losses": loss_holder["losses"], "grad_norms": loss_holder["grad_norms"],
             "params": params, "grads": grads,
-            "replicas_equal": replicas_equal, "activation_mb": loss_holder.get("activation_mb")}
+            "replicas_equal": replicas_equal, "activation_mb": loss_holder.get("activation_mb"),
+            "logs": [r.get("log") for r in rank_results]}

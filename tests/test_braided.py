@@ -131,10 +131,21 @@ def test_unsupported_sizes_name_the_valid_values(name):
         generate(name, 4, 8, 3)
 
 
-def test_trainer_refuses_braided_schedules_early():
-    cfg = TrainConfig(model="tiny", dims=ParallelDims(pp=2), schedule="stp", microbatches=4)
-    with pytest.raises(ValueError, match="does not execute braided actions yet; use"):
+def test_trainer_refuses_what_the_runtime_cannot_run(tmp_path):
+    # braids run (tests/test_braided_training.py); single-unit actions and whole-layer
+    # recomputation of braided layers are refused before any process group starts
+    fw = ",".join(f"0F0.{u}" for u in UNITS)
+    path = tmp_path / "units.csv"
+    path.write_text(f"#name,u,pp,2,microbatches,1,stage_to_rank,0 1\n{fw},0B0\n1F0,1B0\n")
+    cfg = TrainConfig(model="tiny", dims=ParallelDims(pp=2), schedule=str(path), microbatches=1)
+    with pytest.raises(ValueError, match="addresses single units of a stage"):
         cfg.program()
+    cfg = TrainConfig(model="tiny", dims=ParallelDims(pp=2), schedule="stp", microbatches=4,
+                      recompute="full")
+    with pytest.raises(ValueError, match="use --recompute\nselective|use --recompute selective"):
+        cfg.program()
+    assert TrainConfig(model="tiny", dims=ParallelDims(pp=2), schedule="stp", microbatches=4,
+                       recompute="selective").program().name == "stp"
 
 
 # -- the simulator: hand-derived times ----------------------------------------------------------

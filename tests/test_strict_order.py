@@ -174,7 +174,8 @@ def plant_tagged_posting(trainer) -> None:
     rt.order = posting_order(rt.program, prefetch=True, agree=False)[rt.pp_rank]
 
 
-SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zbh1", 1), ("zbv", 1)]
+SCHEDULES = [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zbh1", 1), ("zbv", 1), ("stp", 1),
+             ("dualpipev", 1)]
 
 
 def _cfg(dims, name, v, strict=True):
@@ -186,6 +187,7 @@ def strict_results() -> dict:
     jobs = [(f"{d}-{name}-v{v}", _cfg(d, name, v)) for d in (ParallelDims(pp=4),)
             for name, v in SCHEDULES]
     jobs.append(("tp2-pp2-zbv", _cfg(ParallelDims(pp=2, tp=2), "zbv", 1)))
+    jobs.append(("tp2-pp2-stp", _cfg(ParallelDims(pp=2, tp=2), "stp", 1)))
     jobs.append(("planted-strict", _cfg(ParallelDims(pp=4), "zbv", 1), plant_tagged_posting))
     jobs.append(("planted-tagged", _cfg(ParallelDims(pp=4), "zbv", 1, strict=False),
                  plant_tagged_posting))

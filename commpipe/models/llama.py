@@ -117,8 +117,31 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(spec)
 
     def forward(self, x, positions):
-        h = x + self.attention(self.attention_norm(x), positions)
-        return h + self.feed_forward(self.ffn_norm(h))
+        a = self.unit_attn(self.unit_pre_attn(x), positions)
+        h, n = self.unit_pre_mlp(x, a)
+        return self.residual(h, self.unit_mlp(n))
+
+    # Units (STP, Qi et al. 2025): the layer cut where tensor parallelism communicates, so a
+    # unit-by-unit runtime (commpipe.runtime.units) can keep one unit's collective in flight
+    # while another pass computes. forward() above is exactly their composition. Each residual
+    # add runs where the sum's second operand is first complete: the attention's in pre_mlp,
+    # the MLP's in `residual` (the next layer's first unit, or the stage's end).
+    def unit_pre_attn(self, x):
+        return self.attention_norm(x)
+
+    def unit_attn(self, n, positions):
+        return self.attention(n, positions)
+
+    def unit_pre_mlp(self, x, a):
+        h = x + a
+        return h, self.ffn_norm(h)
+
+    def unit_mlp(self, n):
+        return self.feed_forward(n)
+
+    @staticmethod
+    def residual(h, m):
+        return h + m
 
 
 class Transformer(nn.Module):

@@ -108,6 +108,21 @@ def make_loss_fn(comm: Comm, head: nn.Linear | None):
     return loss_fn
 
 
+class TPLayer:
+    """What a unit-by-unit runtime needs to know of a TP-sharded layer: its group and whether
+    sequence parallelism is on. `by_units(block, True)` hands the layer's four collectives
+    (f or all-gather before attention and MLP, g or reduce-scatter after them) from the module
+    hooks to that runtime, which issues them asynchronously between units."""
+
+    def __init__(self, comm: Comm, sequence_parallel: bool):
+        self.comm, self.sequence_parallel = comm, sequence_parallel
+
+    @staticmethod
+    def by_units(block: nn.Module, on: bool) -> None:
+        for m in (block.attention, block.feed_forward, block.attention.wo, block.feed_forward.w2):
+            m._tp_by_units = on
+
+
 def apply_tp(model: Transformer, comm: Comm, sequence_parallel: bool = False,
              overlap: bool = False) -> Transformer:
     """Shard `model` in place across comm's TP group; a no-op when tp=1."""
@@ -124,11 +139,18 @@ def apply_tp(model: Transformer, comm: Comm, sequence_parallel: bool = False,
         enter = gather_seq if sequence_parallel else copy_to
 
         def pre(mod, args):
+            if mod._tp_by_units:     # the unit-by-unit runtime issues it (runtime/units.py)
+                return None
             return (enter(args[0], comm, "tp", region), *args[1:])
+
+        module._tp_by_units = False
+        module._tp_region = region
 
         module.register_forward_pre_hook(pre)
 
     def post_g(module, args, out):
+        if module._tp_by_units:
+            return None
         return (scatter_seq if sequence_parallel else reduce_from)(out, comm, "tp")
 
     for block in model.layers.values():
@@ -137,8 +159,10 @@ def apply_tp(model: Transformer, comm: Comm, sequence_parallel: bool = False,
                 if hasattr(parent, name):
                     _shard_(getattr(parent, name), 0 if name in COLUMN else 1, comm)
             entry(parent, [getattr(parent, n) for n in COLUMN if hasattr(parent, n)])
-        block.attention.wo.register_forward_hook(post_g)
-        block.feed_forward.w2.register_forward_hook(post_g)
+        for row in (block.attention.wo, block.feed_forward.w2):
+            row._tp_by_units = False
+            row.register_forward_hook(post_g)
+        block.tp = TPLayer(comm, sequence_parallel)
         if sequence_parallel:
             block.attention_norm.weight._sp_partial = True
             block.ffn_norm.weight._sp_partial = True

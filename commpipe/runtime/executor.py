@@ -27,6 +27,7 @@ import torch
 
 from commpipe.models.boundary import StageIO, TensorDesc
 from commpipe.parallel.comm import Comm
+from commpipe.runtime.units import UnitPass, supports_units, use_unit_collectives
 from commpipe.runtime.weight_grad import WeightGradStore, enable_weight_grad_split
 from commpipe.schedules.actions import Action, Program, lower
 from commpipe.schedules.order import posting_order
@@ -39,7 +40,8 @@ class PipelineRuntime:
                  stage_io: list[StageIO] | tuple[int, ...], device: torch.device,
                  act_dtype=torch.float32,
                  autocast_dtype=None, on_compute=None, forward_only: bool = False,
-                 posting: list[list[int]] | None = None, prefetch: bool = True):
+                 posting: list[list[int]] | None = None, prefetch: bool = True,
+                 units: bool | None = None):
         self.program = program if program.is_lowered else lower(program)
         # forward_only: a program of F actions (validation): no autograd graph, nothing kept
         self.forward_only = forward_only
@@ -76,8 +78,21 @@ class PipelineRuntime:
                                  "commpipe.schedules.dry_run: a program that deadlocks has no "
                                  "common order")
         self.order = posting[self.pp_rank]
+        # Unit by unit (runtime/units.py): LLaMA stages under a braided program (STP,
+        # DualPipeV), so a braid alternates its passes' units with the TP collectives in flight
+        # between them; `units` forces it on or off (a validation runner sharing the stages
+        # follows the training runner). Other stages run a braid's passes one after the other.
+        braided = any(a.is_braid for acts in self.program.actions for a in acts)
+        if units is None:
+            units = braided or any(getattr(b.attention, "_tp_by_units", False)
+                                   for m in stages.values() if supports_units(m)
+                                   for b in m.layers.values())
+        self.units = units and all(supports_units(m) for m in stages.values())
+        for module in stages.values():
+            if supports_units(module):
+                use_unit_collectives(module, self.units)
         self.wstore = WeightGradStore()
-        if any(a.op in ("I", "W") for a in self.actions):
+        if any(p.op in ("I", "W") for a in self.actions for p in a.parts):
             for module in stages.values():
                 enable_weight_grad_split(module, self.wstore)
 
@@ -151,6 +166,7 @@ class PipelineRuntime:
         recvs, sends = {}, []
         inputs, outputs, grads_to_send = {}, {}, {}
         local_fwd, local_bwd, deferred = {}, {}, {}
+        unit_passes = {}     # (stage, micro-batch) -> UnitPass awaiting its backward
         loss_total = torch.zeros((), device=self.device)
         # a recorded timeline on CUDA is read from events on the compute stream (when the
         # kernels ran, the profiler's clock), not from perf_counter around asynchronous launches
@@ -184,6 +200,123 @@ class PipelineRuntime:
             tag = self._tag(a.op[-1], min(a.stage, src), a.microbatch)
             recvs[(a.op[-1], a.stage, a.microbatch)] = self.comm.irecv(buf, self._peer(src), tag=tag)
 
+        def prepare(a):
+            """One plain compute action: its inputs gathered (waited for), its work a _Pass."""
+            s, m = a.stage, a.microbatch
+            if a.op == "F":
+                x = {}
+                if s > 0:
+                    x = self._unpack(wait(("F", s, m), a), self._message("F", s)) \
+                        if ("F", s, m) in recvs else local_fwd.pop((s, m))
+                    x = {k: v.detach() for k, v in x.items()}
+                    if not self.forward_only:
+                        for d in self.stage_io[s].recv:
+                            x[d.name].requires_grad_(d.has_grad)
+                        inputs[(s, m)] = x
+                return forward(a, x)
+            if a.op in ("B", "I"):
+                grad = None
+                if s != self.last_stage:
+                    grad = self._unpack(wait(("B", s, m), a), self._message("B", s)) \
+                        if ("B", s, m) in recvs else local_bwd.pop((s, m))
+                return backward(a, grad)
+            return run_w(a)
+
+        def forward(a, x):
+            s, m = a.stage, a.microbatch
+            # a received input widens to fp32, the dtype of the embedding's output, so the
+            # residual stream is fp32 on every stage, as on one device
+            x = {k: v.float() for k, v in x.items()}
+
+            def tail(out):
+                nonlocal loss_total
+                if s == self.last_stage:            # the loss in fp32, outside autocast
+                    out = self.loss_fn(out["logits"], batches[m]["labels"]) * loss_scale
+                    loss_total = loss_total + out.detach()
+                local_next = (s != self.last_stage
+                              and self.program.rank_of(s + 1) == self.program.rank_of(s))
+                if local_next:
+                    local_fwd[(s + 1, m)] = {d.name: out[d.name].detach().to(self.act_dtype)
+                                             for d in self.stage_io[s].send}
+                if not self.forward_only or not (local_next or s == self.last_stage):
+                    outputs[(s, m)] = out  # kept for its backward, or until its SEND_F
+                return out
+
+            if self.units:
+                key = "logits" if s == self.last_stage else "hidden"
+                unit = UnitPass(self.stages[s], batches[m]["tokens"] if s == 0 else x["hidden"],
+                                positions, lambda out: tail({key: out}), self._autocast,
+                                grad=not self.forward_only)
+                if not self.forward_only:
+                    unit_passes[(s, m)] = unit
+                return _Pass(unit.forward_steps(), len(unit.steps))
+
+            def whole():
+                with self._autocast():
+                    out = self._forward(s, x, batches[m], positions)
+                tail(out)
+                yield "F"
+            return _Pass(whole())
+
+        def backward(a, grad):
+            s, m = a.stage, a.microbatch
+            out = outputs.pop((s, m))
+            if self.units:
+                g = None if s == self.last_stage else grad["hidden"]
+                steps = unit_passes.pop((s, m)).backward_steps(g)
+            else:
+                steps = iter([lambda: whole_backward(s, out, grad)])
+            return _Pass(backward_steps(a, steps), 0)
+
+        def whole_backward(s, out, grad):
+            if s == self.last_stage:
+                out.backward()
+            else:
+                # every sent tensor that carries a gradient, e.g. text hidden states and the
+                # image features a decoder stage passes on (autograd adds that gradient to the
+                # one of its own cross-attention)
+                sent = [(out[d.name], grad[d.name]) for d in self.stage_io[s].send
+                        if d.has_grad and out[d.name].requires_grad]
+                torch.autograd.backward([t for t, _ in sent], [g.to(t.dtype) for t, g in sent])
+
+        def backward_steps(a, steps):
+            s, m = a.stage, a.microbatch
+            while True:
+                # weight gradients are deferred during this pass's steps only (a braid's
+                # forward steps run in between)
+                self.wstore.deferring = a.op == "I"
+                try:
+                    step = next(steps)
+                    if callable(step):
+                        step()
+                except StopIteration:
+                    break
+                finally:
+                    self.wstore.deferring = False
+                yield a.op
+            if a.op == "I":
+                deferred[(s, m)] = self.wstore.take()
+            if s > 0:
+                received = inputs.pop((s, m))
+                g = {d.name: _grad_of(received[d.name]) for d in self.stage_io[s].recv
+                     if d.has_grad}
+                if self.program.rank_of(s - 1) == self.program.rank_of(s):
+                    local_bwd[(s - 1, m)] = g
+                else:
+                    grads_to_send[(s, m)] = g
+
+        def run_w(a, chunks: int = 1):
+            """The deferred weight gradients, in `chunks` slices (a braid's forward steps run
+            in between)."""
+            items = deferred.pop((a.stage, a.microbatch))
+            size = max(1, -(-len(items) // max(1, chunks)))
+
+            def steps():
+                for k in range(0, len(items), size):
+                    WeightGradStore.flush(items[k:k + size])
+                    yield "W"
+            return _Pass(steps())
+
         for idx in self.order:
             a = self.actions[idx]
             s, m = a.stage, a.microbatch
@@ -202,66 +335,17 @@ class PipelineRuntime:
                                              self._peer(s - 1), tag=self._tag("B", s - 1, m)))
                 continue
 
-            # compute actions: inputs are gathered first so the timed interval excludes waits
-            if a.op == "F":
-                x = {}
-                if s > 0:
-                    x = self._unpack(wait(("F", s, m), a), self._message("F", s)) \
-                        if ("F", s, m) in recvs else local_fwd.pop((s, m))
-                    x = {k: v.detach() for k, v in x.items()}
-                    if not self.forward_only:
-                        for d in self.stage_io[s].recv:
-                            x[d.name].requires_grad_(d.has_grad)
-                        inputs[(s, m)] = x
-            elif a.op in ("B", "I") and s != self.last_stage:
-                grad = self._unpack(wait(("B", s, m), a), self._message("B", s)) \
-                    if ("B", s, m) in recvs else local_bwd.pop((s, m))
+            # compute actions (a braid runs its two passes step by step, alternating): inputs
+            # are gathered first so the timed interval excludes waits
+            passes = []
+            for part in a.parts:      # a braid's W is sliced to interleave with its forward
+                passes.append(run_w(part, passes[0].steps) if part.op == "W" and passes
+                              else prepare(part))
             mark = torch.profiler.record_function(str(a)) if self.annotate else None
             if mark is not None:
                 mark.__enter__()
             t0 = now()
-            if a.op == "F":
-                with self._autocast():
-                    # a received input widens to fp32, the dtype of the embedding's output, so
-                    # the residual stream is fp32 on every stage, as on one device
-                    out = self._forward(s, {k: v.float() for k, v in x.items()}, batches[m],
-                                        positions)
-                if s == self.last_stage:            # the loss in fp32, outside autocast
-                    out = self.loss_fn(out["logits"], batches[m]["labels"]) * loss_scale
-                    loss_total = loss_total + out.detach()
-                local_next = (s != self.last_stage
-                              and self.program.rank_of(s + 1) == self.program.rank_of(s))
-                if local_next:
-                    local_fwd[(s + 1, m)] = {d.name: out[d.name].detach().to(self.act_dtype)
-                                             for d in self.stage_io[s].send}
-                if not self.forward_only or not (local_next or s == self.last_stage):
-                    outputs[(s, m)] = out  # kept for its backward, or until its SEND_F
-            elif a.op in ("B", "I"):
-                out = outputs.pop((s, m))
-                self.wstore.deferring = a.op == "I"
-                if s == self.last_stage:
-                    out.backward()
-                else:
-                    # every sent tensor that carries a gradient, e.g. text hidden states and
-                    # the image features a decoder stage passes on (autograd adds that
-                    # gradient to the one of its own cross-attention)
-                    sent = [(out[d.name], grad[d.name]) for d in self.stage_io[s].send
-                            if d.has_grad and out[d.name].requires_grad]
-                    torch.autograd.backward([t for t, _ in sent],
-                                            [g.to(t.dtype) for t, g in sent])
-                self.wstore.deferring = False
-                if a.op == "I":
-                    deferred[(s, m)] = self.wstore.take()
-                if s > 0:
-                    received = inputs.pop((s, m))
-                    g = {d.name: _grad_of(received[d.name]) for d in self.stage_io[s].recv
-                         if d.has_grad}
-                    if self.program.rank_of(s - 1) == self.program.rank_of(s):
-                        local_bwd[(s - 1, m)] = g
-                    else:
-                        grads_to_send[(s, m)] = g
-            elif a.op == "W":
-                WeightGradStore.flush(deferred.pop((s, m)))
+            _alternate([p.run for p in passes])
             if self.slowdown is not None:
                 self.slowdown(t0)
             t1 = now()
@@ -286,6 +370,23 @@ class PipelineRuntime:
                                f"receives {list(recvs)}, outputs {list(outputs)}, "
                                f"deferred W {list(deferred)}")
         return loss_total
+
+
+class _Pass:
+    """One plain action's work as a generator of steps (`steps`: how many, where known)."""
+
+    def __init__(self, run, steps: int = 1):
+        self.run, self.steps = run, steps
+
+
+def _alternate(runs: list) -> None:
+    """Run generators to the end, one step of each in turn."""
+    while runs:
+        for r in list(runs):
+            try:
+                next(r)
+            except StopIteration:
+                runs.remove(r)
 
 
 def _numel(d: TensorDesc) -> int:

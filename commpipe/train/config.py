@@ -203,10 +203,17 @@ class TrainConfig:
         from commpipe.schedules import generate
 
         prog = generate(self.schedule, self.dims.pp, self.microbatches, self.vpp)
-        if any(a.is_braid or a.unit is not None for acts in prog.actions for a in acts):
-            raise ValueError(f"schedule {self.schedule!r} has braided or unit-level actions: the "
-                             "runtime does not execute braided actions yet; use `commpipe simulate "
-                             f"--schedule {self.schedule}` to time it, or train with zbv or interleaved")
+        acts = [p for rank in prog.actions for a in rank for p in a.parts]
+        if any(a.unit is not None for a in acts):
+            raise ValueError(f"schedule {self.schedule!r} addresses single units of a stage "
+                             "(e.g. 1F3.attn): the runtime runs whole-stage actions, and a braid's "
+                             "passes unit by unit; use `commpipe simulate` to time unit-level "
+                             "programs, or write the braids as whole-stage actions (1F3&0I1)")
+        if self.recompute == "full" and any(a.is_braid for rank in prog.actions for a in rank):
+            raise ValueError(f"--recompute full with the braided schedule {self.schedule!r}: a "
+                             "braid runs each layer unit by unit, keeping every unit's input, so "
+                             "whole-layer recomputation saves nothing there; use --recompute "
+                             "selective (or none)")
         if prog.pp != self.dims.pp:
             raise ValueError(f"schedule {self.schedule} is for pp={prog.pp}, layout has "
                              f"pp={self.dims.pp}")

@@ -22,9 +22,9 @@ from commpipe.schedules.actions import Program, lower
 
 
 def forward_program(program: Program) -> Program:
-    """Only the F actions of `program`, lowered."""
+    """Only the F actions of `program` (a braid's forward included), lowered."""
     base = program.compute_only()
-    fwd = tuple(tuple(a for a in acts if a.op == "F") for acts in base.actions)
+    fwd = tuple(tuple(p for a in acts for p in a.parts if p.op == "F") for acts in base.actions)
     return lower(replace(base, name=f"{base.name}-forward", actions=fwd))
 
 

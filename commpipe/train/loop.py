@@ -173,7 +173,8 @@ class Trainer:
         trainer.meter = ActivationMeter(params, device)
         trainer.forward_runner = PipelineRuntime(forward_program(program), stages, comm, loss_fn,
                                                  runtime.stage_io, device, act_dtype=act_dtype,
-                                                 autocast_dtype=autocast, forward_only=True)
+                                                 autocast_dtype=autocast, forward_only=True,
+                                                 units=runtime.units)
         trainer.named_params = [(n, p) for s in sorted(stages) for n, p in stages[s].named_parameters()]
         # --trace on CPU: the monitor times every call and writes OUT/trace/rank{r}.json with
         # the compute actions; on CUDA the timeline comes from torch.profiler (see kineto_trace)

@@ -1,0 +1,198 @@
+"""A LLaMA stage run unit by unit, for braided schedules (STP, DualPipeV).
+
+A stage's pass over one micro-batch becomes a list of steps: the embedding (first stage), then
+per layer the four units of `Block` (pre_attn, attn, pre_mlp, mlp), then the last residual add
+with the head and loss (last stage). Steps are separate autograd graphs joined by leaf tensors,
+so the backward also runs step by step, in reverse. `forward_steps` and `backward_steps` are
+generators that yield after each step; the executor alternates two of them for a braid.
+
+With tensor parallelism the layer's four collectives sit on the edges between steps instead of
+inside the modules (`TPLayer.by_units`): an edge's forward collective is issued asynchronously
+when its producer finishes and waited by its consumer, and its adjoint is issued when the
+consumer's backward finishes and waited by the producer's backward. Between the two, the
+executor runs a step of the other pass of the braid:
+
+    edge                      forward                      backward (adjoint)
+    norm -> attention / MLP   identity (SP: all-gather)    all-reduce (SP: reduce-scatter)
+    attention / MLP -> add    all-reduce (SP: reduce-sc.)  identity (SP: all-gather)
+
+The values are those of `Block.forward` with the hooks in place: the same operations in the
+same order. With overlap on, the column-parallel Linears' weight-gradient GEMMs (stashed in
+their `TPRegion`) run while the input-gradient collective of their edge travels, as in the
+whole-stage path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+ENTER, EXIT = "enter", "exit"
+
+
+class _InFlight:
+    """A collective issued on an edge; `value()` waits for it."""
+
+    def __init__(self, handle, finish):
+        self.handle, self.finish = handle, finish
+
+    def value(self) -> torch.Tensor:
+        return self.finish(self.handle.wait())
+
+
+def _seq_first(t: torch.Tensor) -> torch.Tensor:
+    return t.transpose(0, 1).contiguous()          # [b, s, h] -> [s, b, h]: gathered on dim 0
+
+
+def _issue(tp, kind: str, backward: bool, t: torch.Tensor):
+    """The collective of one edge (table above), issued asynchronously; a tensor when the edge
+    moves nothing."""
+    comm, sp = tp.comm, tp.sequence_parallel
+    gather = (kind == ENTER) != backward           # enter forward / exit backward gather
+    if sp:
+        op = comm.all_gather if gather else comm.reduce_scatter
+        return _InFlight(op(_seq_first(t), "tp", async_op=True), lambda r: r.transpose(0, 1))
+    if gather:                                     # identity without sequence parallelism
+        return t
+    buf = t.detach().contiguous().clone()
+    return _InFlight(comm.all_reduce(buf, "tp", async_op=True), lambda r: r)
+
+
+def _resolve(v):
+    return v.value() if isinstance(v, _InFlight) else v
+
+
+@dataclass
+class _Step:
+    unit: str
+    fn: object                     # (*inputs) -> tuple of outputs
+    ins: tuple                     # edge names read
+    outs: tuple                    # edge names written
+    kinds: tuple                   # per output: None, ENTER or EXIT (its edge's collective)
+    tp: object = None              # the layer's TPLayer (None: tp=1, edges move nothing)
+    region: object = None          # TPRegion to flush while the input's adjoint travels
+    leaves: list = field(default_factory=list)
+    results: tuple = ()
+
+
+def supports_units(module) -> bool:
+    """A LLaMA stage (layers of `Block`) runs unit by unit; other stages run whole."""
+    layers = getattr(module, "layers", None)
+    return layers is not None and len(layers) > 0 and \
+        all(hasattr(b, "unit_attn") for b in layers.values())
+
+
+def use_unit_collectives(module, on: bool = True) -> None:
+    """Move the TP collectives of `module`'s layers onto the unit edges (or back)."""
+    for block in module.layers.values():
+        if getattr(block, "tp", None) is not None:
+            block.tp.by_units(block, on)
+
+
+def _layer_steps(i: str, block, positions, h: str, m: str | None) -> list[_Step]:
+    """Block i's four units; (h, m) name the previous layer's residual and MLP output (m None:
+    the stage input, nothing to add)."""
+    tp = getattr(block, "tp", None)
+    enter, exit_ = (ENTER, EXIT) if tp is not None else (None, None)
+
+    def pre_attn(*hm):
+        x = hm[0] if len(hm) == 1 else block.residual(*hm)
+        return x, block.unit_pre_attn(x)
+
+    return [
+        _Step("pre_attn", pre_attn, (h,) if m is None else (h, m), (f"{i}.x", f"{i}.n"),
+              (None, enter), tp),
+        _Step("attn", lambda n: (block.unit_attn(n, positions),), (f"{i}.n",), (f"{i}.a",),
+              (exit_,), tp, getattr(block.attention, "_tp_region", None)),
+        _Step("pre_mlp", block.unit_pre_mlp, (f"{i}.x", f"{i}.a"), (f"{i}.h", f"{i}.n2"),
+              (None, enter), tp),
+        _Step("mlp", lambda n: (block.unit_mlp(n),), (f"{i}.n2",), (f"{i}.m",), (exit_,), tp,
+              getattr(block.feed_forward, "_tp_region", None)),
+    ]
+
+
+class UnitPass:
+    """One micro-batch through one LLaMA stage, step by step.
+
+    `x`: the stage input (tokens on the first stage, else the received hidden state: a leaf
+    whose `.grad` the executor reads). `tail(out)`: what the stage output becomes (the scaled
+    loss on the last stage, run outside autocast; else the dict the executor sends).
+    `autocast()`: a context for the steps. `grad=False`: forward only, nothing kept."""
+
+    def __init__(self, module, x, positions, tail, autocast, grad: bool = True):
+        self.tail, self.autocast, self.grad = tail, autocast, grad
+        self.env: dict = {"in": x}          # edge name -> tensor or collective in flight
+        self.edges: dict = {}               # edge name -> (collective or None, its TPLayer)
+        self.grads: dict = {}               # edge name -> gradient or adjoint in flight
+        self.output = None
+        self.steps = self._plan(module, positions)
+
+    @staticmethod
+    def _plan(mod, positions) -> list[_Step]:
+        steps, h, m = [], "in", None
+        if mod.tok_embeddings is not None:
+            steps.append(_Step("embed", lambda t: (mod.tok_embeddings(t),), ("in",), ("e",),
+                               (None,)))
+            h = "e"
+        for i, block in mod.layers.items():
+            steps += _layer_steps(i, block, positions, h, m)
+            h, m = f"{i}.h", f"{i}.m"
+
+        def end(h, m):
+            out = block.residual(h, m)
+            return (mod.output(mod.norm(out)) if mod.output is not None else out,)
+
+        steps.append(_Step("end", end, (h, m), ("out",), (None,)))
+        return steps
+
+    def forward_steps(self):
+        """Run the steps in order, yielding after each; then `self.output` holds the tail."""
+        for step in self.steps:
+            args = []
+            for name in step.ins:
+                v = _resolve(self.env.pop(name))
+                if name != "in" and self.grad and v.is_floating_point():
+                    v = v.detach().requires_grad_()
+                args.append(v)
+            with self.autocast():
+                outs = step.fn(*args)
+            if self.grad:
+                step.leaves, step.results = args, outs
+            for name, out, kind in zip(step.outs, outs, step.kinds):
+                self.edges[name] = (kind, step.tp)
+                self.env[name] = _issue(step.tp, kind, False, out.detach()) if kind else out
+            yield step.unit
+        self.output = self.tail(_resolve(self.env.pop("out")))
+        if not self.grad:
+            self.steps = []
+
+    def backward_steps(self, grad_out):
+        """Back-propagate step by step in reverse, yielding after each. `grad_out`: the
+        gradient of the stage output, or None on the last stage (backward from the scalar
+        loss). The stage input's gradient lands in its `.grad`."""
+        for step in reversed(self.steps):
+            if step.unit == "end":
+                if grad_out is None:
+                    torch.autograd.backward(self.output)
+                else:
+                    out = step.results[0]
+                    torch.autograd.backward(out, grad_out.to(out.dtype))
+            else:
+                pairs = [(out, _resolve(self.grads.pop(name)))
+                         for name, out in zip(step.outs, step.results) if out.requires_grad]
+                if pairs:
+                    torch.autograd.backward([o for o, _ in pairs],
+                                            [g.to(o.dtype) for o, g in pairs])
+            for name, leaf in zip(step.ins, step.leaves):
+                if name == "in" or not leaf.requires_grad:
+                    continue
+                g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                kind, tp = self.edges[name]
+                self.grads[name] = _issue(tp, kind, True, g) if kind else g
+            if step.region is not None and self.edges[step.ins[0]][0] == ENTER:
+                step.region.flush()      # dW GEMMs while the input-gradient collective travels
+            step.leaves, step.results = [], ()
+            yield step.unit
+        self.steps = []
+
