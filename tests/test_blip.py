@@ -121,8 +121,32 @@ def test_blip_base_flops_by_hand():
 def test_tiny_keeps_base_proportions():
     base, tiny = resolve_blip("blip-base"), TINY
     assert tiny.image_tokens > 4 * tiny.text_len and base.image_tokens > 4 * base.text_len
+    # the same 197 image tokens (14 x 14 patches + [CLS]) against 40 caption tokens as blip-base
+    assert (tiny.image_tokens, tiny.text_len) == (base.image_tokens, base.text_len) == (197, 40)
     ratio = lambda s: layer_flops(s)[1] / layer_flops(s)[s.enc_layers]
     assert 2 < ratio(tiny) < 4 and 2 < ratio(base) < 4
+
+
+def test_blip_tiny_numbers_by_hand():
+    # h = 128, MLP 512, 112x112 images in 8x8 patches (197 tokens), 40-token captions,
+    # vocabulary 512, 64 text positions.
+    # params: encoder block 12 h^2 + 13 h = 198,272 (x4 = 793,088); patch conv 3*8*8*128+128 =
+    #   24,704, [CLS] 128, positions 197*128 = 25,216; final norm 256. Decoder layer
+    #   16 h^2 + 19 h = 264,576 (x4 = 1,058,304); words 512*128 = 65,536, positions 8,192,
+    #   LN 256; head 16,512 + 256 + 66,048. Total 2,058,496.
+    assert 4 * 198_272 + 24_704 + 128 + 25_216 + 256 == 843_392
+    assert 4 * 264_576 + 65_536 + 8_192 + 256 + 16_512 + 256 + 66_048 == 1_215_104
+    assert param_count(TINY) == 843_392 + 1_215_104 == 2_058_496
+    # forward FLOPs per sample: encoder layer 24 p h^2 + 4 p^2 h = 77,463,552 + 19,870,208 =
+    #   97,333,760; decoder layer 8 s h^2 + 4 s^2 h (5,242,880 + 819,200) + 4 s h^2 + 4 p h^2
+    #   + 4 s p h (2,621,440 + 12,910,592 + 4,034,560) + 16 s h^2 (10,485,760) = 36,114,432:
+    #   cross-attention's K/V over the image is the largest matmul, as in blip-base.
+    #   Patch embedding 2*196*192*128 = 9,633,792; head 2*40*128*(128+512) = 6,553,600.
+    enc, dec = 97_333_760, 36_114_432
+    assert layer_flops(TINY)[1] == enc and layer_flops(TINY)[4] == dec
+    assert flops_per_sample(TINY) == 3 * (4 * enc + 4 * dec + 9_633_792 + 6_553_600) \
+        == 1_649_940_480
+    assert round(enc / dec, 2) == 2.70   # blip-base: 2.52
 
 
 @pytest.mark.parametrize("counts", [[8], [4, 4], [3, 3, 2], [2, 2, 2, 2], [5, 3]])

@@ -21,7 +21,7 @@ from commpipe.models.blip_spec import resolve_blip
 
 COLORS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220), "yellow": (230, 220, 20)}
 SHAPES = ("square", "stripe")
-SIZE, TEXT_LEN = 64, 16
+SIZE, TEXT_LEN = 112, 40   # blip-tiny's image size and caption length
 
 
 def draw(color, shape, shade):
@@ -139,10 +139,11 @@ def test_sampling_is_deterministic_dp_sharded_and_resumable(coco):
     assert torch.equal(val[0]["tokens"], data["val"].batch(np.arange(4, 8))["tokens"])
 
 
-def test_blip_tiny_learns_captions_in_30_steps(coco):
-    """30 AdamW steps on the synthetic folder: the caption loss falls to a tenth of its start,
+def test_blip_tiny_learns_captions_in_40_steps(coco):
+    """40 AdamW steps on the synthetic folder: the caption loss falls to a tenth of its start,
     and the model reads the image: captions scored against images of other colours (the val
-    batch reversed) lose clearly more. One thread: deterministic, and fast on a busy machine."""
+    batch reversed) lose clearly more (at 30 steps blip-tiny's 197 image tokens are not yet
+    read: 0.94x at lr 4e-3, 0.87x at 2e-3). One thread: deterministic, fast on a busy machine."""
     tok, data = prepare_coco(coco, SIZE, TEXT_LEN, vocab_size=300)
     source = CocoSource(tok, data, seed=0)
     spec = resolve_blip("blip-tiny")
@@ -151,14 +152,14 @@ def test_blip_tiny_learns_captions_in_30_steps(coco):
     torch.set_num_threads(1)
     try:
         model = build_model(spec, seed=0)
-        opt = torch.optim.AdamW(model.parameters(), lr=4e-3, weight_decay=0.01)
+        opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=0.01)
 
         def mean_loss(batch):
             logits = model(pixels=batch["pixels"], tokens=batch["tokens"])["logits"]
             return caption_loss_sum(logits, batch["labels"]) / (batch["labels"] != IGNORE).sum()
 
         losses = []
-        for step in range(30):
+        for step in range(40):
             loss = mean_loss(source.batch(step, 8))
             opt.zero_grad()
             loss.backward()

@@ -95,14 +95,17 @@ BLIP_PRESETS: dict[str, BlipSpec] = {
                            enc_layers=24, enc_hidden=1024, enc_heads=16, enc_mlp=4096,
                            dec_layers=12, dec_hidden=768, dec_heads=12, dec_mlp=3072,
                            vocab=30524, text_len=40, max_text_len=512),
-    # blip-base's proportions at CPU size: 65 image tokens against 16 text tokens (197 : 40),
-    # as many decoder as encoder layers, MLPs 4x wide; an encoder layer costs ~2.3 decoder
-    # layers (2.5 in blip-base). 128 wide, so matmuls, not per-op overheads, dominate CPU time
-    # and measured costs follow FLOPs.
-    "blip-tiny": BlipSpec("blip-tiny", image_size=64, patch=8,
+    # blip-base's proportions at CPU size: its 197 image tokens (14 x 14 patches + [CLS])
+    # against 40 caption tokens, as many decoder as encoder layers, MLPs 4x wide; an encoder
+    # layer costs 2.70 decoder layers in FLOPs (2.52 in blip-base; narrower, attention's p^2
+    # term weighs more). Fewer tokens (64px images, 16-token captions) left per-op overheads
+    # as large as the matmuls on CPU: an encoder layer then took ~1.5 decoder layers of time
+    # against 2.26 in FLOPs. At these token counts CPU time follows FLOPs more closely (about
+    # 2.1-2.5 against 2.70, docs/multimodal.md), and 30 steps of 8 pairs take seconds.
+    "blip-tiny": BlipSpec("blip-tiny", image_size=112, patch=8,
                           enc_layers=4, enc_hidden=128, enc_heads=4, enc_mlp=512,
                           dec_layers=4, dec_hidden=128, dec_heads=4, dec_mlp=512,
-                          vocab=512, text_len=16, max_text_len=64),
+                          vocab=512, text_len=40, max_text_len=64),
 }
 
 

@@ -8,7 +8,7 @@ states plus the image features, needs only the stages' `StageIO` and per-stage c
     >>> from commpipe.models.blip_spec import resolve_blip, stage_io
     >>> spec = resolve_blip("blip-tiny")
     >>> boundary_bytes(stage_io(spec, [3, 2, 3], micro_batch=1))
-    [33280, 41472]
+    [100864, 121344]
 
 Pure Python: no torch import.
 """
