@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 import time
@@ -83,34 +84,76 @@ def test_blip_flops_split_beats_even_split():
         assert max(stage_costs(costs, counts)) < 0.8 * max(stage_costs(costs, even))
 
 
-def test_measured_costs_time_each_layer():
-    """A layer that sleeps 30 ms is measured at least that long and the cheap ones less; the
-    real blip-tiny profile gives one positive cost per layer."""
+@contextlib.contextmanager
+def one_thread():
+    import torch
 
-    class Layer:
-        def __init__(self, pause):
-            self.pause = pause
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
-        def __call__(self, **inputs):
-            import torch
 
-            time.sleep(self.pause)
-            x = inputs.get("x")
-            y = torch.ones(2, requires_grad=True) * 2 if x is None else x * 2
-            return {"x": y}
+def spin(seconds: float) -> None:
+    """Busy for `seconds` of this thread's CPU time (so of wall time too): what the profile's
+    clocks, CPU or wall, both see."""
+    t0 = time.thread_time()
+    while time.thread_time() - t0 < seconds:
+        pass
 
+
+class Layer:
+    """A stand-in layer that computes for `pauses[call]` seconds on its n-th call."""
+
+    def __init__(self, *pauses):
+        self.pauses, self.calls = pauses, 0
+
+    def __call__(self, **inputs):
+        import torch
+
+        spin(self.pauses[min(self.calls, len(self.pauses) - 1)])
+        self.calls += 1
+        x = inputs.get("x")
+        return {"x": torch.ones(2, requires_grad=True) * 2 if x is None else x * 2}
+
+
+def chain_ios(n):
     from commpipe.models.boundary import StageIO, TensorDesc
 
     x = (TensorDesc("x", (2,), "float32"),)
-    ios = [StageIO(0, range(0, 1), (), (), x), StageIO(1, range(1, 2), (), x, x),
-           StageIO(2, range(2, 3), (), x, ())]
-    costs = measure_layer_costs([Layer(0.0), Layer(0.03), Layer(0.0)], ios, {},
+    return [StageIO(i, range(i, i + 1), (), x if i else (), x if i < n - 1 else ())
+            for i in range(n)]
+
+
+def test_measured_costs_time_each_layer():
+    """A layer that computes 30 ms is measured at least that long and the cheap ones less; the
+    real blip-tiny profile gives one positive cost per layer."""
+    costs = measure_layer_costs([Layer(0.0), Layer(0.03), Layer(0.0)], chain_ios(3), {},
                                 lambda out, d: out["x"].sum(), repeats=2)
     assert costs[1] >= 0.03 and costs[0] < 0.03 and costs[2] < 0.03
 
     spec = resolve_blip("blip-tiny")
-    measured = blip_layer_costs(spec, "measured", micro_batch=2, repeats=1)
+    with one_thread():   # two OpenMP threads on two busy cores take seconds per layer
+        measured = blip_layer_costs(spec, "measured", micro_batch=2, repeats=1, warmup=0)
     assert len(measured) == spec.layers and all(c > 0 for c in measured)
     assert len(stage_io(spec, balance(measured, 2), 2)) == 2
     with pytest.raises(ValueError, match="'flops' or 'measured'"):
         blip_layer_costs(spec, "guessed")
+    with pytest.raises(ValueError, match="repeats >= 1"):
+        measure_layer_costs([Layer(0.0)], chain_ios(1), {}, lambda out, d: out["x"].sum(),
+                            repeats=0)
+
+
+def test_measured_costs_skip_warmup_and_outliers():
+    """Slow first calls (one to chain the inputs, two warm-up rounds) are not timed, and one
+    slow round out of five (another process taking the core) does not move the median: the
+    layer is measured at its usual 10 ms, not the 60 ms of the outlier."""
+    first, usual, outlier = 0.06, 0.01, 0.06
+    layer = Layer(first, first, first, usual, usual, outlier, usual, usual)
+    with one_thread():   # the CPU-time clock: other processes' load does not count
+        costs = measure_layer_costs([Layer(0.0), layer], chain_ios(2), {},
+                                    lambda out, d: out["x"].sum(), repeats=5, warmup=2)
+    assert layer.calls == 8
+    assert usual <= costs[1] < usual + 0.008, costs

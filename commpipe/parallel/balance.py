@@ -14,6 +14,7 @@ the one torchgpipe's `balance_by_time` and Megatron-style "uneven stages" solve 
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from itertools import accumulate
@@ -63,9 +64,14 @@ def balance(costs: Sequence[float], stages: int, slowdown: Sequence[float] | Non
 
 def measure_layer_costs(modules: Sequence[Callable[..., dict]], ios, data: dict,
                         loss_fn: Callable[[dict, dict], object], repeats: int = 5,
-                        warmup: int = 1) -> list[float]:
-    """Seconds of forward + backward of each single-layer stage, the fastest of `repeats`
-    (the minimum: other work on a shared machine only ever adds time).
+                        warmup: int = 2) -> list[float]:
+    """Seconds of forward + backward of each single-layer stage: the median of `repeats` rounds
+    after `warmup` untimed ones (first calls pay for allocation and kernel selection).
+
+    A round runs every layer once, first to last, so load that drifts during the profile hits
+    all layers alike rather than a few of them. On CPU with one intra-op thread the clock is the
+    calling thread's CPU time (`time.thread_time`), which time slices given to other processes
+    on a shared machine do not inflate; otherwise it is the wall clock, synchronized on CUDA.
 
     `modules[i]` runs layer i (with the pieces its stage holds) on keyword tensors and returns
     a dict; `ios[i]` is its boundary description (`commpipe.models.boundary.StageIO`): it gets
@@ -75,43 +81,59 @@ def measure_layer_costs(modules: Sequence[Callable[..., dict]], ios, data: dict,
     """
     import torch
 
-    def sync(tensors):
-        for t in tensors:
-            if t.is_cuda:
-                torch.cuda.synchronize(t.device)
-                return
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"profile needs repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    cuda = any(t.is_cuda for t in data.values() if isinstance(t, torch.Tensor))
+    cpu_clock = not cuda and torch.get_num_threads() == 1
+    clock = time.thread_time if cpu_clock else time.perf_counter
 
-    out_costs, prev = [], {}
-    for index, (module, io) in enumerate(zip(modules, ios)):
-        last = index == len(modules) - 1
-        times = []
-        for rep in range(warmup + repeats):
-            inputs = {t.name: prev[t.name].detach().requires_grad_(t.has_grad) for t in io.recv}
-            inputs.update({t.name: data[t.name] for t in io.data if t.name != "labels"})
-            sync(inputs.values())
-            t0 = time.perf_counter()
-            out = module(**inputs)
-            if last:
-                loss = loss_fn(out, data)
-            if last:
-                loss.backward()
-            else:
-                sent = [out[t.name] for t in io.send]
-                torch.autograd.backward(sent, [torch.randn_like(s) for s in sent])
-            sync(out.values())
-            t2 = time.perf_counter()
-            if rep >= warmup:
-                times.append(t2 - t0)
-        out_costs.append(min(times))
-        prev = {k: v.detach() for k, v in out.items()}
-    return out_costs
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def run(index: int, inputs: dict) -> dict:
+        out = modules[index](**inputs)
+        if index == len(modules) - 1:
+            loss_fn(out, data).backward()
+        else:
+            sent = [out[t.name] for t in ios[index].send]
+            torch.autograd.backward(sent, [torch.randn_like(s) for s in sent])
+        return out
+
+    def inputs_of(index: int, prev: dict) -> dict:
+        io = ios[index]
+        inputs = {t.name: prev[t.name].detach().requires_grad_(t.has_grad) for t in io.recv}
+        inputs.update({t.name: data[t.name] for t in io.data if t.name != "labels"})
+        return inputs
+
+    # each layer's inputs: the previous layer's outputs, computed once, kept detached
+    layer_inputs, prev = [], {}
+    for index in range(len(modules)):
+        layer_inputs.append(inputs_of(index, prev))
+        prev = {k: v.detach() for k, v in run(index, layer_inputs[index]).items()}
+    times = [[] for _ in modules]
+    for rnd in range(warmup + repeats):
+        for index in range(len(modules)):
+            inputs = {k: (v.detach().requires_grad_(v.requires_grad) if v.is_floating_point()
+                          else v) for k, v in layer_inputs[index].items()}
+            sync()
+            t0 = clock()
+            run(index, inputs)
+            sync()
+            if rnd >= warmup:
+                times[index].append(clock() - t0)
+    for m in modules:   # leave no profile gradients behind
+        if hasattr(m, "zero_grad"):
+            m.zero_grad(set_to_none=True)
+    return [statistics.median(t) for t in times]
 
 
 def blip_layer_costs(spec, how: str = "flops", micro_batch: int = 4, repeats: int = 5,
-                     device="cpu", seed: int = 0) -> list[float]:
+                     device="cpu", seed: int = 0, warmup: int = 2) -> list[float]:
     """Per-layer costs of a BLIP model: `flops` (forward FLOPs per sample from the model's
     FLOPs function, proportional to time at equal efficiency) or `measured` (seconds of
-    forward + backward of each layer on `device`, micro-batch `micro_batch`, random data)."""
+    forward + backward of each layer on `device`, micro-batch `micro_batch`, random data; the
+    median of `repeats` rounds after `warmup`, see `measure_layer_costs`)."""
     from commpipe.models.blip_spec import layer_flops, stage_io
 
     if how == "flops":
@@ -131,7 +153,8 @@ def blip_layer_costs(spec, how: str = "flops", micro_batch: int = 4, repeats: in
     modules = [build_model(spec, seed, range(i, i + 1), device) for i in range(spec.layers)]
     ios = stage_io(spec, [1] * spec.layers, micro_batch)
     return measure_layer_costs(modules, ios, data,
-                               lambda out, d: caption_loss_sum(out["logits"], d["labels"]), repeats)
+                               lambda out, d: caption_loss_sum(out["logits"], d["labels"]), repeats,
+                               warmup)
 
 
 def llama_layer_costs(spec, seq_len: int) -> list[float]:
