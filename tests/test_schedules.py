@@ -216,3 +216,42 @@ def test_in_order_matching_conflicts_are_reported():
     assert conflicts and conflicts[0].startswith("rank 0 <-> rank 1: operation 0 of the pair")
     # the runtime's posting order receives micro-batch 0 first (both are posted before 1F1)
     assert channel_order_conflicts(prog) == []
+
+
+# -- the registry (commpipe.schedules.registry) states what the generators check -------------
+def test_registry_agrees_with_the_generators():
+    from commpipe.schedules.registry import SCHEDULES as INFO
+
+    assert set(INFO) == set(GENERATORS)
+    for name, s in INFO.items():
+        for p in (1, 2, 3, 4):
+            for v in (1, 2, 3):
+                for m in range(1, 3 * p + 3):
+                    try:
+                        prog = s.build(p, m, v) if s.vpp_free else s.build(p, m)
+                        generated = s.vpp_problem(v) is None
+                    except ValueError:
+                        prog, generated = None, False
+                    assert (s.problem(p, v, m) is None) == generated, (name, p, v, m)
+                    if prog is not None and generated:
+                        assert prog.num_stages == p * s.chunks(v)
+                        assert list(prog.stage_to_rank) == s.stage_to_rank(p, v)
+                        assert [prog.stages_of(r) for r in range(p)] == \
+                            [list(c) for c in s.rank_chunks(p, v)]
+                        braided = any(a.is_braid for acts in prog.actions for a in acts)
+                        split = any(a.op in ("I", "W") for acts in prog.actions for a in acts
+                                    for a in a.parts)
+                        assert braided == s.braided, (name, p, m)
+                        assert split == s.splits_backward or p == 1, (name, p, m)
+
+
+def test_registry_messages_name_the_fix():
+    from commpipe.schedules.registry import info
+
+    assert "--microbatches >= 8" in info("stp").problem(4, 2, 7)
+    assert "--microbatches 8" in info("interleaved").problem(4, 2, 6)
+    assert "drop --vpp" in info("1f1b").problem(2, 2, 4)
+    assert info("dualpipev").chunks(1) == info("zbv").chunks(2) == 2
+    assert info("interleaved").chunks(3) == 3
+    with pytest.raises(ValueError, match="unknown schedule 'zb-v'.*stp"):
+        info("zb-v")

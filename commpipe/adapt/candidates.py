@@ -8,8 +8,10 @@ from commpipe.adapt.model import CostModel
 from commpipe.adapt.plan import Plan
 from commpipe.models.spec import ModelSpec, divisors
 from commpipe.parallel.dims import ParallelDims
+from commpipe.schedules.registry import ONE_CHUNK, info
 
-SCHEDULES = ("1f1b", "gpipe", "zbh1")   # one stage per rank: any uneven split works
+# one stage per rank (any uneven split works), the running default first
+SCHEDULES = ("1f1b",) + tuple(n for n in ONE_CHUNK if n != "1f1b")
 
 
 def _feasible(plan: Plan, spec: ModelSpec, seq_len: int, global_batch: int) -> bool:
@@ -48,6 +50,8 @@ def rebatches(base: Plan, global_batch: int, schedules=SCHEDULES) -> list[Plan]:
         if m < base.pp or m > 4 * max(base.pp, 2):
             continue
         for sched in schedules:
+            if info(sched).m_problem(base.pp, m):
+                continue
             p = Plan(base.tp, base.cp, base.pp, base.dp, base.stage_layers, sched, m, mbs)
             if p != base:
                 out.append(p)

@@ -152,9 +152,12 @@ class TrainConfig:
                 raise ValueError("--adapt logs its decisions to OUT/adapt.jsonl; give --out DIR")
             if self.monitor is None:   # link signals come from the monitor, one call in ten
                 self.monitor = 0.1
-            if self.schedule not in ("1f1b", "gpipe", "zbh1"):
-                raise ValueError(f"--adapt re-splits stages of one-chunk schedules (1f1b, gpipe, "
-                                 f"zbh1); --schedule {self.schedule} is not one of them")
+            from commpipe.schedules.registry import ONE_CHUNK
+
+            if self.schedule not in ONE_CHUNK:
+                raise ValueError(f"--adapt re-splits stages of one-chunk schedules "
+                                 f"({', '.join(ONE_CHUNK)}); --schedule {self.schedule} is not "
+                                 "one of them")
         if self.slow_rank is not None and self.slow_rank.rank >= world:
             raise ValueError(f"--slow-rank {self.slow_rank.rank}: there are only {world} ranks "
                              f"(0..{world - 1})")
@@ -193,11 +196,10 @@ class TrainConfig:
                                zero=1 if self.optim.zero1 else 0).validate()
 
     def _stage_multiplier(self) -> int:
-        if self.schedule in ("zbv", "dualpipev"):
-            return 2
-        if self.schedule == "interleaved":
-            return self.vpp
-        return 1
+        """Model chunks per pipeline rank of a named schedule (commpipe.schedules.registry)."""
+        from commpipe.schedules.registry import info
+
+        return info(self.schedule).chunks(self.vpp)
 
     def program(self):
         from commpipe.schedules import generate
