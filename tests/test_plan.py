@@ -159,18 +159,21 @@ def test_probe_json_sets_links(tmp_path):
 
 # -- simulator use ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("name,p,v", [("1f1b", 4, 1), ("interleaved", 4, 2), ("zbh1", 4, 1),
-                                      ("zbv", 4, 2), ("gpipe", 3, 1)])
+                                      ("zbv", 4, 2), ("gpipe", 3, 1), ("stp", 4, 2),
+                                      ("dualpipev", 4, 2), ("stp", 3, 2)])
 def test_extrapolated_makespan_equals_full_simulation(name, p, v):
     rng = random.Random(p * 10 + v)
     n = p * v
     f = [rng.uniform(0.5, 1.5) for _ in range(n)]
     b = [x * rng.uniform(1.8, 2.4) for x in f]
     i, w = [x * 0.6 for x in b], [x * 0.4 for x in b]
+    # braided schedules: TP collectives on the simulator's TP stream
+    tp = [x * rng.uniform(0.1, 0.4) for x in f] if name in ("stp", "dualpipev") else None
     m = 40
-    span, busy = simulate_step(name, p, v, m, f, b, i, w, 0.05, 20.0, 1e6)
+    span, busy = simulate_step(name, p, v, m, f, b, i, w, 0.05, 20.0, 1e6, tp_comm=tp)
     full = simulate(lower(generate(name, p, m, v)),
                     CostTable(f=f, b=b, i=i, w=w, latency_ms=0.05, bandwidth_gbps=20.0,
-                              activation_bytes=1e6))
+                              activation_bytes=1e6, tp_comm=tp))
     assert span == pytest.approx(full.makespan, rel=1e-9)
     assert busy == pytest.approx(full.busy, rel=1e-9)
 
@@ -186,7 +189,8 @@ def test_peak_inflight_matches_closed_forms(p, v):
     assert list(peak_inflight("zbv", p, 2, m)) == [p] * p
     assert list(peak_inflight("gpipe", p, 1, 100)) == [100] * p
     # the shortcut (walk min(m, 2p) micro-batches) agrees with the full walk at large m
-    for name, vv in (("1f1b", 1), ("interleaved", v), ("zbh1", 1), ("zbv", 2), ("gpipe", 1)):
+    for name, vv in (("1f1b", 1), ("interleaved", v), ("zbh1", 1), ("zbv", 2), ("gpipe", 1),
+                     ("stp", 2), ("dualpipev", 2)):
         full = simulate(lower(generate(name, p, 5 * p, vv)), CostTable.uniform(p * vv)).peak_activations
         assert list(peak_inflight(name, p, vv, 5 * p)) == pytest.approx(full)
 

@@ -14,6 +14,7 @@ from commpipe.plan.cluster import default_cluster
 from commpipe.plan.gpus import GPU
 from commpipe.plan.layout import Job, enumerate_layouts
 from commpipe.runtime.features import RECOMPUTE_MODES, RuntimeFeatures
+from commpipe.schedules.registry import SCHEDULES
 from commpipe.train.config import OptimConfig, TrainConfig
 
 CPU = GPU("cpu", 0.05, 64.0, 10.0, 10.0, 1.0)
@@ -35,6 +36,8 @@ def test_every_planned_layout_is_accepted_by_train(gpus, precision):
     layouts = enumerate_layouts(spec, job, gpus)
     assert {lay.recompute for lay in layouts} == set(RECOMPUTE_MODES)
     assert any(lay.zero == 1 for lay in layouts) and any(lay.cp > 1 for lay in layouts)
+    # every named schedule is planned, the braided ones (STP, DualPipeV) included
+    assert {lay.schedule for lay in layouts} == set(SCHEDULES)
     for lay in layouts:
         cfg = TrainConfig(model="tiny", dims=ParallelDims(dp=lay.dp, pp=lay.pp, cp=lay.cp, tp=lay.tp),
                           schedule=lay.schedule, vpp=lay.vpp, micro_batch_size=lay.micro_batch_size,

@@ -19,14 +19,16 @@ longest. When more ranks than `cluster.host_cores` share one machine, the host c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from commpipe.models.spec import ModelSpec, flops_per_token
 from commpipe.plan import host
 from commpipe.plan.cluster import Cluster
 from commpipe.plan.layout import Job, Layout, layout_problem
 from commpipe.plan.memory import StageMemory, chunk_stages, memory_problem, rank_chunks, stage_memory
-from commpipe.plan.pipeline import busy_overlap, peak_inflight, simulate_step
+from commpipe.plan.pipeline import action_counts, braid_span, busy_overlap, peak_inflight, simulate_step
 from commpipe.plan.timing import Efficiency, StageCosts, stage_costs
+from commpipe.schedules.registry import info
 
 
 @dataclass
@@ -99,8 +101,20 @@ def hardware_flops_per_token(spec: ModelSpec, seq_len: int, recompute: str, flas
     return base
 
 
+def braided_tp(costs: StageCosts, layout: Layout) -> list[float]:
+    """Per stage, the TP collective time of one pass (F, and B or I) that a braided schedule
+    runs on the simulator's TP stream, where the other pass of a braid hides it: the smaller of
+    the forward's and the backward's (the rest, e.g. a full recompute's replayed collectives,
+    stays exposed in its pass). Empty for unbraided schedules."""
+    if layout.tp == 1 or not info(layout.schedule).braided:
+        return []
+    return [min(a, b) for a, b in zip(costs.tp_f, costs.tp_b)]
+
+
 def cost_table_args(costs: StageCosts, layout: Layout, cluster: Cluster) -> dict:
-    """Per-stage costs in ms and the links between pipeline ranks for `simulate`."""
+    """Per-stage costs in ms and the links between pipeline ranks for `simulate`. Braided
+    schedules get their TP collectives as the simulator's `tp_comm` (own stream) instead of
+    inside f, b and i."""
     lat, bw = {}, {}
     for s in range(layout.pp * layout.vpp - 1):
         a, b = _rank_of_stage(layout, s), _rank_of_stage(layout, s + 1)
@@ -109,18 +123,32 @@ def cost_table_args(costs: StageCosts, layout: Layout, cluster: Cluster) -> dict
             lat[(a, b)] = link.latency_s * 1e3
             bw[(a, b)] = link.bandwidth_gbps
 
+    return dict(compute_ms(costs, layout), latency_ms=lat or 0.0, bandwidth_gbps=bw or 1.0,
+                activation_bytes=costs.p2p_bytes)
+
+
+def compute_ms(costs: StageCosts, layout: Layout) -> dict:
+    """f, b, i, w per stage in ms, plus `tp_comm` (taken out of f and i) for braided schedules."""
     def ms(xs):
         return [x * 1e3 for x in xs]
-    return dict(f=ms(costs.f), b=ms(costs.b), i=ms(costs.i), w=ms(costs.w),
-                latency_ms=lat or 0.0, bandwidth_gbps=bw or 1.0, activation_bytes=costs.p2p_bytes)
+    tp = braided_tp(costs, layout)
+    if not tp:
+        return dict(f=ms(costs.f), b=ms(costs.b), i=ms(costs.i), w=ms(costs.w))
+    f = [x - c for x, c in zip(costs.f, tp)]
+    i = [x - c for x, c in zip(costs.i, tp)]
+    return dict(f=ms(f), b=ms([x + y for x, y in zip(i, costs.w)]), i=ms(i), w=ms(costs.w),
+                tp_comm=ms(tp))
 
 
 def lower_bound(costs: StageCosts, layout: Layout, cluster: Cluster, m: int) -> float:
     """A valid lower bound on the step time (seconds), for branch-and-bound search: each rank
     waits for micro-batch 0 to reach its first chunk, does all its work, and (schedules without
-    a split backward) its last backward must still travel down to stage 0."""
+    a split backward) its last backward must still travel down to stage 0. A braided schedule
+    holds each rank's compute stream for its actions' durations, a braid for its span alone
+    (`pipeline.braid_span`)."""
     stages = layout.pp * layout.vpp
     f, b = costs.f, costs.b
+    tp = braided_tp(costs, layout)
     rank_of = [_rank_of_stage(layout, s) for s in range(stages)]
     hop = [0.0] * stages
     for s in range(stages - 1):
@@ -132,20 +160,47 @@ def lower_bound(costs: StageCosts, layout: Layout, cluster: Cluster, m: int) -> 
     for s in range(1, stages):
         reach_f[s] = reach_f[s - 1] + f[s - 1] + hop[s - 1]
         back_b[s] = back_b[s - 1] + b[s - 1] + hop[s - 1]
-    split = layout.schedule in ("zbh1", "zbv")
+    split = info(layout.schedule).splits_backward
     best = 0.0
-    for chunks in rank_chunks(layout.schedule, layout.pp, layout.vpp):
-        busy = m * sum(f[c] + b[c] for c in chunks)
+    busies = _braided_busy(costs, layout, m, tp) if tp else None
+    for r, chunks in enumerate(rank_chunks(layout.schedule, layout.pp, layout.vpp)):
+        busy = busies[r] if busies else m * sum(f[c] + b[c] for c in chunks)
         tail = 0.0 if split else back_b[min(chunks)]
         best = max(best, min(reach_f[c] for c in chunks) + busy + tail)
     return best + _tail(costs)
 
 
+def _braided_busy(costs: StageCosts, layout: Layout, m: int, tp: list[float]) -> list[float]:
+    """Per pipeline rank, the least time its compute stream is busy in a braided schedule:
+    plain actions with their TP collectives exposed, braids for their span alone."""
+    args = compute_ms(costs, layout)
+    f, b, i, w = (args[k] for k in ("f", "b", "i", "w"))
+    tpc = args["tp_comm"]
+    plain = {"F": [x + c for x, c in zip(f, tpc)], "B": [x + c for x, c in zip(b, tpc)],
+             "I": [x + c for x, c in zip(i, tpc)], "W": w}
+    spans: dict = {}
+    out = []
+    for counts in action_counts(layout.schedule, layout.pp, layout.vpp, m):
+        total = 0.0
+        for parts, n in counts.items():
+            if len(parts) == 1:
+                op, st = parts[0]
+                total += n * plain[op][st]
+            else:
+                if parts not in spans:
+                    spans[parts] = braid_span(parts, f, b, i, w, tpc)
+                total += n * spans[parts]
+        out.append(total / 1e3)
+    return out
+
+
 def _rank_of_stage(layout: Layout, s: int) -> int:
-    p = layout.pp
-    if layout.schedule == "zbv":
-        return s if s < p else 2 * p - 1 - s
-    return s % p
+    return _stage_ranks(layout.schedule, layout.pp, layout.vpp)[s]
+
+
+@lru_cache(maxsize=4096)
+def _stage_ranks(schedule: str, pp: int, vpp: int) -> tuple[int, ...]:
+    return tuple(info(schedule).stage_to_rank(pp, vpp))
 
 
 def _tails(costs: StageCosts) -> list[float]:
@@ -255,6 +310,11 @@ def _finish_once(est: Estimate, spec: ModelSpec, job: Job, cluster: Cluster, cos
     per = {k: m * sum(getattr(costs, a)[c] + getattr(costs, b_)[c] for c in chunks)
            for k, a, b_ in (("tp", "tp_f", "tp_b"), ("cp", "cp_f", "cp_b"))}
     compute = m * sum(costs.comp_f[c] + costs.comp_i[c] + costs.comp_w[c] for c in chunks)
+    if "tp_comm" in args:       # braided: the TP time the simulator left exposed on this rank
+        rest = compute + per["cp"] + m * sum((costs.zero_f[c] if costs.zero_f else 0.0)
+                                             + (costs.zero_b[c] if costs.zero_b else 0.0)
+                                             for c in chunks)
+        per["tp"] = max(0.0, busy_ms[rb] / 1e3 - rest)
     idle = makespan_ms / 1e3 - busy_ms[rb] / 1e3
     p2p = 0.0
     if detail and layout.pp > 1:

@@ -12,8 +12,9 @@ from dataclasses import asdict, dataclass
 
 from commpipe.models.spec import ModelSpec, divisors
 from commpipe.parallel.dims import ParallelDims
+from commpipe.schedules.registry import NAMES, info
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv")
+SCHEDULES = NAMES          # every named schedule (commpipe.schedules.registry) is priced
 RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp32", "fp8")
 ZERO_STAGES = (0, 1, 2, 3)
@@ -131,24 +132,18 @@ def zero_stage(layout: Layout, job: Job) -> int:
 
 
 def schedule_problem(schedule: str, pp: int, vpp: int, m: int) -> str | None:
-    """Why (schedule, pp, vpp, m) cannot run, or None. Mirrors the generators' constraints."""
+    """Why (schedule, pp, vpp, m) cannot run, or None: the schedule's own constraints
+    (commpipe.schedules.registry), with vpp counted as chunks per rank (a V schedule's 2), and
+    one planner rule: without a pipeline, only 1f1b is priced (the others add nothing)."""
     if schedule not in SCHEDULES:
         return f"unknown schedule {schedule!r}; use one of {', '.join(SCHEDULES)}"
-    if schedule in ("gpipe", "1f1b", "zbh1") and vpp != 1:
-        return f"{schedule} runs one chunk per rank; use --vpp 1 (or --schedule interleaved/zbv)"
-    if schedule == "interleaved" and vpp < 2:
-        return "interleaved needs --vpp >= 2 chunks per rank"
-    if schedule == "zbv" and vpp != 2:
-        return "zbv places exactly two chunks per rank in a V; use --vpp 2"
+    sched = info(schedule)
+    if not sched.vpp_free and vpp != sched.fixed_chunks:
+        return (f"{schedule} places exactly {sched.fixed_chunks} chunk(s) per rank; use --vpp "
+                f"{sched.fixed_chunks}" + (" (or --schedule interleaved/zbv)" if vpp > 1 else ""))
     if pp == 1 and schedule != "1f1b":
         return f"pp=1 has no pipeline; {schedule} adds nothing over 1f1b (use --schedule 1f1b)"
-    if schedule in ("1f1b", "zbh1") and pp > 1 and m < pp:
-        return f"{schedule} needs micro-batches m={m} >= pp={pp}; lower dp or micro-batch size"
-    if schedule == "zbv" and m < 2 * pp - 1:
-        return f"zbv needs micro-batches m={m} >= 2*pp-1={2 * pp - 1}; lower dp or micro-batch size"
-    if schedule == "interleaved" and m % pp:
-        return f"interleaved needs micro-batches m={m} divisible by pp={pp}"
-    return None
+    return sched.problem(pp, vpp, m)
 
 
 def layout_problem(spec: ModelSpec, job: Job, layout: Layout, num_gpus: int | None = None) -> str | None:
@@ -169,7 +164,8 @@ def layout_problem(spec: ModelSpec, job: Job, layout: Layout, num_gpus: int | No
         m = dims.check_batch(job.global_batch, layout.micro_batch_size)
     except ValueError as e:
         return str(e)
-    return schedule_problem(layout.schedule, layout.pp, layout.vpp, m)
+    return (schedule_problem(layout.schedule, layout.pp, layout.vpp, m)
+            or info(layout.schedule).recompute_problem(layout.recompute))
 
 
 def zero_options(pp: int, group: int, fixed: dict) -> list[int]:
@@ -209,15 +205,17 @@ def enumerate_layouts(spec: ModelSpec, job: Job, num_gpus: int, fixed: dict | No
                     m = job.global_batch // (dp * mbs)
                     for sched in _pick(list(schedules), fixed.get("schedule")):
                         top_vpp = max(max_vpp, fixed.get("vpp", 0))     # a fixed vpp may exceed it
-                        vpps = [1] if sched in ("gpipe", "1f1b", "zbh1") else \
-                            [2] if sched == "zbv" else [v for v in range(2, top_vpp + 1)
-                                                        if pp * v <= spec.layers]
+                        if info(sched).braided and tp == 1 and "schedule" not in fixed:
+                            continue      # braids hide TP collectives: with tp=1, zbv's V is the same
+                        vpps = info(sched).vpp_options(pp, spec.layers, top_vpp)
                         for vpp in _pick(vpps, fixed.get("vpp")):
                             if schedule_problem(sched, pp, vpp, m):
                                 continue
                             if pp * vpp > spec.layers:
                                 continue
                             for rc in _pick(list(recomputes), fixed.get("recompute")):
+                                if info(sched).recompute_problem(rc):
+                                    continue
                                 for z in zero_options(pp, dp * cp, fixed):
                                     if job.runtime == "commpipe" and (z > 1 or (z and dp == 1)):
                                         continue      # commpipe train: ZeRO-1 over DP at most

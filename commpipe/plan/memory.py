@@ -45,6 +45,7 @@ from commpipe.models.spec import ModelSpec, layer_param_count
 from commpipe.parallel.dims import split_layers
 from commpipe.plan.layout import Job, Layout, zero_stage
 from commpipe.plan.runtime_memory import stage_activation_bytes
+from commpipe.schedules.registry import info
 
 GIB = 2**30
 RESERVE_FIXED_GIB = 1.5
@@ -118,15 +119,15 @@ def _stage_params(spec: ModelSpec, schedule: str, pp: int, vpp: int, tp: int,
 
 
 def chunk_stages(layout: Layout, rank: int) -> tuple[int, ...]:
-    """Virtual stages held by a pipeline rank: looped for interleaved, V-shaped for zbv."""
+    """Virtual stages held by a pipeline rank: looped for interleaved, V-shaped for zbv, stp
+    and dualpipev."""
     return rank_chunks(layout.schedule, layout.pp, layout.vpp)[rank]
 
 
 @lru_cache(maxsize=4096)
 def rank_chunks(schedule: str, pp: int, vpp: int) -> tuple[tuple[int, ...], ...]:
-    if schedule == "zbv":
-        return tuple((r, 2 * pp - 1 - r) for r in range(pp))
-    return tuple(tuple(r + k * pp for k in range(vpp)) for r in range(pp))
+    """Each rank's virtual stages, placed as the schedule places them (looped or V)."""
+    return info(schedule).rank_chunks(pp, vpp)
 
 
 @lru_cache(maxsize=4096)

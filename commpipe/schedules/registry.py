@@ -103,6 +103,15 @@ class ScheduleInfo:
         groups micro-batches by pp). The planner extrapolates long steps by this period."""
         return 1 if self.placement == V else pp
 
+    def recompute_problem(self, recompute: str) -> str | None:
+        """Why a recompute mode does not go with this schedule, or None. A braid runs each layer
+        unit by unit and keeps every unit's input, so whole-layer recomputation saves nothing
+        there (`commpipe train` refuses it)."""
+        if self.braided and recompute == "full":
+            return (f"--recompute full with the braided schedule {self.name!r} saves nothing (a "
+                    "braid keeps every unit's input); use --recompute selective or none")
+        return None
+
     # -- placement ---------------------------------------------------------------------------
     def stage_to_rank(self, pp: int, vpp: int = 1) -> list[int]:
         """The pipeline rank holding each virtual stage, as the generator places them."""
