@@ -234,6 +234,17 @@ def test_late_consumer_wait_is_not_transfer_time(run2):
     assert link["transfer_ms"] < STALL * 1e3 / 3
 
 
+def test_blocked_time_is_what_the_caller_waited(run2):
+    # step 0: rank 1 sat in recv while rank 0 stalled (blocked the whole stall); step 12: the
+    # data had arrived 0.3 s before anyone waited (blocked ~0), whatever the transfer took
+    recs = _read_jsonl(run2 / "full/monitor/rank1.jsonl")
+    assert _one(recs, step=0, op="recv")["blocked_ms_total"] >= STALL * 1e3 * 0.8
+    assert _one(recs, step=12, op="recv")["blocked_ms_total"] < 50
+    # counted for every call, sampled or not: the half-sampled monitor sees the same stall
+    half = _read_jsonl(run2 / "half/monitor/rank1.jsonl")
+    assert _one(half, step=0, op="recv")["blocked_ms_total"] >= STALL * 1e3 * 0.8
+
+
 def test_link_class_from_shared_node_identity(run2):
     # both ranks run on this host, in one network namespace: one node, every link intra-node
     assert json.loads((run2 / "full/monitor/nodes.json").read_text())["node_of_rank"] == [0, 0]

@@ -56,10 +56,11 @@ class _Stream:
     """All calls of one (dim, op, peer, group) on this rank: the cheap, always-on tally, and
     the sequence number of its next sampled call."""
 
-    __slots__ = ("key", "base", "calls", "bytes", "next")
+    __slots__ = ("key", "base", "calls", "bytes", "next", "blocked")
 
     def __init__(self, key, base, first):
         self.key, self.base, self.calls, self.bytes, self.next = key, base, 0, 0, first
+        self.blocked = 0.0      # seconds callers spent in wait(), every call
 
 
 class _Timed:
@@ -216,12 +217,14 @@ class Monitor:
         if ctx.__class__ is _Stream:
             ctx.calls += 1
             ctx.bytes += call.nbytes
+            ctx.blocked += call.blocked_s
             return
         if ctx is None:
             return
         stream = ctx.stream
         stream.calls += 1
         stream.bytes += call.nbytes
+        stream.blocked += call.blocked_s
         ctx.nbytes, ctx.finished = call.nbytes, True
         if self._cuda is not None:
             # the comm recorded the event when the op completed; a caller feeding the monitor
@@ -257,8 +260,9 @@ class Monitor:
             raise ValueError("end_step needs an attached, open Monitor (call attach() first)")
         counts = []
         for s in self._streams.values():
-            counts.append((s.key, s.calls, s.bytes))
+            counts.append((s.key, s.calls, s.bytes, s.blocked))
             s.calls = s.bytes = 0
+            s.blocked = 0.0
         for t in self._finished:
             t.step = step
         self._unresolved.extend(self._finished)

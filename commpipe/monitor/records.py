@@ -154,7 +154,8 @@ def build_records(rank: int, step: int, counts, samples, lookup, ema: dict, alph
                   nodes=None) -> list[dict]:
     """One record per (dim, op, peer or group) of `rank` at `step`.
 
-    counts:  [(key, calls, bytes)] for every stream this rank has used, calls possibly 0
+    counts:  [(key, calls, bytes[, blocked seconds])] for every stream this rank has used,
+             calls possibly 0
     samples: [(key, mid, post, done, nbytes[, after])] timed calls completed in this step; mid
              is the message id, CommCall.seq, or (tag, seq) for tagged point-to-point
              messages; after: see split_times
@@ -177,7 +178,7 @@ def build_records(rank: int, step: int, counts, samples, lookup, ema: dict, alph
             a[4] += xfer
             a[6] += nbytes
     out = []
-    for key, calls, nbytes in counts:
+    for key, calls, nbytes, *blocked in counts:
         dim, op, peer, group = key
         n = len(group) if group else 2
         sent, recv = wire_bytes(op, nbytes, n)
@@ -199,6 +200,9 @@ def build_records(rank: int, step: int, counts, samples, lookup, ema: dict, alph
             "transfer_ms_total": _ms(x_sum) if m_n else None,
             "raw_ms": _ms(r_sum / s_n) if s_n else None,
             "raw_ms_total": _ms(r_sum) if s_n else None,
+            # every call, not only sampled ones: host time the caller spent in wait() (on CPU
+            # the exposed part of the communication; CUDA waits do not block the host)
+            "blocked_ms_total": _ms(blocked[0]) if blocked else None,
             "latency_ms": latency,
             "bandwidth_gbps": bw,
             "busbw_gbps": bw * busbw_factor(op, n) if bw is not None else None,

@@ -52,6 +52,8 @@ class CommCall:
     ev_done: object = None        # CUDA: the observer's event, recorded when the op completes
     prev: CommCall | None = None  # watched p2p: this rank's earlier message on the same link,
                                   # still in flight when this one was posted
+    blocked_s: float = 0.0        # host seconds the caller spent in wait() (CPU: the exposed
+                                  # part; a blocking op waits at once, so all of it)
 
     @property
     def group_size(self) -> int:
@@ -91,11 +93,13 @@ class Handle:
     def wait(self):
         if self.done:
             return self.result
+        t0 = time.perf_counter()
         if self._watch is not None:
             self._watch.wait()        # the watcher waited on the work (gloo allows one wait)
         elif self._work is not None:
             self._work.wait()
         self.result = self._on_done() if self._on_done else None
+        self.call.blocked_s = time.perf_counter() - t0
         self._comm._finish(self.call, self._ctxs)
         self.done = True
         return self.result

@@ -1,0 +1,170 @@
+"""STP against interleaved 1F1B and ZB-V where TP communication is exposed, measured and simulated.
+
+    sudo python benchmarks/stp_emulated.py                      # 2 nodes x 2 ranks, 200 Mbit/s
+    sudo python benchmarks/stp_emulated.py --steps 6 --schedules stp,interleaved
+
+Two emulated nodes (network namespaces on a bridge, commpipe.cluster.netns) of two ranks, the
+inter-node links shaped to `--mbit` with tc tbf. TP2 spans the two nodes (placement
+cp-dp-pp-tp), PP2 stays inside each node; an 8-layer LLaMA of hidden 128, 16 micro-batches.
+Each schedule trains the same model in turn; printed per schedule:
+
+- the median step time (steps 1.., the first connects and warms up) and interleaved/stp and
+  zbv/stp ratios (goal: interleaved/stp >= 1.10);
+- the monitor's TP exposure: milliseconds per step the compute waited for TP collectives (the
+  `blocked_ms_total` of dim tp in OUT/monitor/rank*.jsonl, summed per step, mean over ranks,
+  median over steps), beside their transfer time;
+- the simulator's prediction of the same ratios, from costs measured in the zbv run: per
+  chunk, the median F, I and W compute (trace/actions_rank*.jsonl) less the TP wait per pass,
+  and that TP time per pass as `tp_comm`; the same Programs simulated with the TP stream.
+
+Needs root and iproute2; otherwise it says why and exits 0. On a shared 2-core machine the four
+ranks contend for the cores: quote ratios, not absolute times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+MODEL = "arch=llama,layers=8,hidden=128,heads=4,kv_heads=2,ffn_hidden=384,vocab=1024"
+VPP = {"interleaved": 2, "zbv": 1, "stp": 1, "dualpipev": 1}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mbit", type=float, default=200.0, help="inter-node rate, Mbit/s (default 200)")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--microbatches", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--model", default=MODEL, help=f"model (default {MODEL})")
+    p.add_argument("--schedules", default="stp,interleaved,zbv",
+                   help="comma-separated, of stp, interleaved (vpp 2), zbv, dualpipev")
+    p.add_argument("--out", default=None, help="keep the runs here (default: a temp folder)")
+    return p.parse_args(argv)
+
+
+def median_step(run_dir: Path) -> float:
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return statistics.median(r["step_time_s"] for r in recs[1:])
+
+
+def tp_per_step(run_dir: Path) -> dict[str, float]:
+    """Median over steps 1.. of the per-rank mean TP exposure (`blocked_ms_total`: host time
+    the compute spent waiting for TP collectives) and transfer time (sampled calls) per step."""
+    per = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0]))      # step -> rank -> [w, t]
+    for f in (run_dir / "monitor").glob("rank*.jsonl"):
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            if r.get("dim") == "tp" and r.get("step", 0) >= 1:
+                cell = per[r["step"]][r["rank"]]
+                cell[0] += r.get("blocked_ms_total") or 0.0
+                cell[1] += r.get("transfer_ms_total") or 0.0
+    waits = [statistics.mean(c[0] for c in ranks.values()) for ranks in per.values()]
+    transfers = [statistics.mean(c[1] for c in ranks.values()) for ranks in per.values()]
+    return {"exposed_ms": statistics.median(waits) if waits else 0.0,
+            "transfer_ms": statistics.median(transfers) if transfers else 0.0}
+
+
+def measured_costs(run_dir: Path, pp: int, microbatches: int):
+    """Per-stage f, i, w (ms, TP wait taken out) and tp_comm per pass, from a zbv run."""
+    from commpipe.schedules import generate
+    from commpipe.sim.compare import load_run
+
+    cfg, per_rank = load_run(run_dir)
+    prog = generate("zbv", pp, microbatches)
+    by = defaultdict(list)                          # (op, stage) -> durations
+    for events in per_rank.values():
+        for e in events:
+            hit = re.fullmatch(r"(\d+)([FIW])\d+", e.name)
+            if e.stream == "compute" and hit:
+                by[(hit[2], int(hit[1]))].append(e.dur_ms)
+    tp = tp_per_step(run_dir)
+    passes = 2 * prog.num_stages * microbatches / pp       # F and I passes per rank per step
+    tp_pass = tp["exposed_ms"] / passes      # zbv's TP collectives block: all exposed
+    n = prog.num_stages
+
+    def med(op, s):
+        return statistics.median(by[(op, s)]) if by[(op, s)] else 0.0
+    f = [max(med("F", s) - tp_pass, 0.0) for s in range(n)]
+    i = [max(med("I", s) - tp_pass, 0.0) for s in range(n)]
+    w = [med("W", s) for s in range(n)]
+    return f, i, w, tp_pass
+
+
+def simulated(schedule: str, pp: int, microbatches: int, f, i, w, tp_pass) -> float:
+    from commpipe.schedules import generate
+    from commpipe.sim import CostTable, simulate
+
+    prog = generate(schedule, pp, microbatches, VPP[schedule])
+    n = prog.num_stages
+    # chunk costs measured on the zbv layout (4 chunks of 2 layers); interleaved vpp 2 has the
+    # same 4 chunks
+    costs = CostTable(f=f[:n], b=[a + b for a, b in zip(i, w)][:n], i=i[:n], w=w[:n],
+                      tp_comm=[tp_pass] * n)
+    return simulate(prog, costs).makespan
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    sys.path.insert(0, str(REPO))
+    from commpipe.cluster.grids import Layout
+    from commpipe.cluster.netns import EmulatedCluster, available
+    from commpipe.cluster.sweep import EmulatedRunner
+
+    ok, why = available()
+    if not ok:
+        print(f"stp_emulated: skipped: {why}")
+        return 0
+    schedules = args.schedules.split(",")
+    if "zbv" not in schedules:
+        schedules.append("zbv")                     # the simulator's costs come from its run
+    out = Path(args.out or tempfile.mkdtemp(prefix="stp_emulated_"))
+    flags = {"steps": args.steps, "microbatches": args.microbatches, "model": args.model,
+             "seq_len": args.seq_len, "micro_batch_size": 1, "comm_monitor": "all",
+             "trace": True, "device": "cpu"}
+    times, tp = {}, {}
+    with EmulatedCluster(nodes=2, ranks_per_node=2, inter_node_mbit=args.mbit,
+                         prefix="cpstp") as cluster:
+        runner = EmulatedRunner(cluster, timeout_s=900)
+        for name in schedules:
+            layout = Layout(tp=2, pp=2, schedule=name, vpp=VPP[name], name=name,
+                            placement="cp-dp-pp-tp")
+            res = runner(layout, flags, out / name)
+            if not res.ok:
+                print(f"{name}: {res.status}: {res.reason}")
+                return 1
+            times[name] = median_step(out / name)
+            tp[name] = tp_per_step(out / name)
+            print(f"{name}: median step {times[name]:.3f} s; TP per step: exposed "
+                  f"{tp[name]['exposed_ms']:.0f} ms, in transfer {tp[name]['transfer_ms']:.0f} ms",
+                  flush=True)
+    f, i, w, tp_pass = measured_costs(out / "zbv", 2, args.microbatches)
+    pred = {s: simulated(s, 2, args.microbatches, f, i, w, tp_pass) for s in schedules}
+    print(f"\nemulated cluster: 2 nodes x 2 ranks, {args.mbit:g} Mbit/s between nodes; TP2 across "
+          f"nodes, PP2 inside; {args.model}, seq {args.seq_len}, {args.microbatches} micro-batches, "
+          f"{args.steps} steps (median of steps 1..)")
+    print(f"simulator costs from the zbv run, ms per chunk: f {[round(x, 1) for x in f]}, "
+          f"i {[round(x, 1) for x in i]}, w {[round(x, 1) for x in w]}, tp_comm {tp_pass:.1f}")
+    print("schedule    | step s | TP exposed ms/step | ratio to stp | simulated ms | sim ratio")
+    for s in schedules:
+        base, sbase = times.get("stp"), pred.get("stp")
+        r = f"{times[s] / base:.3f}" if base else "-"
+        sr = f"{pred[s] / sbase:.3f}" if sbase else "-"
+        print(f"{s:<11} | {times[s]:6.3f} | {tp[s]['exposed_ms']:18.0f} | {r:>12} | "
+              f"{pred[s]:12.1f} | {sr:>9}")
+    if "stp" in times and "interleaved" in times:
+        print(f"interleaved/stp {times['interleaved'] / times['stp']:.3f} (goal >= 1.10); "
+              f"simulated {pred['interleaved'] / pred['stp']:.3f}")
+    print(f"(runs in {out})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
