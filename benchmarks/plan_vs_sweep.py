@@ -143,7 +143,7 @@ def _complete(folder: Path, grid: Grid) -> bool:
 # thread; an unfused Adam looping over ~9 tensors per layer; a scheduler slice of ~1 ms).
 START = Efficiency(overhead_s=100e-6, coll_overhead_s=100e-6, optimizer_overhead_s=100e-6, wake_s=1e-3)
 FITTED = ("overhead_s", "elementwise", "coll_overhead_s", "optimizer_overhead_s", "wake_s")
-# commpipe's runtime on CPU trains in fp32; what it sends is layout.RUNTIME_JOB (calibrate applies it)
+# commpipe's runtime on CPU trains in fp32; what it sends is layout.runtime_job(features of each run)
 DEFAULTS = {"recompute": "none", "precision": "fp32", "flash_attention": None, "grad_fp32": False,
             "zero1": False, "sequence_parallel": False, "dp_overlap": False, "vocab": 256}
 

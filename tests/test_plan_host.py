@@ -61,14 +61,19 @@ def test_node_of_places_groups_and_pipeline_links():
 
 
 def test_runtime_job_prices_what_commpipe_sends():
-    from commpipe.plan.layout import RUNTIME_JOB
+    from commpipe.plan.layout import runtime_job
+    from commpipe.plan.timing import layer_compute
+    from commpipe.runtime.features import Overlap, RuntimeFeatures
 
     spec = resolve_model(DEMO_LIKE)
     c = _cpu_cluster(backend="gloo")                   # tp and cp groups inside a node (2 per node)
     c = replace(c, gpus_per_node=4)
     call = 5e-4
     eff = Efficiency(coll_overhead_s=call)
-    job = Job(8, 32, precision="fp32", **RUNTIME_JOB)
+    # commpipe train --no-sequence-parallel --no-overlap
+    plain = runtime_job(RuntimeFeatures(sequence_parallel=False, overlap=Overlap.none()))
+    assert not plain["dp_overlap"] and not plain["cp_overlap"] and not plain["pp_sharded"]
+    job = Job(8, 32, precision="fp32", **plain)
     costs = stage_costs(spec, Layout(tp=2, cp=2, dp=2), job, c, eff)
     tokens = 32 / 2                                     # b * s / cp
     act = 4 * tokens * 64                               # fp32 [b, s/cp, h] = 4096 bytes
@@ -83,6 +88,17 @@ def test_runtime_job_prices_what_commpipe_sends():
     assert costs.p2p_bytes == act                       # full activations between stages
     # host CPU inside those collectives: one call overhead per collective call
     assert costs.host_f[0] == pytest.approx((2 * 2 + 2 * 2 + 1 + 3) * call)
+    # what train runs by default: SP (pipeline messages carry the TP shards), DP buckets during
+    # the backward, and the K/V gather overlapped with attention over the rank's own chunk
+    default = runtime_job()
+    assert default == runtime_job(RuntimeFeatures()) and default["dp_overlap"]
+    job = Job(8, 32, precision="fp32", **default)
+    lay = Layout(tp=2, cp=2, dp=2)
+    sp = stage_costs(spec, lay, job, c, eff)
+    assert sp.p2p_bytes == act / 2
+    own_attn = layer_compute(spec, lay, job, c, eff)["attn"] / 2
+    assert sp.cp_f[0] == pytest.approx(2 * max(0.0, 2 * (ag + call) - own_attn))
+    assert sp.cp_b[0] == costs.cp_b[0]                  # gradients reduce-scattered after, exposed
 
 
 def test_step_syncs_and_optimizer_host_time():
@@ -142,7 +158,7 @@ def test_host_contention_stretches_a_fully_busy_host():
 
 def test_calibration_recovers_host_terms_and_reads_placement(tmp_path):
     from commpipe.plan.calibrate import point_from_run
-    from commpipe.plan.layout import RUNTIME_JOB
+    from commpipe.plan.layout import RUNTIME_JOB  # runtime_job() of train's defaults
 
     spec = resolve_model(DEMO_LIKE)
     c = _cpu_cluster(backend="gloo")
@@ -172,7 +188,14 @@ def test_calibration_recovers_host_terms_and_reads_placement(tmp_path):
     (tmp_path / "sweep.jsonl").write_text(json.dumps({"name": "tp2x-pp4", "placement": "cp-dp-pp-tp",
                                                       "cluster": {"ranks_per_node": 2}}) + "\n")
     point = point_from_run(run, {"recompute": "none", "precision": "fp32", "flash_attention": None})
-    assert point.node_of == (0, 2, 0, 2, 1, 3, 1, 3) and not point.job.pp_sharded
+    assert point.node_of == (0, 2, 0, 2, 1, 3, 1, 3)
+    # priced with the features the run recorded: SP on (shards between stages), overlap on
+    assert point.job.pp_sharded and point.job.dp_overlap and point.job.runtime == "commpipe"
+    cfg = json.loads((run / "config.json").read_text())
+    cfg.update(sequence_parallel=False, overlap=False)
+    (run / "config.json").write_text(json.dumps(cfg))
+    point = point_from_run(run, {"recompute": "none", "precision": "fp32", "flash_attention": None})
+    assert not point.job.pp_sharded and not point.job.dp_overlap and not point.job.cp_overlap
 
 
 def test_cpu_entry_is_measured():

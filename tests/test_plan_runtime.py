@@ -51,3 +51,17 @@ def test_every_planned_layout_is_accepted_by_train(gpus, precision):
 def test_cpu_plans_refuse_what_the_runtime_cannot_run():
     with pytest.raises(ValueError, match="fp8"):
         for_cluster(Job(global_batch=8, seq_len=64, precision="fp8"), default_cluster(CPU, 4, 4))
+
+
+@pytest.mark.parametrize("sp,overlap", [(True, True), (False, False)])
+def test_cpu_plans_price_the_features_train_runs(sp, overlap):
+    # the job `plan --gpu cpu` prices against the features `commpipe train` builds from the
+    # same choices (--no-sequence-parallel; --no-dp-overlap standing for --no-overlap)
+    job = for_cluster(Job(8, 64, precision="fp32", sequence_parallel=sp, dp_overlap=overlap),
+                      default_cluster(CPU, 4, 4))
+    cfg = TrainConfig(model="tiny", dims=ParallelDims(tp=2, cp=2), global_batch=8, seq_len=64,
+                      sequence_parallel=sp, overlap=overlap, device="cpu").resolve(4)
+    f = cfg.features()
+    assert (job.sequence_parallel, job.pp_sharded) == (f.sequence_parallel, f.sequence_parallel)
+    assert (job.dp_overlap, job.cp_overlap) == (f.overlap.dp, f.overlap.cp)
+    assert job.cp_comm == "allgather" and job.runtime == "commpipe" and not job.tp_overlap

@@ -6,8 +6,9 @@
 DIR may hold (any mix; DIR may also be a single file):
   - run folders DIR/*/config.json + metrics.jsonl (what `commpipe train --out` and `commpipe
     sweep` write): the median step_time_s after the first two steps is the measurement, priced
-    as commpipe's runtime communicates (`layout.RUNTIME_JOB`), on the nodes the sweep placed
-    its ranks (`placement` in DIR/sweep.jsonl, when present);
+    as commpipe's runtime communicates with the features the run recorded (`run_features`,
+    `layout.runtime_job`), on the nodes the sweep placed its ranks (`placement` in
+    DIR/sweep.jsonl, when present);
   - `commpipe probe` JSON files: their link numbers are taken as measured, not fitted;
   - CSV files with one measured run per row, either vTrain's columns (ground_truth_multi.csv)
     or commpipe's names (model or layers/hidden/heads[/kv_heads/ffn_hidden/vocab], tp, cp, pp,
@@ -38,8 +39,9 @@ import numpy as np
 from commpipe.models.spec import ModelSpec, parse_model_fields, resolve_model
 from commpipe.plan.cluster import Cluster, Link, apply_probe, read_json
 from commpipe.plan.estimate import step_time
-from commpipe.plan.layout import RUNTIME_JOB, SCHEDULES, Job, Layout
+from commpipe.plan.layout import SCHEDULES, Job, Layout, runtime_job
 from commpipe.plan.timing import Efficiency
+from commpipe.runtime.features import Overlap, RuntimeFeatures
 
 EFF_PARAMS = ("e_max", "ai_half_ridge", "elementwise", "overhead_s")
 LINK_PARAMS = ("intra_gbps", "inter_gbps")
@@ -146,8 +148,16 @@ def point_from_run(run: Path, defaults: dict) -> Point | None:
     job = Job(cfg["global_batch"], cfg["seq_len"], precision=defaults["precision"],
               zero1=bool(cfg.get("optim", {}).get("zero1", False)),
               flash_attention=defaults["flash_attention"], grad_fp32=defaults.get("grad_fp32", False),
-              **RUNTIME_JOB)
+              **runtime_job(run_features(cfg)))
     return Point(spec, layout, job, statistics.median(times), str(run), _node_of(run, layout))
+
+
+def run_features(cfg: dict) -> RuntimeFeatures:
+    """The runtime features a `commpipe train` run folder's config.json records. Runs written
+    before sequence parallelism and overlap existed (no such keys) ran without them."""
+    return RuntimeFeatures(sequence_parallel=bool(cfg.get("sequence_parallel", False)),
+                           overlap=Overlap() if cfg.get("overlap", False) else Overlap.none(),
+                           recompute=cfg.get("recompute") or "none")
 
 
 def _node_of(run: Path, layout: Layout) -> tuple[int, ...] | None:

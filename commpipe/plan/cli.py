@@ -19,7 +19,7 @@ from dataclasses import replace
 from commpipe.models.spec import resolve_model
 from commpipe.plan.cluster import apply_links, apply_probe, default_cluster, override_links
 from commpipe.plan.gpus import resolve_gpu
-from commpipe.plan.layout import PRECISIONS, RECOMPUTE, SCHEDULES, ZERO_STAGES, Job
+from commpipe.plan.layout import PRECISIONS, RECOMPUTE, SCHEDULES, ZERO_STAGES, Job, runtime_job
 from commpipe.plan.timing import Efficiency
 
 FIXABLE = ("tp", "cp", "pp", "dp", "vpp", "micro_batch_size", "schedule", "recompute", "zero", "dp_shard")
@@ -108,15 +108,20 @@ def job_from_args(args) -> Job:
 
 def for_cluster(job: Job, cluster) -> Job:
     """On `--gpu cpu` the planner prices commpipe's own runtime: its saved tensors and only what
-    `commpipe train` runs (commpipe.runtime.features)."""
+    `commpipe train` runs, from the runtime's own definitions (commpipe.runtime.features, turned
+    into job fields by `layout.runtime_job`): --no-sequence-parallel carries over, and
+    --no-dp-overlap stands for train's --no-overlap (the runtime turns overlap off as a whole)."""
     if cluster.gpu.name != "cpu":
         return job
-    from commpipe.runtime.features import PRECISIONS
+    from commpipe.runtime.features import PRECISIONS, Overlap, RuntimeFeatures
 
     if job.precision not in PRECISIONS:
         raise ValueError(f"--gpu cpu prices commpipe's own runtime, which trains in "
                          f"{' or '.join(PRECISIONS)}; --precision {job.precision} is for GPU stacks")
-    return replace(job, runtime="commpipe", fused_swiglu=False)
+    features = RuntimeFeatures(sequence_parallel=job.sequence_parallel,
+                               overlap=Overlap() if job.dp_overlap else Overlap.none(),
+                               precision=job.precision)
+    return replace(job, **runtime_job(features.validate()))
 
 
 def cluster_from_args(args, num_gpus: int | None = None, profile_path: str | None = None):

@@ -24,6 +24,7 @@ from commpipe.plan.cli import (
 )
 from commpipe.plan.estimate import estimate
 from commpipe.plan.layout import Layout
+from commpipe.schedules.registry import SCHEDULES, default_vpp
 
 
 def add_arguments(p) -> None:
@@ -49,7 +50,7 @@ def run(args) -> int:
         dp = args.dp
     gpus = gpus if gpus is not None else tp * cp * pp * dp
     schedule = args.schedule or "1f1b"
-    vpp = args.vpp or (2 if schedule == "zbv" else 1)
+    vpp = args.vpp or (default_vpp(schedule) if schedule in SCHEDULES else 1)
     zero = zero_from_args(args) or 0
     if args.dp_shard is not None and not zero:
         raise ValueError("--dp-shard shards ZeRO states; use it with --zero 1, 2 or 3")

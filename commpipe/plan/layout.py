@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 
 from commpipe.models.spec import ModelSpec, divisors
 from commpipe.parallel.dims import ParallelDims
+from commpipe.runtime.features import RuntimeFeatures
 from commpipe.schedules.registry import NAMES, info
 
 SCHEDULES = NAMES          # every named schedule (commpipe.schedules.registry) is priced
@@ -19,12 +20,31 @@ RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp32", "fp8")
 ZERO_STAGES = (0, 1, 2, 3)
 CP_COMM = ("ring", "allgather")
-# What commpipe's own runtime does (commpipe/parallel, commpipe/train): TP without sequence
-# parallelism, full activations between stages, CP by all-gathering K and V (Llama 3's choice),
-# gradients all-reduced after the backward, and per step a grad-norm all-reduce over TP and PP and
-# a loss all-reduce over DP*CP and PP. On CPU it trains in fp32.
-RUNTIME_JOB = {"sequence_parallel": False, "pp_sharded": False, "cp_comm": "allgather",
-               "dp_overlap": False, "step_syncs": True, "fused_swiglu": False}
+
+
+def runtime_job(features: RuntimeFeatures | None = None) -> dict:
+    """The `Job` fields that price commpipe's own runtime running with `features`, the one
+    definition `commpipe train` reads (commpipe.runtime.features; default: what train runs
+    without flags). Precision and ZeRO stay with the caller (`Job.precision`, `Layout.zero`).
+
+    - sequence parallelism with tp > 1 (LLaMA): reduce-scatter / all-gather around the TP
+      regions, norms on sequence shards, pipeline messages carry the shards;
+    - CP: K and V all-gathered (Llama 3's CP), overlapped with the attention over the rank's own
+      chunk, their gradients reduce-scattered after the backward's attention;
+    - DP: buckets reduced during the last micro-batch's backward (ZeRO-1: reduce-scatter, then
+      an all-gather of the updated parameters: the same traffic);
+    - TP: asynchronous input-gradient collectives run beside the weight-gradient GEMMs of the
+      entry projections; no chunked (TE userbuffers) overlap, so `tp_overlap` stays off;
+    - per step a grad-norm all-reduce over TP and PP and a loss all-reduce over DP*CP and PP;
+      activations as this runtime saves them (`runtime="commpipe"`, plan/runtime_memory.py),
+      SwiGLU keeping its SiLU output (plain PyTorch)."""
+    f = features or RuntimeFeatures()
+    return {"sequence_parallel": f.sequence_parallel, "pp_sharded": f.sequence_parallel,
+            "cp_comm": "allgather", "cp_overlap": f.overlap.cp, "dp_overlap": f.overlap.dp,
+            "tp_overlap": False, "step_syncs": True, "fused_swiglu": False, "runtime": "commpipe"}
+
+
+RUNTIME_JOB = runtime_job()   # what `commpipe train` runs without flags
 # The search skips context parallelism below 256 tokens per rank: ring attention then moves
 # more K/V than it computes on (Llama 3 used CP16 only at 128K tokens); `estimate` still
 # prices any cp that ParallelDims accepts.
@@ -46,8 +66,10 @@ class Job:
     flash_attention: bool | None = None  # None: on (TE/FlashAttention, every current stack);
     #                                      False for Megatron-DeepSpeed-era GPT runs (vTrain)
     grad_fp32: bool = False     # Megatron-LM's default: accumulate and reduce gradients in fp32
-    # How the runtime communicates (defaults: Megatron-LM; `RUNTIME_JOB` has commpipe's own):
+    # How the runtime communicates (defaults: Megatron-LM; `runtime_job()` gives commpipe's own):
     cp_comm: str = "ring"       # ring: K/V ring overlapped with attention; allgather: K/V gathered first
+    cp_overlap: bool = False    # allgather: the gather travels while attention runs over the rank's
+    #                             own chunk (commpipe's CPOverlappedCore); False: it waits before
     pp_sharded: bool = True     # pipeline sends [b, s/cp, h]/tp (SP or scatter-gather) vs the full tensor
     step_syncs: bool = False    # price the step's scalar all-reduces (grad norm, loss)
     fp8_params: bool = True     # fp8: weights kept as FP8 (+ transpose) instead of bf16 (Megatron

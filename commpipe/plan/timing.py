@@ -260,6 +260,8 @@ def stage_costs(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
         # all-gather K and V before attention, reduce-scatter their gradients after: exposed
         cp_f = 2 * (cluster.all_gather(cp_size * kv_bytes, cp_size, cp_stride) + call)
         cp_b = 2 * (cluster.reduce_scatter(cp_size * kv_bytes, cp_size, cp_stride) + call)
+        if job.cp_overlap:      # attention over the rank's own chunk (1/cp of it) runs meanwhile
+            cp_f = max(0.0, cp_f - lc["attn"] / cp_size)
     # recompute replays part of the forward inside the backward
     if layout.recompute == "full":
         re_comp, re_tp, re_cp = comp_f, tp_f, cp_f
