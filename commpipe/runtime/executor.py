@@ -14,8 +14,10 @@ StageIO`, one per virtual stage): the tensors a stage sends travel packed in one
 way, so a decoder stage can receive text hidden states and image features together. Stages
 take and return dicts named as in the descriptions (a module with `io_dict = True`); a plain
 LLaMA stage `stage(x, positions) -> tensor` is called through a thin adapter.
-Stages on the same rank (the turn of a V schedule) hand tensors over locally. Communication goes
-through the chokepoint (`Comm`); nothing here calls torch.distributed.
+Stages on the same rank (the turn of a V schedule) hand tensors over locally. Under a braided
+program (STP, DualPipeV) LLaMA stages run unit by unit (commpipe.runtime.units) and a braid
+alternates its two passes' units, each unit's TP collective in flight while the other computes.
+Communication goes through the chokepoint (`Comm`); nothing here calls torch.distributed.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 
 from commpipe.models.boundary import StageIO, TensorDesc
 from commpipe.parallel.comm import Comm
+from commpipe.runtime.messages import as_stage_io, numel, pack, unpack
 from commpipe.runtime.units import UnitPass, supports_units, use_unit_collectives
 from commpipe.runtime.weight_grad import WeightGradStore, enable_weight_grad_split
 from commpipe.schedules.actions import Action, Program, lower
@@ -116,31 +119,9 @@ class PipelineRuntime:
         return tuple(d for d in self.stage_io[stage].send if d.has_grad)
 
     def _pack(self, tensors: dict, descs: tuple[TensorDesc, ...]) -> torch.Tensor:
-        """One buffer per message: a lone tensor as it is, several flattened and concatenated."""
-        missing = [d.name for d in descs if d.name not in tensors]
-        if missing:
-            raise RuntimeError(f"a stage boundary expects {[d.name for d in descs]} but the "
-                               f"stage produced {sorted(tensors)}; its StageIO does not match "
-                               "the stage module")
-        parts = [tensors[d.name].detach().to(self.act_dtype) for d in descs]
-        for d, t in zip(descs, parts):
-            if tuple(t.shape) != tuple(d.shape):
-                raise RuntimeError(f"boundary tensor {d.name!r} has shape {tuple(t.shape)}, its "
-                                   f"description says {d.shape}")
-        if len(parts) == 1:
-            return parts[0]
-        return torch.cat([t.reshape(-1) for t in parts])
+        return pack(tensors, descs, self.act_dtype)
 
-    @staticmethod
-    def _unpack(buf: torch.Tensor, descs: tuple[TensorDesc, ...]) -> dict:
-        if len(descs) == 1:
-            return {descs[0].name: buf.view(descs[0].shape)}
-        out, start = {}, 0
-        for d in descs:
-            n = _numel(d)
-            out[d.name] = buf[start:start + n].view(d.shape)
-            start += n
-        return out
+    _unpack = staticmethod(unpack)
 
     def _forward(self, s: int, received: dict, batch: dict, positions) -> dict:
         """Stage s on its received tensors and the batch fields its description lists."""
@@ -194,7 +175,7 @@ class PipelineRuntime:
 
         def post(a):
             descs = self._message(a.op[-1], a.stage)
-            shape = descs[0].shape if len(descs) == 1 else (sum(_numel(d) for d in descs),)
+            shape = descs[0].shape if len(descs) == 1 else (sum(numel(d) for d in descs),)
             buf = torch.empty(shape, dtype=self.act_dtype, device=self.device)
             src = a.stage - 1 if a.op == "RECV_F" else a.stage + 1
             tag = self._tag(a.op[-1], min(a.stage, src), a.microbatch)
@@ -389,37 +370,6 @@ def _alternate(runs: list) -> None:
                 runs.remove(r)
 
 
-def _numel(d: TensorDesc) -> int:
-    n = 1
-    for k in d.shape:
-        n *= k
-    return n
-
-
 def _grad_of(t: torch.Tensor) -> torch.Tensor:
     """The gradient of a received tensor; zeros when the stage did not use it."""
     return t.grad if t.grad is not None else torch.zeros_like(t)
-
-
-def as_stage_io(stage_io, num_stages: int) -> list[StageIO]:
-    """Stage descriptions, checked to chain (each stage receives what the one before sends);
-    a bare activation shape stands for one hidden-state tensor at every boundary."""
-    if stage_io and isinstance(stage_io[0], int):
-        hidden = (TensorDesc("hidden", tuple(stage_io), "float32"),)
-        tokens = (TensorDesc("tokens", tuple(stage_io[:2]), "int64"),)
-        labels = (TensorDesc("labels", tuple(stage_io[:2]), "int64"),)
-        last = num_stages - 1
-        stage_io = [StageIO(s, range(0), (tokens if s == 0 else ()) + (labels if s == last else ()),
-                            hidden if s > 0 else (), hidden if s < last else ())
-                    for s in range(num_stages)]
-    stage_io = list(stage_io)
-    if len(stage_io) != num_stages:
-        raise ValueError(f"{len(stage_io)} stage descriptions for a program of {num_stages} "
-                         "stages; give one StageIO per virtual stage")
-    for s in range(num_stages - 1):
-        sent = [d.name for d in stage_io[s].send]
-        got = [d.name for d in stage_io[s + 1].recv]
-        if sent != got or [d.shape for d in stage_io[s].send] != [d.shape for d in stage_io[s + 1].recv]:
-            raise ValueError(f"stage {s} sends {stage_io[s].send} but stage {s + 1} expects "
-                             f"{stage_io[s + 1].recv}")
-    return stage_io
