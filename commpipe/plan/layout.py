@@ -16,7 +16,10 @@ from commpipe.runtime.features import RuntimeFeatures
 from commpipe.schedules.registry import NAMES, info
 
 SCHEDULES = NAMES          # every named schedule (commpipe.schedules.registry) is priced
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "full", "op")
+# "op" is torchtitan's per-op selective activation checkpointing (memory.py, kernels.py); the
+# search tries it only when --recompute fixes it (commpipe's runtime does not run it)
+SEARCHED_RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp32", "fp8")
 ZERO_STAGES = (0, 1, 2, 3)
 CP_COMM = ("ring", "allgather")
@@ -81,6 +84,11 @@ class Job:
     #                             plain PyTorch also keeps SiLU's output (commpipe's runtime)
     runtime: str = "megatron"   # whose activations memory.py counts; "commpipe": this runtime's
     #                             saved tensors, as activation_mb measures them (runtime_memory.py)
+    eager_ops: bool = False     # non-GEMM ops as unfused PyTorch eager kernels, each a round trip
+    #                             through HBM, counted op by op (torchtitan without torch.compile;
+    #                             kernels.py); False: fused kernels (Megatron/TE, torch.compile)
+    fsdp_copies: bool = False   # ZeRO-3 as PyTorch FSDP2: gathered weights copied out of, and
+    #                             gradients into, flat NCCL buffers on the compute stream (kernels.py)
 
     def __post_init__(self):
         if self.global_batch < 1 or self.seq_len < 1:
@@ -203,7 +211,7 @@ def zero_options(pp: int, group: int, fixed: dict) -> list[int]:
 
 
 def enumerate_layouts(spec: ModelSpec, job: Job, num_gpus: int, fixed: dict | None = None,
-                      schedules=SCHEDULES, recomputes=RECOMPUTE, max_vpp: int = 8) -> list[Layout]:
+                      schedules=SCHEDULES, recomputes=SEARCHED_RECOMPUTE, max_vpp: int = 8) -> list[Layout]:
     """Every valid layout for `num_gpus`; `fixed` pins any of tp, cp, pp, dp, vpp,
     micro_batch_size, schedule, recompute, zero, dp_shard."""
     fixed = {k: v for k, v in (fixed or {}).items() if v is not None}
@@ -235,7 +243,7 @@ def enumerate_layouts(spec: ModelSpec, job: Job, num_gpus: int, fixed: dict | No
                                 continue
                             if pp * vpp > spec.layers:
                                 continue
-                            for rc in _pick(list(recomputes), fixed.get("recompute")):
+                            for rc in _pick(_recomputes(recomputes, fixed), fixed.get("recompute")):
                                 if info(sched).recompute_problem(rc):
                                     continue
                                 for z in zero_options(pp, dp * cp, fixed):
@@ -246,6 +254,11 @@ def enumerate_layouts(spec: ModelSpec, job: Job, num_gpus: int, fixed: dict | No
                                         continue
                                     out.append(Layout(tp, cp, pp, dp, vpp, mbs, sched, rc, z, shard))
     return out
+
+
+def _recomputes(searched, fixed: dict) -> list:
+    """The recompute modes to try: the searched ones, or any known one when fixed."""
+    return list(RECOMPUTE) if "recompute" in fixed else list(searched)
 
 
 def _pick(options: list, value):

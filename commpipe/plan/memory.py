@@ -24,6 +24,8 @@ Recompute: "selective" recomputes what is cheap and large: the attention core (K
 choice: drops the a*s terms) and, for SwiGLU, the SiLU output and the product (drops 4f/h);
 "full" keeps only each layer's input, 2*T*h/t bytes (SP-sharded), plus one layer's full
 activations while that layer's backward runs.
+"op" (torchtitan's per-op selective checkpointing, kernels.py) keeps the block input, flash
+attention's output and every other matmul's output, plus one layer's full activations.
 A rank holds `inflight` micro-batches' worth of its layers at its peak: the simulator's
 `peak_activations`, in units of one micro-batch through the rank's whole share of the model
 (for 1F1B rank r holds p - r; a chunk of an interleaved schedule counts 1/vpp). The last stage
@@ -43,6 +45,7 @@ from functools import lru_cache
 
 from commpipe.models.spec import ModelSpec, layer_param_count
 from commpipe.parallel.dims import split_layers
+from commpipe.plan.kernels import op_sac_activation_bytes
 from commpipe.plan.layout import Job, Layout, zero_stage
 from commpipe.plan.runtime_memory import stage_activation_bytes
 from commpipe.schedules.registry import info
@@ -146,6 +149,8 @@ def layer_activation_bytes(spec: ModelSpec, layout: Layout, job: Job, recompute:
     flash = job.uses_flash(spec)
     if rc == "full":
         return 2 * tokens * h / (t if sp else 1)
+    if rc == "op":
+        return op_sac_activation_bytes(spec, layout, job)
     if spec.arch == "gpt":
         # under fp8 TE keeps FP8 copies of the GEMM inputs: QKV and fc1 inputs 2 -> 1, fc2's
         # input 8 -> 4, plus an FP8 copy of the attention output (1): 34 -> 29
@@ -226,7 +231,7 @@ def stage_memory(spec: ModelSpec, layout: Layout, job: Job, inflight: list[float
     for rank, (layers, params) in enumerate(stage_params(spec, layout, job)):
         chunks = all_chunks[rank]
         act = inflight[rank] * layers * act_layer
-        if layout.recompute == "full":
+        if layout.recompute in ("full", "op"):
             act += full_layer                   # one layer rematerialised during its backward
         logits = 0.0
         if job.runtime == "commpipe":           # this runtime's own saved tensors

@@ -213,7 +213,7 @@ def explain_loss(alt: Estimate, best: Estimate, cluster: Cluster) -> str:
     if term == "optimizer":
         return head + f"optimizer step {x} ms (states not sharded or more parameters per GPU)"
     why = {"full": "full recompute replays the forward", "selective": "selective recompute",
-           "none": "smaller GEMMs per GPU"}[lay.recompute]
+           "none": "smaller GEMMs per GPU", "op": "per-op selective recompute"}[lay.recompute]
     return head + f"compute {x} ms per step on the busiest rank ({why}, mbs={lay.micro_batch_size})"
 
 

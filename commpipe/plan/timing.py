@@ -53,17 +53,25 @@ from dataclasses import asdict, dataclass, field
 
 from commpipe.models.spec import ModelSpec
 from commpipe.plan.cluster import Cluster
+from commpipe.plan.kernels import (
+    FP8_CAST_BYTES,
+    HBM_EFFICIENCY,
+    eager_elementwise_bytes,
+    fp8_cast_time,
+    fp8_gemm_time,
+    layer_gemms,
+    op_sac_recomputed,
+)
 from commpipe.plan.layout import Job, Layout, zero_stage
 from commpipe.plan.memory import (
     layer_activation_bytes,
-    layer_params_per_rank,
     linear_params_per_layer,
     rank_chunks,
     stage_layer_counts,
     stage_params,
 )
+from commpipe.plan.zero_costs import dp_cost, fsdp_copies, zero_exposed
 
-HBM_EFFICIENCY = 0.8   # STREAM-like kernels reach ~80-90% of datasheet HBM bandwidth
 FLASH_BWD_RATIO = 2.5  # flash attention backward / forward matmul work
 
 
@@ -145,20 +153,14 @@ def layer_compute(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
     (scores and values), 'elem' (HBM-bound ops)."""
     gpu = cluster.gpu
     peak, ridge = gpu.achievable_tflops("bf16") * 1e12, gpu.ridge_flop_per_byte
-    t, s, h = layout.tp, job.seq_len, spec.hidden
-    tokens = layout.micro_batch_size * s / layout.cp
-    kv, f, d = spec.kv_dim, spec.ffn_hidden, spec.head_dim
-    shapes = [(tokens, h, (h + 2 * kv) / t), (tokens, h / t, h)]
-    if spec.arch == "llama":
-        shapes += [(tokens, h, 2 * f / t), (tokens, f / t, h)]
-    else:
-        shapes += [(tokens, h, f / t), (tokens, f / t, h)]
+    t, s = layout.tp, job.seq_len
+    d = spec.head_dim
+    # torchtitan's eager Llama runs one GEMM per matrix; Megatron/TE fuse QKV and gate/up
+    shapes = layer_gemms(spec, layout, job, fused=not job.eager_ops)
     cast = 0.0
+    gemm = gemms_time(shapes, job, gpu, eff)
     if job.precision == "fp8":
-        gemm = sum(fp8_gemm_time(m, k, n, gpu, eff) for m, k, n in shapes)
         cast = fp8_cast_time(spec, layout, job, gpu)
-    else:
-        gemm = sum(gemm_time(2 * m * k * n, m, k, n, peak, eff, ridge) for m, k, n in shapes)
     heads = layout.micro_batch_size * spec.heads / t
     q_len = s / layout.cp
     attn_flops = 2 * 2 * q_len * s * d * heads          # QK^T and AV, full s x s (Megatron count)
@@ -166,45 +168,25 @@ def layer_compute(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
         attn = 0.5 * attn_flops / (peak * eff.e_max * eff.attn_rel)
     else:
         attn = 2 * heads * gemm_time(2 * q_len * d * s, q_len, d, s, peak, eff, ridge)
-    stored = layer_activation_bytes(spec, layout, job, recompute="none")
-    elem = eff.elementwise * stored / (gpu.hbm_gbps * 1e9 * HBM_EFFICIENCY)
-    return {"gemm": gemm, "attn": attn, "elem": elem + cast}
+    hbm = gpu.hbm_gbps * 1e9 * HBM_EFFICIENCY
+    eager = eager_elementwise_bytes(spec, layout, job) if job.eager_ops else None
+    if eager:
+        # counted kernel by kernel (kernels.py), no fitted factor
+        elem, elem_b = eager[0] / hbm, eager[1] / hbm
+    else:
+        elem = eff.elementwise * layer_activation_bytes(spec, layout, job, recompute="none") / hbm
+        elem_b = 2 * elem
+    copy_f, copy_b = fsdp_copies(spec, layout, job, hbm)
+    return {"gemm": gemm, "attn": attn, "elem": elem + cast, "elem_b": elem_b + 2 * cast,
+            "copy_f": copy_f, "copy_b": copy_b}
 
 
-# FP8 as Transformer Engine runs it (Micikevicius et al. 2022, "FP8 Formats for Deep Learning";
-# TE's Linear/LayerNormLinear): the four linear maps of every layer run their forward (E4M3),
-# input-gradient and weight-gradient GEMMs in FP8 at the GPU's FP8 peak; attention (flash, bf16),
-# the vocabulary head and the embedding stay in bf16, as Megatron-LM keeps them. Every GEMM input
-# is cast (scaled, with its amax taken) to FP8 and, for the GEMM that needs the other layout on
-# Hopper, transposed: read 2 bytes, write 1 + 1 per element (`FP8_CAST_BYTES`), HBM-bound; the
-# backward casts its output gradients, charged like the rest of the elementwise work (twice the
-# forward). An FP8 GEMM reaches the same share of its (twice higher) peak as a bf16 one of the
-# same shape relative to its own measured ceiling (`fp8_rel` = 1; the ceiling is the GPU's FP8
-# MAMF: 1402.6 of 1979 TFLOP/s on H100 SXM, against 794.5 of 989 for bf16, `gpus.py`).
-FP8_CAST_BYTES = 4.0
-
-
-def fp8_gemm_time(m: float, k: float, n: float, gpu, eff: Efficiency) -> float:
-    """An FP8 GEMM: 1-byte operands double the arithmetic intensity, and the ridge point moves
-    with the FP8 ceiling (the FP8 MAMF), so the curve's shape carries over; `fp8_rel` scales it."""
-    peak = gpu.achievable_tflops("fp8") * 1e12
-    ridge = peak / (gpu.hbm_gbps * 1e9)
-    ai = 2 * m * k * n / (m * k + k * n + m * n)
-    x_half = eff.ai_half_ridge * ridge
-    return 2 * m * k * n / (peak * eff.e_max * eff.fp8_rel * ai / (ai + x_half))
-
-
-def fp8_cast_time(spec: ModelSpec, layout: Layout, job: Job, gpu) -> float:
-    """Forward seconds of one layer's FP8 casts (the backward casts its output gradients, about
-    as many elements; `stage_costs` charges it again there)."""
-    t = layout.tp
-    tokens = layout.micro_batch_size * job.seq_len / layout.cp
-    h, f = spec.hidden, spec.ffn_hidden
-    f_in = 2 * f if spec.arch == "llama" else f
-    # inputs of QKV and fc1 (gathered [T, h] under SP), of the output projection [T, h/t] and of
-    # fc2 [T, f/t]
-    elements = tokens * (2 * h + h / t + f_in / 2 / t)
-    return FP8_CAST_BYTES * elements / (gpu.hbm_gbps * 1e9 * HBM_EFFICIENCY)
+def gemms_time(shapes: list[tuple], job: Job, gpu, eff: Efficiency) -> float:
+    """Seconds of a list of (M, K, N) weight GEMMs, in FP8 under --precision fp8."""
+    if job.precision == "fp8":
+        return sum(fp8_gemm_time(m, k, n, gpu, eff) for m, k, n in shapes)
+    peak, ridge = gpu.achievable_tflops("bf16") * 1e12, gpu.ridge_flop_per_byte
+    return sum(gemm_time(2 * m * k * n, m, k, n, peak, eff, ridge) for m, k, n in shapes)
 
 
 def head_compute(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
@@ -235,7 +217,7 @@ def stage_costs(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
     tokens = layout.micro_batch_size * s / layout.cp
     act_bytes = job.activation_bytes * tokens * h                   # [b, s/cp, h]
     lc = layer_compute(spec, layout, job, cluster, eff)
-    comp_f = lc["gemm"] + lc["attn"] + lc["elem"] + eff.overhead_s
+    comp_f = lc["gemm"] + lc["attn"] + lc["elem"] + lc["copy_f"] + eff.overhead_s
     tp_size = groups["tp"][0]
     call = eff.coll_overhead_s
     # TP: AR per collective (RS+AG with SP has the same bus traffic)
@@ -271,12 +253,17 @@ def stage_costs(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
         dropped = (full - kept) / full if full else 0.0
         re_comp = lc["elem"] * dropped + (0.0 if job.uses_flash(spec) else lc["attn"])
         re_tp = re_cp = 0.0
+    elif layout.recompute == "op":
+        # torchtitan's per-op SAC (kernels.py): every other matmul and every non-GEMM op run
+        # again; attention is saved. The replayed GEMMs' TP collectives are charged in full.
+        re_comp = gemms_time(op_sac_recomputed(spec, layout, job), job, cluster.gpu, eff) + lc["elem"]
+        re_tp, re_cp = tp_f, 0.0
     else:
         re_comp = re_tp = re_cp = 0.0
     # flash attention's backward recomputes the scores and runs 5 matmuls to the forward's 2
     # (Dao 2023, FlashAttention-2, Algorithm 2): 2.5 forwards; materialised scores: 2
     attn_b = FLASH_BWD_RATIO if job.uses_flash(spec) else 2.0
-    layer_i = lc["gemm"] + attn_b * lc["attn"] + 2 * lc["elem"] + eff.overhead_s + re_comp
+    layer_i = lc["gemm"] + attn_b * lc["attn"] + lc["elem_b"] + lc["copy_b"] + eff.overhead_s + re_comp
     head_gemm, loss = head_compute(spec, layout, job, cluster, eff)
     head_f, head_b, embed_tp = _head_and_embedding_tp(spec, layout, job, cluster, act_bytes, call)
     # collective calls per layer and pass (host CPU time = calls * coll_overhead_s)
@@ -311,44 +298,11 @@ def stage_costs(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
         out.tp_b.append(tb)
         out.cp_f.append(n * cp_f)
         out.cp_b.append(n * (cp_b + re_cp))
-        zf, zb = _zero_exposed(spec, layout, job, cluster, n, comp_f, layer_i + lc["gemm"])
+        zf, zb = zero_exposed(spec, layout, job, cluster, n, comp_f, layer_i + lc["gemm"])
         out.zero_f.append(zf)
         out.zero_b.append(zb)
     _dp_and_optimizer(spec, layout, job, cluster, out, groups, eff)
     return out
-
-
-def _zero_exposed(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster, layers: int,
-                  layer_f: float, layer_b: float) -> tuple[float, float]:
-    """Exposed seconds per micro-batch of a stage's per-layer ZeRO traffic (forward, backward).
-
-    ZeRO-3 / FSDP without a pipeline (PyTorch FSDP2, Megatron-FSDP): each layer's parameters are
-    all-gathered before its forward and again before its backward, and its gradients are
-    reduce-scattered after it; the next layer's all-gather is prefetched during the current
-    layer's compute, so a layer exposes max(0, traffic - compute), plus the first all-gather of
-    each pass and the last reduce-scatter, which have nothing to hide behind. Gradients are
-    reduce-scattered every micro-batch (FSDP2's default under gradient accumulation).
-    ZeRO-2 (DeepSpeed): the gradients' reduce-scatter per micro-batch, hidden behind the backward.
-    With pp > 1 a ZeRO-3 stage keeps its weights gathered through the step (torchtitan with
-    pipelining) and prices as ZeRO-1."""
-    z = zero_stage(layout, job)
-    n = layout.shard_size
-    if z < 2 or n == 1 or layers == 0 or (z == 3 and layout.pp > 1):
-        return 0.0, 0.0
-    per_layer = layer_params_per_rank(spec, layout.tp)
-    lin = linear_params_per_layer(spec, layout.tp)
-    grad_b = 4 if (not job.mixed or job.grad_fp32) else 2
-    rs = cluster.reduce_scatter(per_layer * grad_b, n, layout.tp)
-    if z == 2:
-        return 0.0, layers * max(0.0, rs - layer_b)
-    # FP8 parameters are gathered as FP8 (Megatron --fp8-param-gather, torchao float8 all-gather)
-    w_bytes = (per_layer - lin) * 2 + lin * (1 if job.precision == "fp8" and job.fp8_params else 2)
-    if not job.mixed:
-        w_bytes = per_layer * 4
-    ag = cluster.all_gather(w_bytes, n, layout.tp)
-    fwd = ag + layers * max(0.0, ag - layer_f)
-    bwd = ag + rs + layers * max(0.0, ag + rs - layer_b)
-    return fwd, bwd
 
 
 def _head_and_embedding_tp(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
@@ -373,10 +327,8 @@ def _dp_and_optimizer(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluste
     z = zero_stage(layout, job)
     group, stride = groups["dp_cp"]
     shard = layout.shard_size if z >= 1 else 1
-    fsdp = z == 3 and layout.pp == 1 and shard > 1
     bytes_per_param_opt = 28 if job.mixed else 24
     hbm = cluster.gpu.hbm_gbps * 1e9 * HBM_EFFICIENCY
-    b = costs.b
     stages = layout.pp * layout.vpp
     chunks = rank_chunks(layout.schedule, layout.pp, layout.vpp)
     call = eff.coll_overhead_s
@@ -384,28 +336,12 @@ def _dp_and_optimizer(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluste
     sync = _step_sync(job, cluster, groups, call)
     reduce_cost: dict = {}
     for rank, (layers, params) in enumerate(stage_params(spec, layout, job)):
-        if params in reduce_cost:
-            ar = reduce_cost[params]
-        elif fsdp:
-            # gradients already reduce-scattered per layer; HSDP all-reduces the shards across
-            # the group's replicas once per step
-            replicas = group // shard
-            ar = cluster.all_reduce(params / shard * grad_b, replicas, stride * shard)
-            ar += call if replicas > 1 else 0.0
-        elif z == 2 and shard > 1:
-            # gradients reduce-scattered per micro-batch (in the backward): the updated weights'
-            # all-gather is what is left
-            ar = cluster.all_gather(params * (2 if job.mixed else 4), group, stride)
-        else:
-            # all-reduce over dp*cp (ZeRO-1: reduce-scatter + all-gather, the same traffic)
-            ar = cluster.all_reduce(params * grad_b, group, stride)
-            ar += call if group > 1 else 0.0
-        reduce_cost[params] = ar
-        window = sum(b[s] for s in chunks[rank]) if job.dp_overlap else 0.0
-        # the last bucket can never hide: Megatron's default bucket is 40M parameters
-        tail = ar * min(1.0, 40e6 / max(params, 1.0))
-        costs.dp_total.append(ar)
-        costs.dp_exposed.append(max(ar - window, tail if job.dp_overlap else ar))
+        key = (params, tuple(chunks[rank]))
+        if key not in reduce_cost:
+            reduce_cost[key] = dp_cost(spec, layout, job, cluster, costs, groups, eff, rank, layers, params)
+        total, exposed = reduce_cost[key]
+        costs.dp_total.append(total)
+        costs.dp_exposed.append(exposed)
         # the embedding and the head (with the final norm) count as one layer each
         held = layers + (0 in chunks[rank]) + (stages - 1 in chunks[rank])
         opt = params / shard * bytes_per_param_opt / hbm + held * eff.optimizer_overhead_s

@@ -1,0 +1,142 @@
+"""What a framework's kernels move and recompute, beyond the GEMM FLOPs (timing.py, memory.py).
+
+Three things that differ between Megatron-LM/Transformer Engine (the planner's defaults) and
+torchtitan, each counted from the framework's code, none fitted:
+
+- **Eager non-GEMM ops** (`Job.eager_ops`): without torch.compile every elementwise op is its own
+  kernel and a round trip through HBM. Counted op by op for torchtitan's Llama
+  (github.com/pytorch/torchtitan@0413364 torchtitan/models/llama/model.py, the commit of its
+  published A100 numbers, with `norm_type = "fused_rmsnorm"` and `compile = false` in its
+  train_configs), bytes per token of one layer's forward, bf16 activations:
+      2 fused RMSNorms (read x, write y)                           2 * 4h
+      RoPE on q and k: .float() (r 2, w 4), complex multiply (r 4,
+      w 4), .type_as (r 4, w 2)                                     20 (h + kv)
+      repeat_kv for K and V when kv < h (expand + reshape copies)   2 * (2 kv + 2 h)
+      attention output .transpose().contiguous()                   4h
+      SwiGLU: silu(w1 x) (r 2f, w 2f), * w3 x (r 4f, w 2f)          10f
+      2 residual adds (r 4h, w 2h)                                  12h
+  The backward reads each op's saved inputs and output gradient and writes input gradients, about
+  twice the forward's bytes (the rule timing.py uses for fused kernels), plus autograd's gradient
+  accumulation where a tensor feeds several ops: the norm outputs feed 3 (wq, wk, wv) and 2 (w1, w3)
+  linears, the residual stream x and h feed the add and the norm: 5 adds of [T, h] (r 4h, w 2h).
+  Other architectures keep the fused-kernel pricing.
+- **FSDP2's copies** (`Job.fsdp_copies`, ZeRO-3 without a pipeline): PyTorch FSDP2
+  (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py) all-gathers into one flat buffer and
+  copies every parameter out of it (`foreach_all_gather_copy_out`, split_with_sizes_copy) on the
+  compute stream, before the forward and, with reshard_after_forward, again before the backward;
+  after the backward it copies the unsharded gradients into the reduce-scatter buffer in the reduce
+  dtype (`foreach_reduce_scatter_copy_in`, chunk_cat) on the compute stream too. Per layer and
+  micro-batch: forward 2 x the gathered weight bytes (read + write), backward the same plus the
+  gradients read in bf16 and written in the reduce dtype.
+- **Per-op selective activation checkpointing** (`Layout.recompute == "op"`, torchtitan's
+  `selective_ac_option = 'op'`, torchtitan/parallelisms/parallelize_llama.py at the same commit):
+  the policy saves the outputs of flash attention and of every other matmul of a block (the 1st,
+  3rd, 5th, ... `aten.mm` in forward order) and recomputes everything else in the backward. For
+  Llama the matmuls run wq, wk, wv, wo, w1, w3, w2: wq, wv, w1, w2 are saved, wk, wo, w3 and every
+  non-GEMM op are recomputed. The block's input is kept by the checkpoint.
+"""
+
+from __future__ import annotations
+
+from commpipe.models.spec import ModelSpec
+from commpipe.plan.layout import Job, Layout
+
+HBM_EFFICIENCY = 0.8   # STREAM-like kernels reach ~80-90% of datasheet HBM bandwidth (timing.py)
+
+
+def layer_gemms(spec: ModelSpec, layout: Layout, job: Job, fused: bool = True) -> list[tuple]:
+    """(M, K, N) of one layer's weight GEMMs after TP/CP sharding, in forward order. `fused`:
+    QKV as one GEMM and the SwiGLU gate and up as one (Megatron/TE); else one per matrix, as
+    torchtitan's Llama runs them (wq, wk, wv, wo, w1, w3, w2)."""
+    t, h = layout.tp, spec.hidden
+    tokens = layout.micro_batch_size * job.seq_len / layout.cp
+    kv, f = spec.kv_dim, spec.ffn_hidden
+    if spec.arch != "llama":
+        return [(tokens, h, (h + 2 * kv) / t), (tokens, h / t, h), (tokens, h, f / t), (tokens, f / t, h)]
+    if fused:
+        return [(tokens, h, (h + 2 * kv) / t), (tokens, h / t, h), (tokens, h, 2 * f / t), (tokens, f / t, h)]
+    return [(tokens, h, h / t), (tokens, h, kv / t), (tokens, h, kv / t), (tokens, h / t, h),
+            (tokens, h, f / t), (tokens, h, f / t), (tokens, f / t, h)]
+
+
+def op_sac_recomputed(spec: ModelSpec, layout: Layout, job: Job) -> list[tuple]:
+    """The GEMMs per-op SAC recomputes in the backward: every other matmul (2nd, 4th, ...)."""
+    return layer_gemms(spec, layout, job, fused=spec.arch != "llama")[1::2]
+
+
+def op_sac_activation_bytes(spec: ModelSpec, layout: Layout, job: Job) -> float:
+    """Bytes one layer keeps per micro-batch under per-op SAC: the block input, the saved matmul
+    outputs (Llama: wq 2h, wv 2kv, w1 2f, w2 2h; GPT: QKV, fc1), flash attention's output and
+    its fp32 log-sum-exp. With sequence parallelism everything is split by tp."""
+    t = layout.tp
+    tokens = layout.micro_batch_size * job.seq_len / layout.cp
+    h, kv, f = spec.hidden, spec.kv_dim, spec.ffn_hidden
+    if spec.arch == "llama":
+        split = 2 * h + 2 * kv + 2 * f + 2 * h + 2 * h     # wq, wv, w1, w2 outputs, attention out
+    else:
+        split = 2 * (h + 2 * kv) + 2 * f + 2 * h           # QKV, fc1 outputs, attention out
+    x = 2 * h                                              # the checkpointed block input
+    sp = job.sequence_parallel or t == 1
+    lse = 4 * spec.heads * tokens / t
+    return tokens * (split / t + (x / t if sp else x)) + lse
+
+
+def eager_elementwise_bytes(spec: ModelSpec, layout: Layout, job: Job) -> tuple[float, float] | None:
+    """(forward, backward) HBM bytes of one layer's eager non-GEMM ops, one micro-batch
+    (module docstring); None for architectures other than torchtitan's Llama."""
+    if spec.arch != "llama":
+        return None
+    t = layout.tp
+    tokens = layout.micro_batch_size * job.seq_len / layout.cp
+    h, kv, f = spec.hidden, spec.kv_dim, spec.ffn_hidden
+    sp = job.sequence_parallel or t == 1
+    repl_f = 2 * 4 * h + 12 * h                 # norms and residual adds: split by SP only
+    repeat = 2 * (2 * kv + 2 * h) if kv < h else 0.0
+    split_f = 20 * (h + kv) + repeat + 4 * h + 10 * f
+    accum = 5 * 6 * h                           # gradient accumulation adds in the backward
+    per_token_f = (repl_f / t if sp else repl_f) + split_f / t
+    per_token_b = 2 * per_token_f + (accum / t if sp else accum)
+    return tokens * per_token_f, tokens * per_token_b
+
+
+def fsdp_copy_bytes(layer_params: float, weight_bytes: float, grad_bytes: float) -> tuple[float, float]:
+    """(forward, backward) HBM bytes per layer and micro-batch of FSDP2's copy-out of the
+    gathered weights and copy-in of the gradients (module docstring)."""
+    copy_out = 2 * layer_params * weight_bytes
+    return copy_out, copy_out + layer_params * (2 + grad_bytes)
+
+
+# FP8 as Transformer Engine runs it (Micikevicius et al. 2022, "FP8 Formats for Deep Learning";
+# TE's Linear/LayerNormLinear): the four linear maps of every layer run their forward (E4M3),
+# input-gradient and weight-gradient GEMMs in FP8 at the GPU's FP8 peak; attention (flash, bf16),
+# the vocabulary head and the embedding stay in bf16, as Megatron-LM keeps them. Every GEMM input
+# is cast (scaled, with its amax taken) to FP8 and, for the GEMM that needs the other layout on
+# Hopper, transposed: read 2 bytes, write 1 + 1 per element (`FP8_CAST_BYTES`), HBM-bound; the
+# backward casts its output gradients, charged like the rest of the elementwise work (twice the
+# forward). An FP8 GEMM reaches the same share of its (twice higher) peak as a bf16 one of the
+# same shape relative to its own measured ceiling (`fp8_rel` = 1; the ceiling is the GPU's FP8
+# MAMF: 1402.6 of 1979 TFLOP/s on H100 SXM, against 794.5 of 989 for bf16, `gpus.py`).
+FP8_CAST_BYTES = 4.0
+
+
+def fp8_gemm_time(m: float, k: float, n: float, gpu, eff) -> float:
+    """An FP8 GEMM: 1-byte operands double the arithmetic intensity, and the ridge point moves
+    with the FP8 ceiling (the FP8 MAMF), so the curve's shape carries over; `fp8_rel` scales it."""
+    peak = gpu.achievable_tflops("fp8") * 1e12
+    ridge = peak / (gpu.hbm_gbps * 1e9)
+    ai = 2 * m * k * n / (m * k + k * n + m * n)
+    x_half = eff.ai_half_ridge * ridge
+    return 2 * m * k * n / (peak * eff.e_max * eff.fp8_rel * ai / (ai + x_half))
+
+
+def fp8_cast_time(spec: ModelSpec, layout: Layout, job: Job, gpu) -> float:
+    """Forward seconds of one layer's FP8 casts (the backward casts its output gradients, about
+    as many elements; `stage_costs` charges it again there)."""
+    t = layout.tp
+    tokens = layout.micro_batch_size * job.seq_len / layout.cp
+    h, f = spec.hidden, spec.ffn_hidden
+    f_in = 2 * f if spec.arch == "llama" else f
+    # inputs of QKV and fc1 (gathered [T, h] under SP), of the output projection [T, h/t] and of
+    # fc2 [T, f/t]
+    elements = tokens * (2 * h + h / t + f_in / 2 / t)
+    return FP8_CAST_BYTES * elements / (gpu.hbm_gbps * 1e9 * HBM_EFFICIENCY)

@@ -1,0 +1,132 @@
+"""Framework kernels in the planner (commpipe/plan/kernels.py): torchtitan's per-op selective
+checkpointing, eager non-GEMM ops and FSDP2's buffer copies. Expectations worked by hand.
+
+    python -m pytest -q tests/test_plan_kernels.py
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from commpipe.models.spec import resolve_model
+from commpipe.plan.cluster import default_cluster
+from commpipe.plan.estimate import estimate
+from commpipe.plan.gpus import resolve_gpu
+from commpipe.plan.kernels import HBM_EFFICIENCY
+from commpipe.plan.layout import Job, Layout, enumerate_layouts
+from commpipe.plan.memory import GIB, layer_activation_bytes
+from commpipe.plan.timing import Efficiency, gemm_time, layer_compute, stage_costs
+
+A100 = resolve_gpu("a100-80gb")
+# h=1024, 16 heads, 4 KV heads (kv 256), f=4096: tests/test_plan_coverage.py's small Llama
+SPEC = resolve_model("arch=llama,layers=4,hidden=1024,heads=16,kv_heads=4,ffn_hidden=4096,vocab=32000")
+T = 2048                                       # tokens of one micro-batch (mbs 1, seq 2048)
+HBM = 2039e9 * HBM_EFFICIENCY                  # A100-80GB, bytes/s at the STREAM-like fraction
+
+
+def test_op_sac_keeps_every_other_matmul_output_by_hand():
+    # per token, bf16: block input 2h, wq out 2h, wv out 2kv, attention out 2h, w1 out 2f,
+    # w2 out 2h = 8*1024 + 512 + 8192 = 16,896 B; x 2048 tokens = 34,603,008
+    # + fp32 log-sum-exp 4 x 16 heads x 2048 = 131,072 -> 34,734,080
+    job = Job(1, 2048)
+    got = layer_activation_bytes(SPEC, Layout(recompute="op"), job)
+    assert got == pytest.approx(34_734_080, rel=1e-12)
+    # fewer bytes than Korthikanti's selective (12 + 1 + 16 = 29 T h here) and more than full (2 T h)
+    assert layer_activation_bytes(SPEC, Layout(recompute="full"), job) < got \
+        < layer_activation_bytes(SPEC, Layout(recompute="selective"), job)
+    # with tp 2 and SP everything halves, the log-sum-exp too
+    assert layer_activation_bytes(SPEC, Layout(tp=2, recompute="op"), job) == pytest.approx(got / 2)
+
+
+def test_op_sac_recomputes_wk_wo_w3_and_the_elementwise_ops():
+    # the backward replays wk [T,1024]x[1024,256], wo [T,1024]x[1024,1024], w3 [T,1024]x[1024,4096]
+    # and the forward's non-GEMM work; nothing else changes against no recompute
+    eff, job = Efficiency(), Job(1, 2048)
+    cluster = default_cluster(A100, 1, 8)
+    base = stage_costs(SPEC, Layout(recompute="none"), job, cluster, eff)
+    op = stage_costs(SPEC, Layout(recompute="op"), job, cluster, eff)
+    peak, ridge = A100.achievable_tflops("bf16") * 1e12, A100.ridge_flop_per_byte
+    gemms = sum(gemm_time(2 * T * k * n, T, k, n, peak, eff, ridge) for k, n in ((1024, 256), (1024, 1024),
+                                                                                  (1024, 4096)))
+    elem = layer_compute(SPEC, Layout(), job, cluster, eff)["elem"]
+    # 4 layers per stage (one stage); forward and weight-gradient work unchanged
+    assert op.comp_i[0] - base.comp_i[0] == pytest.approx(4 * (gemms + elem), rel=1e-12)
+    assert op.comp_f == base.comp_f and op.comp_w == base.comp_w
+
+
+def test_op_is_searched_only_when_fixed():
+    job = Job(8, 2048)
+    free = enumerate_layouts(SPEC, job, 8)
+    assert {lay.recompute for lay in free} == {"none", "selective", "full"}
+    fixed = enumerate_layouts(SPEC, job, 8, {"recompute": "op"})
+    assert fixed and {lay.recompute for lay in fixed} == {"op"}
+
+
+def test_eager_elementwise_bytes_by_hand():
+    # forward bytes per token (kernels.py): norms 8h + residual adds 12h = 20,480; RoPE 20(h+kv)
+    # = 25,600; repeat_kv 2(2kv + 2h) = 5,120; output copy 4h = 4,096; SwiGLU 10f = 40,960
+    # -> 96,256 B/token x 2048 = 197,132,288 B; backward 2 x that + 5 adds x 6h (30,720 B/token)
+    # = 2 x 197,132,288 + 62,914,560 = 457,179,136 B
+    eff, job = Efficiency(), Job(1, 2048, eager_ops=True)
+    cluster = default_cluster(A100, 1, 8)
+    lc = layer_compute(SPEC, Layout(), job, cluster, eff)
+    assert lc["elem"] == pytest.approx(197_132_288 / HBM, rel=1e-12)
+    assert lc["elem_b"] == pytest.approx(457_179_136 / HBM, rel=1e-12)
+    # the fused default prices elementwise x the stored bytes, backward twice the forward
+    fused = layer_compute(SPEC, Layout(), Job(1, 2048), cluster, eff)
+    assert fused["elem_b"] == pytest.approx(2 * fused["elem"])
+    # eager runs one GEMM per matrix: wq, wk, wv, wo, w1, w3, w2
+    peak, ridge = A100.achievable_tflops("bf16") * 1e12, A100.ridge_flop_per_byte
+    shapes = [(1024, 1024), (1024, 256), (1024, 256), (1024, 1024), (1024, 4096), (1024, 4096), (4096, 1024)]
+    assert lc["gemm"] == pytest.approx(sum(gemm_time(2 * T * k * n, T, k, n, peak, eff, ridge)
+                                           for k, n in shapes), rel=1e-12)
+
+
+def test_fsdp2_copies_by_hand():
+    # ZeRO-3 over 8 GPUs with FSDP2's copies: a layer has 15,206,400 parameters; forward copy-out
+    # reads and writes its bf16 weights: 2 x 2 x 15,206,400 = 60,825,600 B; backward the same plus
+    # the gradients read in bf16 and written in fp32 (grad_fp32): 6 x 15,206,400 -> 152,064,000 B
+    eff = Efficiency()
+    cluster = default_cluster(A100, 8, 8)
+    job = Job(8, 2048, grad_fp32=True)
+    lay = Layout(dp=8, zero=3)
+    plain = stage_costs(SPEC, lay, job, cluster, eff)
+    copies = stage_costs(SPEC, lay, replace(job, fsdp_copies=True), cluster, eff)
+    assert copies.comp_f[0] - plain.comp_f[0] == pytest.approx(4 * 60_825_600 / HBM, rel=1e-9)
+    assert copies.comp_i[0] - plain.comp_i[0] == pytest.approx(4 * 152_064_000 / HBM, rel=1e-9)
+    # nothing without FSDP (ZeRO-1 keeps whole weights: no gathers to copy out of)
+    z1 = Layout(dp=8, zero=1)
+    assert stage_costs(SPEC, z1, replace(job, fsdp_copies=True), cluster, eff).comp_f == \
+        stage_costs(SPEC, z1, job, cluster, eff).comp_f
+
+
+def test_torchtitan_70b_selective_op_fits_at_batch_1_not_2():
+    # torchtitan@0413364 docs/performance.md: Llama 2 70B with selective op AC ran with local
+    # batch 1 on 64 A100-80GB; "local batch size 2 will cause an OOM error" (its footnote 1)
+    spec = resolve_model("arch=llama,layers=80,hidden=8192,heads=64,kv_heads=8,ffn_hidden=28672,vocab=32000")
+    job = Job(64, 4096, grad_fp32=True, eager_ops=True, fused_swiglu=False, fsdp_copies=True)
+    cluster = default_cluster(A100, 64, 8)
+    one = estimate(spec, Layout(dp=64, recompute="op", zero=3), job, cluster, simulate=False)
+    two = estimate(spec, Layout(dp=64, micro_batch_size=2, recompute="op", zero=3),
+                   replace(job, global_batch=128), cluster, simulate=False)
+    assert one.feasible and one.memory_gb_per_gpu < 80
+    assert not two.feasible and two.memory_gb_per_gpu * GIB > 80 * GIB
+
+
+def test_megatron_overlap_of_the_dp_reduction_by_hand():
+    from commpipe.plan.zero_costs import overlapped_dp_exposed
+
+    # 2 chunks per rank, pp 4, 400M parameters (200M per chunk: the last 40M bucket is 0.2 of a
+    # chunk's traffic); reduce-scatter 1.0 s, all-gather 0.6 s in all
+    # reduction: chunk 1's 0.5 s behind the 4 cooldown backwards of chunk 0 (4 x 0.02): 0.42 left;
+    #   chunk 0's 0.5 s behind its last backward (0.02): 0.48 -> 0.90
+    # all-gather: chunk 1's 0.3 s behind 4 forwards of chunk 0 (0.04): 0.26; chunk 0's 0.3 s
+    #   behind its first forward (0.01): 0.29 -> 0.55
+    assert overlapped_dp_exposed(1.0, 0.6, 400e6, [0.01, 0.01], [0.02, 0.02], 4) == pytest.approx(1.45)
+    # long passes hide all but the last (first) bucket: 0.2 x 0.5 + 0.2 x 0.3
+    assert overlapped_dp_exposed(1.0, 0.6, 400e6, [0.5, 0.5], [1.0, 1.0], 4) == pytest.approx(0.16)
+    # one chunk and a plain all-reduce: the former rule, max(ar - last backward, last bucket)
+    assert overlapped_dp_exposed(1.0, 0.0, 400e6, [0.25], [0.5], 4) == pytest.approx(0.5)
+    assert overlapped_dp_exposed(1.0, 0.0, 400e6, [2.0], [4.0], 4) == pytest.approx(0.1)
