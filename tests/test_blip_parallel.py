@@ -27,6 +27,7 @@ LAYOUTS = {   # key: (dims, schedule, extra config)
     "tp2-pp2-zbv": (ParallelDims(tp=2, pp=2), "zbv", {}),
     "pp2-dp2-interleaved": (ParallelDims(pp=2, dp=2), "interleaved", {"vpp": 2}),
     "pp4-zbh1": (ParallelDims(pp=4), "zbh1", {}),
+    "tp2-pp2-stp": (ParallelDims(tp=2, pp=2), "stp", {}),   # braids of towers without units
 }
 
 
