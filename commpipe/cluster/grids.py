@@ -11,7 +11,8 @@ flags every layout shares (command-line flags override it):
     [[layout]]
     tp = 2
     pp = 4                      # missing degrees default to 1
-    schedule = "1f1b"           # optional: schedule, vpp, microbatches, name, placement
+    schedule = "1f1b"           # optional: schedule (gpipe, 1f1b, interleaved, zbh1, zbv, stp,
+                                # dualpipev or a .csv), vpp, microbatches, name, placement
 
     [[layout]]
     name = "tp2-across-pp4"
@@ -26,88 +27,17 @@ the nodes; the default "tp-cp-dp-pp" is commpipe's rank grid itself (TP partners
 from __future__ import annotations
 
 import itertools
-import re
 import tomllib
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from commpipe.parallel.dims import ParallelDims
+from commpipe.layout import DEFAULT_ORDER, Layout, parse_order
+from commpipe.schedules.registry import SCHEDULES
 
-DEFAULT_ORDER = "tp-cp-dp-pp"            # commpipe's rank grid, innermost first
+__all__ = ["DEFAULT_ORDER", "LAYOUT_KEYS", "Layout", "Grid", "load_grid", "layouts_from_dicts",
+           "node_of_rank", "parse_order", "PRESETS", "STUDY_LAYOUTS", "DEMO_MODEL", "study", "demo8"]
+
 LAYOUT_KEYS = {"name", "tp", "cp", "pp", "dp", "schedule", "vpp", "microbatches", "placement"}
-
-
-@dataclass(frozen=True)
-class Layout:
-    tp: int = 1
-    cp: int = 1
-    pp: int = 1
-    dp: int = 1
-    schedule: str | None = None
-    vpp: int | None = None
-    microbatches: int | None = None
-    placement: str = DEFAULT_ORDER
-    name: str = ""
-    extra: dict = field(default_factory=dict, compare=False)   # per-layout training flags
-
-    def __post_init__(self):
-        ParallelDims(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp)   # validates the degrees
-        parse_order(self.placement)
-        if not self.name:
-            object.__setattr__(self, "name", self.default_name())
-        if not re.fullmatch(r"[A-Za-z0-9._+-]+", self.name):
-            raise ValueError(f"layout name {self.name!r} must use only letters, digits and . _ + - "
-                             "(it names the run folder)")
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.cp * self.pp * self.dp
-
-    @property
-    def dims(self) -> ParallelDims:
-        return ParallelDims(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp)
-
-    @property
-    def label(self) -> str:
-        """The study's notation, e.g. TP4/CP1/PP4 (DP shown when it is not 1)."""
-        text = f"TP{self.tp}/CP{self.cp}/PP{self.pp}" + (f"/DP{self.dp}" if self.dp > 1 else "")
-        if self.placement != DEFAULT_ORDER:
-            text += f" [{self.placement}]"
-        return text
-
-    def default_name(self) -> str:
-        parts = [f"tp{self.tp}", f"cp{self.cp}", f"pp{self.pp}", f"dp{self.dp}"]
-        if self.vpp and self.vpp > 1:
-            parts.append(f"v{self.vpp}")
-        if self.schedule:
-            parts.append(self.schedule)
-        if self.microbatches:
-            parts.append(f"m{self.microbatches}")
-        if self.placement != DEFAULT_ORDER:
-            parts.append("order-" + self.placement.replace("-", ""))
-        return "-".join(parts)
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["world_size"] = self.world_size
-        return d
-
-    def train_flags(self) -> list[str]:
-        """The layout's own `commpipe train` flags."""
-        flags = ["--tp", str(self.tp), "--cp", str(self.cp), "--pp", str(self.pp), "--dp", str(self.dp)]
-        for key in ("schedule", "vpp", "microbatches"):
-            value = getattr(self, key)
-            if value is not None:
-                flags += [f"--{key}", str(value)]
-        return flags
-
-
-def parse_order(order: str) -> tuple[str, ...]:
-    dims = tuple(order.split("-"))
-    if sorted(dims) != sorted(("tp", "cp", "dp", "pp")):
-        raise ValueError(f"placement {order!r} must name tp, cp, dp and pp once each, innermost "
-                         f"first, e.g. {DEFAULT_ORDER} (default) or cp-dp-pp-tp (TP across nodes)")
-    return dims
 
 
 def node_of_rank(layout: Layout, ranks_per_node: int) -> list[int]:
@@ -138,10 +68,14 @@ def layouts_from_dicts(entries: list[dict], where: str = "grid") -> list[Layout]
         kwargs = {}
         for key in ("tp", "cp", "pp", "dp", "vpp", "microbatches"):
             if key in entry:
-                kwargs[key] = _int(entry[key], key, at)
+                kwargs["m_pinned" if key == "microbatches" else key] = _int(entry[key], key, at)
         for key in ("schedule", "placement", "name"):
             if key in entry:
                 kwargs[key] = str(entry[key])
+        sched = kwargs.get("schedule", "")
+        if sched and not sched.endswith(".csv") and sched not in SCHEDULES:
+            raise ValueError(f"{at}: unknown schedule {sched!r}; use one of {', '.join(SCHEDULES)} "
+                             "or a schedule .csv")
         try:
             layout = Layout(**kwargs, extra=extra)
         except ValueError as e:

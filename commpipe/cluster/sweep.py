@@ -59,7 +59,7 @@ def validate_layout(layout: Layout, train: dict) -> str | None:
 
 
 def fingerprint(layout: Layout, train: dict) -> str:
-    blob = json.dumps({"layout": layout.to_dict(), "train": {**train, **layout.extra}}, sort_keys=True,
+    blob = json.dumps({"layout": layout.grid_dict(), "train": {**train, **layout.extra}}, sort_keys=True,
                       default=str)
     return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
@@ -178,7 +178,7 @@ def run_sweep(grid: Grid, out_dir, runner, train: dict | None = None, *, retry_f
                 bar.set_postfix_str(f"step {'-' if s is None else s + 1}/{steps}, {elapsed:.0f} s")
 
             result = runner(layout, train, run_dir, poll)
-        rec = {"name": layout.name, "label": layout.label, **{k: v for k, v in layout.to_dict().items()
+        rec = {"name": layout.name, "label": layout.label, **{k: v for k, v in layout.grid_dict().items()
                                                                if k not in ("name", "extra")},
                "status": result.status, "reason": result.reason, "elapsed_s": round(result.elapsed_s, 2),
                "cluster": runner.describe() if hasattr(runner, "describe") else {},

@@ -174,11 +174,9 @@ def _node_of(run: Path, layout: Layout) -> tuple[int, ...] | None:
     rpn = ((rec or {}).get("cluster") or {}).get("ranks_per_node")
     if not placement or not rpn:
         return None
-    from commpipe.cluster.grids import Layout as GridLayout
     from commpipe.cluster.grids import node_of_rank
 
-    grid = GridLayout(tp=layout.tp, cp=layout.cp, pp=layout.pp, dp=layout.dp, placement=placement)
-    nodes = node_of_rank(grid, rpn)
+    nodes = node_of_rank(replace(layout, placement=placement), rpn)
     return None if nodes == [r // rpn for r in range(layout.gpus)] else tuple(nodes)
 
 

@@ -1,4 +1,5 @@
-"""A layout to price (`Layout`), the job it runs (`Job`), and which layouts are valid.
+"""A layout to price (`Layout`, commpipe.layout: the one the sweep runs too), the job it runs
+(`Job`), and which layouts are valid.
 
 Validity follows `ParallelDims.check_model` / `check_batch` (heads, KV heads and vocabulary
 divisible by tp; seq_len divisible by 2*cp; pp*vpp <= layers; global batch divisible by
@@ -8,10 +9,10 @@ one `commpipe train` accepts.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
+from commpipe.layout import Layout
 from commpipe.models.spec import ModelSpec, divisors
-from commpipe.parallel.dims import ParallelDims
 from commpipe.runtime.features import RuntimeFeatures
 from commpipe.schedules.registry import NAMES, info
 
@@ -112,50 +113,6 @@ class Job:
         return True if self.flash_attention is None else self.flash_attention
 
 
-@dataclass(frozen=True)
-class Layout:
-    tp: int = 1
-    cp: int = 1
-    pp: int = 1
-    dp: int = 1
-    vpp: int = 1
-    micro_batch_size: int = 1
-    schedule: str = "1f1b"
-    recompute: str = "none"
-    zero: int = 0           # 0: replicated; 1: optimizer states sharded; 2: + gradients; 3: + weights
-    #                         (FSDP: parameters all-gathered per layer, gradients reduce-scattered)
-    dp_shard: int = 0       # ranks a ZeRO shard group spans (HSDP); 0: the whole dp*cp group
-
-    @property
-    def shard_size(self) -> int:
-        """Ranks one copy of the sharded states is spread over (dp*cp unless HSDP)."""
-        return self.dp_shard or self.dp * self.cp
-
-    @property
-    def gpus(self) -> int:
-        return self.tp * self.cp * self.pp * self.dp
-
-    def dims(self) -> ParallelDims:
-        return ParallelDims(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp)
-
-    def microbatches(self, job: Job) -> int:
-        return job.global_batch // (self.dp * self.micro_batch_size)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def short(self) -> str:
-        s = f"TP{self.tp} CP{self.cp} PP{self.pp} DP{self.dp}"
-        if self.vpp > 1:
-            s += f" VPP{self.vpp}"
-        s = f"{s} mbs{self.micro_batch_size} {self.schedule} rc={self.recompute}"
-        if self.zero:
-            s += f" zero{self.zero}"
-            if self.dp_shard and self.dp_shard != self.dp * self.cp:
-                s += f" shard{self.dp_shard}"
-        return s
-
-
 def zero_stage(layout: Layout, job: Job) -> int:
     """The ZeRO stage priced: the layout's, at least 1 under the old `Job.zero1` flag."""
     return max(layout.zero, 1 if job.zero1 else 0)
@@ -186,7 +143,7 @@ def layout_problem(spec: ModelSpec, job: Job, layout: Layout, num_gpus: int | No
     if layout.dp_shard < 0 or (layout.dp_shard and group % layout.dp_shard):
         return (f"--dp-shard {layout.dp_shard} does not divide the dp*cp group of {group} ranks; "
                 f"use one of {divisors(group)}")
-    dims = layout.dims()
+    dims = layout.dims
     try:
         if num_gpus is not None:
             dims.check_world(num_gpus)

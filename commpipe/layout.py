@@ -1,0 +1,151 @@
+"""One `Layout` for the planner, the sweep and the launchers: how a job is spread over ranks.
+
+    Layout(tp=2, pp=4, schedule="zbv")                 # vpp follows the schedule (2 for a V)
+    Layout(2, 1, 4, 1, 2, 1, "zbv", "none", 1)         # positional, as the planner builds them
+    Layout(tp=2, pp=4, placement="cp-dp-pp-tp")        # a sweep entry: TP partners across nodes
+
+Degrees (tp, cp, pp, dp), the pipeline schedule and its chunks per rank (vpp), micro-batch size,
+recomputation, ZeRO stage and shard group: what the planner prices. A sweep entry adds where
+ranks go (`placement`, innermost first, as Megatron-LM's --rank-order), a run name, a pinned
+micro-batch count and extra `commpipe train` flags. Schedule, vpp and micro-batch count left
+out (None) take the defaults (1f1b; the schedule's own chunk count) and stay unpinned: a sweep
+then passes the grid's or `commpipe sweep`'s value to `commpipe train` instead (`pinned`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from commpipe.parallel.dims import ParallelDims
+
+DEFAULT_ORDER = "tp-cp-dp-pp"            # commpipe's rank grid, innermost first
+# train flags a sweep entry may set itself -> the field holding each
+PINNABLE = {"schedule": "schedule", "vpp": "vpp", "microbatches": "m_pinned"}
+
+
+def parse_order(order: str) -> tuple[str, ...]:
+    dims = tuple(order.split("-"))
+    if sorted(dims) != sorted(("tp", "cp", "dp", "pp")):
+        raise ValueError(f"placement {order!r} must name tp, cp, dp and pp once each, innermost "
+                         f"first, e.g. {DEFAULT_ORDER} (default) or cp-dp-pp-tp (TP across nodes)")
+    return dims
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    cp: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: int | None = None              # model chunks per rank; None: the schedule's (1, or 2 for a V)
+    micro_batch_size: int = 1
+    schedule: str | None = None         # None: 1f1b
+    recompute: str = "none"
+    zero: int = 0           # 0: replicated; 1: optimizer states sharded; 2: + gradients; 3: + weights
+    #                         (FSDP: parameters all-gathered per layer, gradients reduce-scattered)
+    dp_shard: int = 0       # ranks a ZeRO shard group spans (HSDP); 0: the whole dp*cp group
+    m_pinned: int | None = None         # a sweep entry's --microbatches (the planner derives m
+    #                                     from the global batch: `microbatches(job)`)
+    placement: str = DEFAULT_ORDER
+    name: str = ""
+    extra: dict = field(default_factory=dict, compare=False)   # per-layout training flags
+    pinned: frozenset | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self):
+        ParallelDims(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp)   # validates the degrees
+        if self.pinned is None:
+            given = frozenset(k for k, f in PINNABLE.items() if getattr(self, f) is not None)
+            object.__setattr__(self, "pinned", given)
+        if self.schedule is None:
+            object.__setattr__(self, "schedule", "1f1b")
+        if self.vpp is None:
+            object.__setattr__(self, "vpp", _default_vpp(self.schedule))
+        if self.placement != DEFAULT_ORDER:
+            parse_order(self.placement)
+        if not self.name:
+            object.__setattr__(self, "name", self.default_name())
+        elif not re.fullmatch(r"[A-Za-z0-9._+-]+", self.name):
+            raise ValueError(f"layout name {self.name!r} must use only letters, digits and . _ + - "
+                             "(it names the run folder)")
+
+    # -- sizes --------------------------------------------------------------------------------
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.cp * self.pp * self.dp
+
+    world_size = gpus
+
+    @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp)
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks one copy of the sharded states is spread over (dp*cp unless HSDP)."""
+        return self.dp_shard or self.dp * self.cp
+
+    def microbatches(self, job) -> int:
+        """Micro-batches per pipeline for a job's global batch (the planner's m)."""
+        return job.global_batch // (self.dp * self.micro_batch_size)
+
+    # -- names and records --------------------------------------------------------------------
+    @property
+    def label(self) -> str:
+        """The study's notation, e.g. TP4/CP1/PP4 (DP shown when it is not 1)."""
+        text = f"TP{self.tp}/CP{self.cp}/PP{self.pp}" + (f"/DP{self.dp}" if self.dp > 1 else "")
+        if self.placement != DEFAULT_ORDER:
+            text += f" [{self.placement}]"
+        return text
+
+    def default_name(self) -> str:
+        parts = [f"tp{self.tp}", f"cp{self.cp}", f"pp{self.pp}", f"dp{self.dp}"]
+        if "vpp" in self.pinned and self.vpp > 1:
+            parts.append(f"v{self.vpp}")
+        if "schedule" in self.pinned:
+            parts.append(self.schedule)
+        if self.m_pinned:
+            parts.append(f"m{self.m_pinned}")
+        if self.placement != DEFAULT_ORDER:
+            parts.append("order-" + self.placement.replace("-", ""))
+        return "-".join(parts)
+
+    def short(self) -> str:
+        s = f"TP{self.tp} CP{self.cp} PP{self.pp} DP{self.dp}"
+        if self.vpp > 1:
+            s += f" VPP{self.vpp}"
+        s = f"{s} mbs{self.micro_batch_size} {self.schedule} rc={self.recompute}"
+        if self.zero:
+            s += f" zero{self.zero}"
+            if self.dp_shard and self.dp_shard != self.dp * self.cp:
+                s += f" shard{self.dp_shard}"
+        return s
+
+    def to_dict(self) -> dict:
+        """What the planner reports of a layout (`commpipe plan/estimate --json`)."""
+        return {k: getattr(self, k) for k in ("tp", "cp", "pp", "dp", "vpp", "micro_batch_size",
+                                              "schedule", "recompute", "zero", "dp_shard")}
+
+    def grid_dict(self) -> dict:
+        """What a sweep records of an entry (sweep.jsonl, its fingerprint): unpinned schedule,
+        vpp and micro-batches as None."""
+        d = {k: getattr(self, k) for k in ("tp", "cp", "pp", "dp")}
+        d.update({k: getattr(self, f) if k in self.pinned else None for k, f in PINNABLE.items()})
+        d.update(placement=self.placement, name=self.name, extra=self.extra,
+                 world_size=self.world_size)
+        return d
+
+    def train_flags(self) -> list[str]:
+        """The layout's own `commpipe train` flags: its degrees, and the pinned schedule, vpp
+        and micro-batch count."""
+        flags = ["--tp", str(self.tp), "--cp", str(self.cp), "--pp", str(self.pp), "--dp", str(self.dp)]
+        for key, attr in PINNABLE.items():
+            if key in self.pinned:
+                flags += [f"--{key}", str(getattr(self, attr))]
+        return flags
+
+
+def _default_vpp(schedule: str) -> int:
+    from commpipe.schedules.registry import SCHEDULES, default_vpp
+
+    return default_vpp(schedule) if schedule in SCHEDULES and schedule != "interleaved" else 1
