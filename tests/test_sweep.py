@@ -128,6 +128,44 @@ def test_demo8_is_valid_for_train_on_8_ranks():
         assert validate_layout(lay, grid.train) is None, lay.name
 
 
+def test_one_layout_for_the_planner_and_the_sweep():
+    from commpipe.layout import Layout as Shared
+    from commpipe.plan.layout import Layout as Planned
+
+    assert Layout is Shared is Planned
+    # a grid entry that names no schedule: 1f1b for whoever reads it, but unpinned, so the
+    # sweep's own --schedule (or [train] schedule) reaches `commpipe train`
+    a = Layout(tp=2, pp=2)
+    assert (a.schedule, a.vpp, a.name) == ("1f1b", 1, "tp2-cp1-pp2-dp1")
+    assert a.train_flags() == ["--tp", "2", "--cp", "1", "--pp", "2", "--dp", "1"]
+    assert a.grid_dict()["schedule"] is None and a.grid_dict()["world_size"] == 4
+    flags = train_flags(a, {"schedule": "gpipe"}, "out")
+    assert flags[flags.index("--schedule") + 1] == "gpipe"
+    # a V schedule brings its two chunks per rank; pinned, it wins over the sweep's default
+    b = Layout(tp=2, pp=2, schedule="stp")
+    assert (b.vpp, b.name) == (2, "tp2-cp1-pp2-dp1-stp")
+    flags = train_flags(b, {"schedule": "gpipe"}, "out")
+    assert flags.count("--schedule") == 1 and flags[flags.index("--schedule") + 1] == "stp"
+    # the planner's positional form and its JSON keys
+    p = Layout(2, 1, 2, 1, 2, 1, "zbv", "selective", 1)
+    assert p.to_dict() == dict(tp=2, cp=1, pp=2, dp=1, vpp=2, micro_batch_size=1, schedule="zbv",
+                               recompute="selective", zero=1, dp_shard=0)
+    assert p.gpus == p.world_size == 4 and p.dims.pp == 2
+
+
+def test_grid_schedules_include_the_braided_ones():
+    from commpipe.cluster.grids import layouts_from_dicts
+
+    with pytest.raises(ValueError, match="unknown schedule 'zb-v'.*stp, dualpipev"):
+        layouts_from_dicts([{"pp": 2, "schedule": "zb-v"}])
+    train = {"model": "tiny", "seq_len": 64, "microbatches": 4}
+    for sched in ("stp", "dualpipev"):
+        lay, = layouts_from_dicts([{"tp": 2, "pp": 2, "schedule": sched}])
+        assert validate_layout(lay, train) is None, sched
+    lay, = layouts_from_dicts([{"pp": 2, "schedule": "stp", "microbatches": 3}])
+    assert "microbatches >= 2*pp = 4" in validate_layout(lay, {"model": "tiny"})
+
+
 def test_validate_layout_uses_train_rules():
     pytest.importorskip("commpipe.train.cli")
     assert "does not divide 4 attention heads" in validate_layout(Layout(tp=3), {"model": "tiny"})
