@@ -13,9 +13,10 @@ Each schedule trains the same model in turn; printed per schedule:
 - the monitor's TP exposure: milliseconds per step the compute waited for TP collectives (the
   `blocked_ms_total` of dim tp in OUT/monitor/rank*.jsonl, summed per step, mean over ranks,
   median over steps), beside their transfer time;
-- the simulator's prediction of the same ratios, from costs measured in the zbv run: per
-  chunk, the median F, I and W compute (trace/actions_rank*.jsonl) less the TP wait per pass,
-  and that TP time per pass as `tp_comm`; the same Programs simulated with the TP stream.
+- the simulator's prediction of the same ratios, from costs measured in the zbv run (whose TP
+  collectives block): per chunk, the median F, I and W (trace/actions_rank*.jsonl) less the
+  time blocked on TP per pass, and the TP transfer time per pass as `tp_comm`; the same
+  Programs simulated with the TP stream.
 
 Needs root and iproute2; otherwise it says why and exits 0. On a shared 2-core machine the four
 ranks contend for the cores: quote ratios, not absolute times.
@@ -87,15 +88,16 @@ def measured_costs(run_dir: Path, pp: int, microbatches: int):
                 by[(hit[2], int(hit[1]))].append(e.dur_ms)
     tp = tp_per_step(run_dir)
     passes = 2 * prog.num_stages * microbatches / pp       # F and I passes per rank per step
-    tp_pass = tp["exposed_ms"] / passes      # zbv's TP collectives block: all exposed
+    blocked = tp["exposed_ms"] / passes       # zbv's TP collectives block: all of it inside F, I
     n = prog.num_stages
 
     def med(op, s):
         return statistics.median(by[(op, s)]) if by[(op, s)] else 0.0
-    f = [max(med("F", s) - tp_pass, 0.0) for s in range(n)]
-    i = [max(med("I", s) - tp_pass, 0.0) for s in range(n)]
+    f = [max(med("F", s) - blocked, 0.0) for s in range(n)]
+    i = [max(med("I", s) - blocked, 0.0) for s in range(n)]
     w = [med("W", s) for s in range(n)]
-    return f, i, w, tp_pass
+    # the link time alone (what a TP stream holds); blocked beyond it was waiting for the peer
+    return f, i, w, tp["transfer_ms"] / passes
 
 
 def simulated(schedule: str, pp: int, microbatches: int, f, i, w, tp_pass) -> float:
