@@ -26,7 +26,7 @@ def add_adapt_arguments(p) -> None:
                         f"(default {d.margin})")
     g.add_argument("--adapt-trials", type=int, default=d.trials, metavar="K",
                    help=f"confirm an admitted switch by measurement: run the K best predicted "
-                        f"candidates (and any within {d.trial_margin:.0%} of the best) for "
+                        f"candidates (and any within {d.trial_margin * 100:.0f}%% of the best) for "
                         f"{d.trial_steps} steps each and keep the fastest measured; 0 trusts the "
                         f"cost model (default {d.trials})")
     g.add_argument("--adapt-switch-cost", type=float, default=None, metavar="SECONDS",
