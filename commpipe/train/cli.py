@@ -24,8 +24,8 @@ def add_layout_arguments(p) -> None:
     for dim in ("tp", "cp", "pp", "dp"):
         g.add_argument(f"--{dim}", type=int, default=1, help=f"{dim} degree (default 1)")
     g.add_argument("--schedule", default="1f1b",
-                   help="pipeline schedule name (gpipe, 1f1b, interleaved, zbh1, zbv) "
-                        "or a schedule .csv (default 1f1b)")
+                   help="pipeline schedule name (gpipe, 1f1b, interleaved, zbh1, zbv, and the "
+                        "braided stp, dualpipev) or a schedule .csv (default 1f1b)")
     g.add_argument("--vpp", type=int, default=1, help="model chunks per pipeline rank "
                    "(interleaved schedule)")
     g.add_argument("--stage-layers", default=None,
