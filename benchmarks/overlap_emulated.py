@@ -2,6 +2,7 @@
 
     sudo python benchmarks/overlap_emulated.py                  # 2 nodes x 2 ranks, 50 Mbit/s
     sudo python benchmarks/overlap_emulated.py --steps 8 --cases dp
+    sudo python benchmarks/overlap_emulated.py --cases tpfwd    # chunked forward all-gather A/B
 
 Two nodes of two ranks (network namespaces on a bridge, commpipe.cluster.netns), the inter-node
 links shaped to `--mbit` with tc tbf. Each case trains the same model twice, one run after the
@@ -11,6 +12,10 @@ first step, which connects and warms up, left out) and their ratio (goal <= 0.9 
     dp   TP2 inside a node, DP2 across nodes: gradient buckets reduced during the backward
     tp   TP2 across nodes (placement cp-dp-pp-tp), DP2 inside: asynchronous TP (the backward's
          input-gradient collective beside the weight-gradient GEMMs) and DP overlap
+    tpfwd  TP2 across nodes, every other overlap on in both runs: the forward all-gathers
+         chunked (GEMMs over own rows while the other shards travel, --tp-forward-overlap)
+         against --no-tp-forward-overlap; a wide MLP, so the own-row GEMMs last about as long
+         as a gather at 50 Mbit/s
 
 The share of communication each overlap hid: the step time it saved, over the time per step the
 case's dimension had transfers in flight in the `--no-overlap` run (union of the intervals in
@@ -40,7 +45,16 @@ CASES = {
     "tp": ({"tp": 2, "dp": 2, "placement": "cp-dp-pp-tp"},
            {"model": "arch=llama,layers=2,hidden=512,heads=8,kv_heads=4,ffn_hidden=1536,vocab=1024",
             "seq_len": 64, "micro_batch_size": 2, "dp_bucket_mb": 1000.0}),
+    "tpfwd": ({"tp": 2, "dp": 2, "placement": "cp-dp-pp-tp"},
+              {"model": "arch=llama,layers=2,hidden=256,heads=4,kv_heads=2,ffn_hidden=4096,"
+                        "vocab=1024",
+               "seq_len": 128, "micro_batch_size": 2, "dp_bucket_mb": 1000.0}),
 }
+# per case: the flags of the A run and of the B run (A/B = the ratio printed)
+AB = {"dp": ({}, {"no_overlap": True}), "tp": ({}, {"no_overlap": True}),
+      "tpfwd": ({"tp_forward_overlap": True}, {"no_tp_forward_overlap": True})}
+AB_NAMES = {"dp": ("overlap", "no-overlap"), "tp": ("overlap", "no-overlap"),
+            "tpfwd": ("fwd-chunked", "fwd-unchunked")}
 
 
 def parse_args(argv=None):
@@ -49,7 +63,7 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--microbatches", type=int, default=1)
     p.add_argument("--bucket-mb", type=float, default=0.25, help="DP gradient bucket size")
-    p.add_argument("--cases", default="dp,tp", help="comma-separated: dp, tp")
+    p.add_argument("--cases", default="dp,tp", help="comma-separated: dp, tp, tpfwd")
     p.add_argument("--out", default=None, help="keep the runs here (default: a temp folder)")
     return p.parse_args(argv)
 
@@ -116,10 +130,10 @@ def main(argv=None) -> int:
         for case in args.cases.split(","):
             times, comm = {}, {}
             for overlap in (True, False):
-                name = f"{case}-{'overlap' if overlap else 'no-overlap'}"
+                name = f"{case}-{AB_NAMES[case][0 if overlap else 1]}"
                 layout = Layout(**CASES[case][0], name=name)
                 flags = {**train, "dp_bucket_mb": args.bucket_mb, **CASES[case][1],
-                         "no_overlap": not overlap}
+                         **AB[case][0 if overlap else 1]}
                 res = runner(layout, flags, out / name)
                 if not res.ok:
                     print(f"{name}: {res.status}: {res.reason}")
@@ -132,14 +146,15 @@ def main(argv=None) -> int:
     for case, times, comm in rows:
         ratio = times[True] / times[False]
         print(f"{case}: {CASES[case][0]} {CASES[case][1]}")
-        print(f"    overlap {times[True]:.3f} s, --no-overlap {times[False]:.3f} s, ratio {ratio:.3f} "
-              "(goal <= 0.9)")
+        a, b = AB_NAMES[case]
+        print(f"    {a} {times[True]:.3f} s, {b} {times[False]:.3f} s, ratio {ratio:.3f} "
+              + ("(goal <= 0.9)" if case != "tpfwd" else "(< 1: chunking pays)"))
         # hidden: the step time overlap saved, as a share of the time the case's dimension
         # had transfers in flight per step without overlap (where the compute waited for them)
-        dim = {"dp": "dp_cp", "tp": "tp"}[case]
+        dim = {"dp": "dp_cp", "tp": "tp", "tpfwd": "tp"}[case]
         saved = times[False] - times[True]
         parts = ", ".join(f"{d} {t:.3f} s" for d, t in sorted(comm[False].items()) if d != "world")
-        print(f"    in flight per step without overlap (trace): {parts}; overlap saved "
+        print(f"    in flight per step in the {b} run (trace): {parts}; {a} saved "
               f"{saved:.3f} s = {saved / comm[False][dim]:.0%} of the {dim} time")
     print(f"(runs in {out})")
     return 0

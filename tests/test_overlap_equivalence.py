@@ -5,7 +5,9 @@ layout with overlap on and with `--no-overlap`. Measured activation memory falls
 selective to full recomputation.
 
 One launch per world size; the checks are tests/test_equivalence.py's, shown to fail on a planted
-bug (DP buckets issued before their gradients are final).
+bug (DP buckets issued before their gradients are final). The chunked forward all-gather/GEMM
+overlap (`tp_forward_overlap`) is run on and off whatever its default, with the I/W split and
+recomputation, in bf16 against the unchunked path, and observed to overlap in a real run.
 """
 
 from __future__ import annotations
@@ -13,11 +15,13 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from commpipe.parallel.dims import ParallelDims
 from tests.dist_harness import run_jobs
 from tests.reference import reference_run
-from tests.test_equivalence import GLOBAL_BATCH, SEQ, check_against, check_grads, make_cfg
+from tests.test_equivalence import GLOBAL_BATCH, SEQ, STEPS, check_against, check_grads, make_cfg
 
 LAYOUTS = {  # world -> name: (dims, schedule, options)
     4: {
@@ -30,6 +34,12 @@ LAYOUTS = {  # world -> name: (dims, schedule, options)
         "tp2pp2-nosp": (ParallelDims(tp=2, pp=2), "1f1b", {"sequence_parallel": False}),
         "tp2pp2-sp-none": (ParallelDims(tp=2, pp=2), "1f1b", {}),
         "tp2pp2-sp-selective": (ParallelDims(tp=2, pp=2), "1f1b", {"recompute": "selective"}),
+        # the chunked forward all-gather explicitly on / off, whatever TP_FORWARD_DEFAULT is
+        "tp2pp2-zbv-full-fwdchunk": (ParallelDims(tp=2, pp=2), "zbv",
+                                     {"recompute": "full", "tp_forward_overlap": True}),
+        "tp2dp2-zbh1-selective-fwdchunk": (ParallelDims(tp=2, dp=2), "zbh1",
+                                           {"recompute": "selective", "tp_forward_overlap": True}),
+        "tp2pp2-sp-nofwdchunk": (ParallelDims(tp=2, pp=2), "1f1b", {"tp_forward_overlap": False}),
     },
     8: {
         "tp2cp2pp2": (ParallelDims(tp=2, cp=2, pp=2), "1f1b", {}),
@@ -54,6 +64,66 @@ def plant_early_buckets(trainer) -> None:
     trainer.reducer.expected = 1
 
 
+class _GatherLog:
+    """A comm observer: logs when each TP all-gather is issued and when its wait returned."""
+
+    def __init__(self, log: list):
+        self.log = log
+
+    def begin(self, call):
+        if call.dim == "tp" and call.op == "all_gather":
+            self.log.append(("issue",))
+            return call
+        return None
+
+    def end(self, ctx, call):
+        if ctx is not None:
+            self.log.append(("waited",))
+
+
+class _MatmulLog(TorchDispatchMode):
+    """Logs the row count of every matrix multiply the kernels actually run."""
+
+    def __init__(self, log: list):
+        super().__init__()
+        self.log = log
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            self.log.append(("mm", args[-2].shape[0]))
+        return func(*args, **(kwargs or {}))
+
+
+def probe_forward_gathers(trainer) -> None:
+    """Not a bug: records, in order, the TP all-gathers' issue and wait and every GEMM run."""
+    log = trainer.test_log = []
+    trainer.comm.observers.append(_GatherLog(log))
+    step = trainer.train_step
+
+    def logged():
+        with _MatmulLog(log):
+            return step()
+
+    trainer.train_step = logged
+
+
+def gemms_in_flight(log: list) -> list[list[int]]:
+    """Per TP all-gather, the row counts of the GEMMs run between its issue and its wait."""
+    out, current = [], None
+    for event in log:
+        if event[0] == "issue":
+            current = []
+        elif event[0] == "waited":
+            out.append(current)
+            current = None
+        elif current is not None:
+            current.append(event[1])
+    return out
+
+
+PROBED = ParallelDims(tp=2, dp=2)
+
+
 @functools.cache
 def results_of(world: int) -> dict:
     jobs = [(f"{name}-{'overlap' if ov else 'no-overlap'}", _cfg(d, s, o, ov))
@@ -61,14 +131,51 @@ def results_of(world: int) -> dict:
     if world == 4:
         jobs.append(("planted-early-buckets", _cfg(ParallelDims(tp=2, dp=2), "1f1b", {}, True),
                      plant_early_buckets))
+        for chunk in (True, False):
+            opts = {"tp_forward_overlap": chunk}
+            jobs.append((f"probe-fwdchunk-{chunk}", _cfg(PROBED, "1f1b", opts, True),
+                         probe_forward_gathers))
+            # bf16 autocast: chunked against unchunked (one device rounds differently)
+            jobs.append((f"bf16-fwdchunk-{chunk}",
+                         _cfg(ParallelDims(tp=2, pp=2), "zbh1", {**opts, "precision": "bf16"}, True)))
     return run_jobs(world, jobs)
 
 
 @pytest.mark.parametrize("world", [4, 8])
 def test_features_match_single_device(world, reference):
     for key, got in results_of(world).items():
-        if not key.startswith("planted-"):
+        if not key.startswith(("planted-", "bf16-")):
             check_against(reference, got, key)
+
+
+def test_chunked_forward_gather_overlaps_own_rows():
+    """In a real tp2 dp2 run, each forward all-gather before the column-parallel Linears has
+    the GEMMs over the rank's own rows (micro-batch x seq/tp of them) running while it travels:
+    wq, wk, wv; w1, w3; the head. Unchunked, nothing runs between issue and wait."""
+    got = results_of(4)
+    rows = 1 * SEQ // PROBED.tp                                  # micro-batch size 1
+    layers, microbatches = 4, GLOBAL_BATCH // PROBED.dp          # tiny: 4 layers
+    for log in got["probe-fwdchunk-True"]["logs"]:
+        inside = [g for g in gemms_in_flight(log) if g]
+        assert len(inside) == STEPS * microbatches * (2 * layers + 1), len(inside)
+        assert all(set(g) == {rows} for g in inside), inside[:3]
+        assert sorted({len(g) for g in inside}) == [1, 2, 3]     # head; w1, w3; wq, wk, wv
+    for log in got["probe-fwdchunk-False"]["logs"]:
+        gathers = gemms_in_flight(log)
+        assert gathers and not any(gathers), "unchunked: nothing runs during the gather"
+
+
+def test_chunked_forward_bf16_matches_unchunked():
+    got = results_of(4)
+    on, off = got["bf16-fwdchunk-True"], got["bf16-fwdchunk-False"]
+    torch.testing.assert_close(torch.tensor(on["losses"]), torch.tensor(off["losses"]),
+                               rtol=1e-5, atol=0)
+    for name, grad in off["grads"].items():
+        torch.testing.assert_close(on["grads"][name], grad, rtol=1e-5, atol=1e-7,
+                                   msg=lambda m, n=name: f"bf16 grad {n}: {m}")
+    for name, param in off["params"].items():
+        torch.testing.assert_close(on["params"][name], param, rtol=1e-5, atol=1e-7,
+                                   msg=lambda m, n=name: f"bf16 param {n}: {m}")
 
 
 def test_planted_early_buckets_are_caught(reference):

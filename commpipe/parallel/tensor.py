@@ -16,6 +16,9 @@ are summed over TP (commpipe.parallel.data) before the DP reduction.
 
 With overlap, the column-parallel Linears behind each entry stash their weight-gradient GEMMs
 in that entry's `TPRegion`, run while the input-gradient collective travels (functional.py).
+With sequence parallelism and `forward_overlap`, the entry hook also computes those Linears
+itself, their GEMMs over the rank's own rows beside the all-gather (`gather_seq_columns`); each
+Linear then returns the output computed for it (`_serve_ready`).
 Sharded parameters carry `_tp_dim` (the dimension split across TP ranks), which checkpoints and
 the equivalence tests use to reassemble full tensors.
 """
@@ -28,7 +31,14 @@ from torch import nn
 
 from commpipe.models.llama import Transformer, cross_entropy_sum
 from commpipe.parallel.comm import Comm
-from commpipe.parallel.functional import TPRegion, copy_to, gather_seq, reduce_from, scatter_seq
+from commpipe.parallel.functional import (
+    TPRegion,
+    copy_to,
+    gather_seq,
+    gather_seq_columns,
+    reduce_from,
+    scatter_seq,
+)
 from commpipe.runtime.weight_grad import route_linear
 
 COLUMN = ("wq", "wk", "wv", "w1", "w3")   # output features split: dim 0 of the weight
@@ -123,9 +133,27 @@ class TPLayer:
             m._tp_by_units = on
 
 
+def _serve_ready(linear: nn.Linear) -> None:
+    """Let `linear` return the output its entry hook computed for this very input (set as
+    `_tp_ready = (input, output)`), once; any other input is computed as before."""
+    inner = linear.forward
+    linear._tp_ready = None
+
+    def forward(x):
+        ready = linear._tp_ready
+        if ready is not None and ready[0] is x:
+            linear._tp_ready = None
+            return ready[1]
+        return inner(x)
+
+    linear.forward = forward
+
+
 def apply_tp(model: Transformer, comm: Comm, sequence_parallel: bool = False,
-             overlap: bool = False) -> Transformer:
-    """Shard `model` in place across comm's TP group; a no-op when tp=1."""
+             overlap: bool = False, forward_overlap: bool = False) -> Transformer:
+    """Shard `model` in place across comm's TP group; a no-op when tp=1. `overlap`: the
+    backward's input-gradient collectives beside the weight-gradient GEMMs; `forward_overlap`
+    (with sequence parallelism): the forward all-gathers beside the GEMMs over own rows."""
     if comm.size("tp") == 1:
         return model
 
@@ -137,10 +165,19 @@ def apply_tp(model: Transformer, comm: Comm, sequence_parallel: bool = False,
             route_linear(linear)
             linear._wg_region = region
         enter = gather_seq if sequence_parallel else copy_to
+        chunked = sequence_parallel and forward_overlap
+        if chunked:
+            for linear in columns:
+                _serve_ready(linear)
 
         def pre(mod, args):
             if mod._tp_by_units:     # the unit-by-unit runtime issues it (runtime/units.py)
                 return None
+            if chunked:              # gathered input, and the column outputs computed beside it
+                x, outs = gather_seq_columns(args[0], comm, "tp", region, columns)
+                for linear, y in zip(columns, outs):
+                    linear._tp_ready = (x, y)
+                return (x, *args[1:])
             return (enter(args[0], comm, "tp", region), *args[1:])
 
         module._tp_by_units = False

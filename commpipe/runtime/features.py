@@ -4,7 +4,10 @@
 
 - sequence_parallel (Korthikanti et al. 2022): with tp > 1, norms and residuals run on
   sequence shards; all-gather before column-parallel, reduce-scatter after row-parallel.
-- overlap per dimension: tp (input-gradient collective beside the weight-gradient GEMM), dp
+- overlap per dimension: tp (input-gradient collective beside the weight-gradient GEMM),
+  tp_forward (with sequence parallelism, the all-gather before the column-parallel Linears
+  beside their GEMMs over the rank's own rows; docs/overlap.md says why its default is what
+  it is), dp
   (gradient buckets reduced during the backward), pp (receives posted one compute early).
   cp (the K/V all-gather beside the attention over the rank's own chunk, merged by
   log-sum-exp).
@@ -24,18 +27,21 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16")
 ZERO_STAGES = (0, 1)
 ZERO_GROUPS = ("dp",)
+# chunked forward all-gather/GEMM overlap (measured in docs/overlap.md, "Forward all-gather")
+TP_FORWARD_DEFAULT = True
 
 
 @dataclass(frozen=True)
 class Overlap:
     tp: bool = True
+    tp_forward: bool = TP_FORWARD_DEFAULT
     dp: bool = True
     pp: bool = True
     cp: bool = True
 
     @classmethod
     def none(cls) -> Overlap:
-        return cls(tp=False, dp=False, pp=False, cp=False)
+        return cls(tp=False, tp_forward=False, dp=False, pp=False, cp=False)
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 
 from commpipe.adapt.cli import adapt_options, add_adapt_arguments
@@ -107,6 +108,11 @@ def add_arguments(p) -> None:
     g.add_argument("--no-overlap", dest="overlap", action="store_false",
                    help="turn every communication overlap off (TP, DP, CP, pipeline receive "
                         "prefetch), for A/B measurement; results are identical")
+    g.add_argument("--tp-forward-overlap", action=argparse.BooleanOptionalAction, default=None,
+                   help="with sequence parallelism, compute the column-parallel GEMMs over the "
+                        "rank's own rows while the forward all-gather brings the others "
+                        "(default: commpipe.runtime.features.TP_FORWARD_DEFAULT; off with "
+                        "--no-overlap)")
     g.add_argument("--dp-bucket-mb", type=float, default=25.0,
                    help="gradients are reduced in buckets of about this many MB, each as soon "
                         "as its gradients are final (default 25)")
@@ -141,6 +147,7 @@ def config_from_args(args) -> TrainConfig:
                        precision=args.precision, strict_order=args.strict_order,
                        recompute=args.recompute, sequence_parallel=args.sequence_parallel,
                        overlap=args.overlap, dp_bucket_mb=args.dp_bucket_mb,
+                       tp_forward_overlap=args.tp_forward_overlap,
                        **adapt_options(args))
 
 

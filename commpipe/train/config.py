@@ -61,6 +61,7 @@ class TrainConfig:
     overlap: bool = True              # --no-overlap: every overlap off, for A/B measurement
     recompute: str = "none"           # none | selective | full
     dp_bucket_mb: float = 25.0        # gradient bucket size of the DP reduction
+    tp_forward_overlap: bool | None = None  # SP all-gather beside own-row GEMMs; None: default
 
     # filled by resolve()
     spec: ModelSpec | None = None
@@ -190,8 +191,11 @@ class TrainConfig:
                              f"tokens per CP rank across tp={self.dims.tp}; use a --seq-len "
                              f"divisible by cp*tp={self.dims.cp * self.dims.tp}, tp in {fits}, "
                              "or --no-sequence-parallel")
-        return RuntimeFeatures(sequence_parallel=sp,
-                               overlap=Overlap() if self.overlap else Overlap.none(),
+        overlap = Overlap.none()
+        if self.overlap:
+            overlap = Overlap() if self.tp_forward_overlap is None else \
+                Overlap(tp_forward=self.tp_forward_overlap)
+        return RuntimeFeatures(sequence_parallel=sp, overlap=overlap,
                                recompute=self.recompute, precision=self.precision or "fp32",
                                zero=1 if self.optim.zero1 else 0).validate()
 

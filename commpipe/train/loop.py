@@ -148,7 +148,8 @@ class Trainer:
         else:
             stages = build_stages(spec, program, pp_rank, cfg.seed, cfg.stage_layers, device)
             for module in stages.values():
-                apply_tp(module, comm, features.sequence_parallel, features.overlap.tp)
+                apply_tp(module, comm, features.sequence_parallel, features.overlap.tp,
+                         features.overlap.tp_forward)
                 apply_cp(module, comm, features.overlap.cp)
                 apply_recompute(module, features.recompute)
             last = stages.get(program.num_stages - 1)
