@@ -19,7 +19,11 @@ the scale of one step; separate launches measured minutes apart differed by 2-4x
   stage's share of FLOPs times one rate (ms per FLOP) fitted on the even split's measured total,
   so the balanced splits' stage times are predictions;
 - the simulator's pipeline time for both splits from those predicted stage times and the
-  boundary descriptions' message sizes (commpipe.sim.stages), beside the measured step.
+  boundary descriptions' message sizes (commpipe.sim.stages), beside the measured step;
+- the load average before and after, and each rank's CPU seconds over the steps' wall
+  seconds: a pipeline's balance pays off only when each rank has a core to itself; where the
+  two ranks together got less than a core they take turns, and a step costs its total work
+  whatever the split.
 Numbers are noisy on a shared 2-core machine; no assertions.
 """
 
@@ -30,6 +34,7 @@ import json
 import os
 import socket
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -64,6 +69,7 @@ def worker(rank: int, port: int, args, out: str) -> None:
         trainers[name] = Trainer.build(cfg, Comm(cfg.dims, rank))
         trainers[name].runtime.events = []
     times = {name: [] for name in SPLITS}
+    cpu0, wall0 = time.process_time(), time.perf_counter()
     for step in range(args.steps):
         for name in (SPLITS if step % 2 == 0 else SPLITS[::-1]):   # order alternates
             t = trainers[name]
@@ -71,7 +77,7 @@ def worker(rank: int, port: int, args, out: str) -> None:
             times[name].append(t.train_step()["step_time_s"])
             if step == 0 and name == "measured" and rank == 0:
                 print(f"auto:measured layer costs (s): {t.cfg.stage_balance['layer_costs']}")
-    result = {"times": times}
+    result = {"times": times, "cpu_s": time.process_time() - cpu0, "wall_s": time.perf_counter() - wall0}
     for name, t in trainers.items():
         d = Path(out) / name / "trace"
         d.mkdir(parents=True, exist_ok=True)
@@ -105,7 +111,9 @@ def main() -> None:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
+    load_before = os.getloadavg()
     mp.start_processes(worker, args=(port, args, args.out), nprocs=2, start_method="spawn")
+    load_after = os.getloadavg()
     ranks = [json.loads((Path(args.out) / f"times_rank{r}.json").read_text()) for r in range(2)]
     spec = resolve_blip(args.model)
     splits = {name: ranks[0][name] for name in SPLITS}
@@ -120,6 +128,10 @@ def main() -> None:
         print(f"median step: even {med['even'] * 1e3:.1f} ms, {name} {med[name] * 1e3:.1f} ms; "
               f"ratio {name}/even {med[name] / med['even']:.3f} (goal <= 0.9); median paired "
               f"per-step ratio {paired[name]:.3f}")
+    print(f"load average (1, 5, 15 min) {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f} "
+          f"before, {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f} after, on "
+          f"{os.cpu_count()} cores; CPU seconds used / wall seconds of the steps, per rank: "
+          + ", ".join(f"{r['cpu_s']:.0f} / {r['wall_s']:.0f} s" for r in ranks))
     flops = blip_layer_costs(spec, "flops")
     measured = {name: measured_stage_ms(Path(args.out) / name / "trace") for name in SPLITS}
     rate = sum(measured["even"]) / sum(flops)
