@@ -6,7 +6,8 @@ A braid runs its two passes step by step, alternating (commpipe/runtime/units.py
 parallelism each step's collective is issued asynchronously and waited by the next step of the
 same pass. Checked against the single-process reference (loss, pre-clip gradients, parameters):
 pp 2 here (pp 4 under strict order in tests/test_strict_order.py), tp 2 with and without
-sequence parallelism and overlap, dp 2, selective recomputation. A probe in a real run shows
+sequence parallelism and overlap, dp 2, cp 2, selective recomputation; validation (forward only,
+unit by unit) after every training step equals the single-device one. A probe in a real run shows
 the collectives in flight while the other pass computes; a planted bug (an input-gradient
 all-reduce dropped) shows the comparison fails.
 """
@@ -78,6 +79,42 @@ def plant_dropped_allreduce(trainer) -> None:
     units._issue = buggy
 
 
+def validate_each_step(trainer) -> None:
+    """Validation loss after every training step (trainer.test_log holds the last): the
+    forward-only runner shares the stages with the training runner, so training after it checks
+    that it leaves the unit edges' collectives as training needs them."""
+    step, log = trainer.train_step, []
+    trainer.test_log = log
+
+    def train_then_validate():
+        record = step()
+        log[:] = [trainer.evaluate()]
+        return record
+    trainer.train_step = train_then_validate
+
+
+def reference_validation() -> float:
+    """The single-device validation loss with the reference's final parameters."""
+    import torch
+    import torch.nn.functional as F
+
+    from commpipe.models.llama import build_model
+    from commpipe.train.source import make_source
+
+    c = cfg(ParallelDims(), "1f1b", eval_batches=EVAL_BATCHES)
+    c.resolve(1)
+    model = build_model(c.spec, c.seed)
+    model.load_state_dict(reference()["params"])
+    source = make_source(c, c.spec)
+    with torch.no_grad():
+        losses = [F.cross_entropy(model(inputs).flatten(0, 1), labels.flatten()).item()
+                  for inputs, labels in source.validation(c.global_batch, 0, 1, EVAL_BATCHES)]
+    return sum(losses) / len(losses)
+
+
+EVAL_BATCHES = 2
+
+
 @functools.cache
 def results(world: int) -> dict:
     if world == 2:
@@ -89,14 +126,18 @@ def results(world: int) -> dict:
         jobs.append(("planted", cfg(ParallelDims(tp=2), "stp", sequence_parallel=False),
                      plant_dropped_allreduce))
         return run_jobs(2, jobs)
-    jobs = [("tp2pp2-stp", cfg(ParallelDims(tp=2, pp=2), "stp")),
+    jobs = [("tp2pp2-stp", cfg(ParallelDims(tp=2, pp=2), "stp", eval_batches=EVAL_BATCHES),
+             validate_each_step),
             ("tp2pp2-dualpipev-selective", cfg(ParallelDims(tp=2, pp=2), "dualpipev",
                                                 recompute="selective")),
             ("tp2pp2-stp-selective-nosp-nooverlap",
              cfg(ParallelDims(tp=2, pp=2), "stp", recompute="selective", sequence_parallel=False,
                  overlap=False)),
             ("pp2dp2-stp", cfg(ParallelDims(pp=2, dp=2), "stp")),
-            ("pp2dp2-dualpipev", cfg(ParallelDims(pp=2, dp=2), "dualpipev"))]
+            ("pp2dp2-dualpipev", cfg(ParallelDims(pp=2, dp=2), "dualpipev")),
+            # context parallelism: the K/V exchange runs inside the attention unit
+            ("cp2pp2-dualpipev", cfg(ParallelDims(cp=2, pp=2), "dualpipev",
+                                     eval_batches=EVAL_BATCHES), validate_each_step)]
     return run_jobs(4, jobs)
 
 
@@ -114,6 +155,15 @@ def test_braided_schedules_match_single_device_pp2():
 def test_braided_schedules_match_single_device_tp_dp_recompute():
     for key, got in results(4).items():
         check_against(reference(), got, key)
+
+
+def test_validation_runs_unit_by_unit_between_training_steps():
+    # tp 2 (the unit edges' collectives) and cp 2, validated after every step of 3: the last
+    # validation loss is the single-device one of the reference's final parameters
+    want = reference_validation()
+    for key in ("tp2pp2-stp", "cp2pp2-dualpipev"):
+        got = [log for log in results(4)[key]["logs"] if log]
+        assert got and all(abs(v[0] - want) <= 1e-5 * want for v in got), (key, got, want)
 
 
 def test_dropped_input_gradient_allreduce_is_caught():
