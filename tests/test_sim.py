@@ -234,3 +234,37 @@ def test_cli_text_and_csv(tmp_path, capsys):
 def test_generate_names_match_cli():
     for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zbh1", 1), ("zbv", 2)):
         assert generate(name, 2, 4, v).name == name
+
+
+@pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("zbh1", 1),
+                                    ("zbv", 2), ("stp", 2), ("dualpipev", 2)])
+def test_peak_walk_without_timing_matches_the_simulation(name, v):
+    from commpipe.sim.engine import peak_activations
+
+    for p, m in ((2, 4), (3, 6), (4, 8), (4, 16)):
+        prog = generate(name, p, m, v)
+        ref = simulate(prog, CostTable.uniform(prog.num_stages)).peak_activations
+        assert peak_activations(prog) == ref            # the compute-only program, no costs
+        assert peak_activations(lower(prog)) == ref
+    assert peak_activations(one_f_one_b(4, 8)) == [4, 3, 2, 1]
+
+
+@pytest.mark.parametrize("name", ["stp", "dualpipev", "zbv", "interleaved"])
+def test_untimed_run_keeps_every_total(name):
+    import random
+
+    rng = random.Random(3)
+    prog = lower(generate(name, 4, 12, 2))
+    n = prog.num_stages
+    i = [rng.uniform(0.5, 2) for _ in range(n)]
+    w = [rng.uniform(0.2, 1.5) for _ in range(n)]
+    costs = CostTable(f=[rng.uniform(0.5, 2) for _ in range(n)], b=[x + y for x, y in zip(i, w)],
+                      i=i, w=w, latency_ms=0.05, bandwidth_gbps=20.0, activation_bytes=2e6,
+                      tp_comm=[rng.uniform(0.1, 1.0) for _ in range(n)],
+                      activation_memory_bytes=[1.0] * n)
+    full, bare = simulate(prog, costs), simulate(prog, costs, check=False, record=False)
+    assert full.events and not bare.events
+    assert full.makespan == max(e.end_ms for e in full.events)       # the timeline's own end
+    for key in ("makespan", "busy", "idle", "bubble_fraction", "peak_activations",
+                "peak_activation_bytes", "tp_bubble"):
+        assert getattr(bare, key) == getattr(full, key), key

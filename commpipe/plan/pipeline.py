@@ -28,9 +28,11 @@ from collections import namedtuple
 from functools import lru_cache
 
 from commpipe.schedules import generate, lower
+from commpipe.schedules.actions import COMM_OPS as _COMM_OPS
 from commpipe.schedules.actions import Program
 from commpipe.schedules.registry import info
 from commpipe.sim import CostTable, simulate
+from commpipe.sim.engine import peak_activations
 
 M_CAP_PER_STAGE = 2     # simulate at least 2*pp micro-batches before extrapolating
 M_CAP_MIN = 4
@@ -46,8 +48,14 @@ def representative_ms(pp: int, m: int, period: int | None = None) -> list[int]:
 
 
 @lru_cache(maxsize=256)
+def generated_program(schedule: str, pp: int, m: int, vpp: int) -> Program:
+    """The compute-only program (what in-flight counts and action counts read)."""
+    return generate(schedule, pp, m, vpp)
+
+
+@lru_cache(maxsize=256)
 def lowered_program(schedule: str, pp: int, m: int, vpp: int) -> Program:
-    return lower(generate(schedule, pp, m, vpp))
+    return lower(generated_program(schedule, pp, m, vpp))
 
 
 def _kinds(prog: Program) -> list[dict]:
@@ -55,9 +63,10 @@ def _kinds(prog: Program) -> list[dict]:
     for acts in prog.actions:
         count: dict = {}
         for a in acts:
-            if not a.is_compute:
+            if a.op in _COMM_OPS:
                 continue
-            key = tuple((x.op, x.stage) for x in a.parts)
+            # (op, stage) of each part: a braid's forward, then its pair (Action.parts)
+            key = ((a.op, a.stage),) if a.pair is None else (("F", a.stage), (a.pair.op, a.pair.stage))
             count[key] = count.get(key, 0) + 1
         out.append(count)
     return out
@@ -71,13 +80,20 @@ def action_counts(schedule: str, pp: int, vpp: int, m: int) -> tuple[dict, ...]:
     smallest programs; tests/test_plan.py checks them against generated ones."""
     m0 = info(schedule).min_m(pp)
     if m <= m0 + 1:
-        return tuple(_kinds(lowered_program(schedule, pp, m, vpp)))
-    a, b = (_kinds(lowered_program(schedule, pp, k, vpp)) for k in (m0, m0 + 1))
+        return tuple(_kinds(generated_program(schedule, pp, m, vpp)))
+    a, b = (_kinds(generated_program(schedule, pp, k, vpp)) for k in (m0, m0 + 1))
     return tuple({k: a[r].get(k, 0) + (m - m0) * (b[r].get(k, 0) - a[r].get(k, 0))
                   for k in set(a[r]) | set(b[r])} for r in range(pp))
 
 
-_Pass = namedtuple("_Pass", "op stage microbatch unit")     # what engine._plan reads of an Action
+_Pass = namedtuple("_Pass", "op stage microbatch unit")     # what engine._unit_steps reads of an Action
+
+
+@lru_cache(maxsize=4096)
+def _braid_steps(parts: tuple, n: int) -> tuple:
+    from commpipe.sim.engine import _unit_steps
+
+    return _unit_steps([_Pass(op, st, 0, None) for op, st in parts], n)
 
 
 def braid_span(parts: tuple, f: list[float], b: list[float], i: list[float], w: list[float],
@@ -85,13 +101,18 @@ def braid_span(parts: tuple, f: list[float], b: list[float], i: list[float], w: 
     """How long the compute stream is held by one braid ((op, stage) pairs) with nothing else
     in flight: the simulator's own unit walk (commpipe.sim.engine) on that braid alone. Any
     wait for an input or a busy TP stream only lengthens it, so it bounds the braid below."""
-    from commpipe.sim.engine import _plan, _run_units
+    from commpipe.sim.engine import _run_units
 
     n = len(f)
-    plans = [_plan(_Pass(op, st, 0, None), (f, b, i, w), tp_comm) for op, st in parts]
-    t = _run_units(plans, 0, 0, 0.0, 0.0, 0.0, 0.0, 1, n, [0.0] * (2 * n), [0.0], [0.0],
-                   [], [], [], {})[0]
-    return t
+    steps = _braid_steps(parts, n)
+    durs = (f, b, i, w)
+    # the walk's cost lists (quarter passes, half collectives by code * n + stage), for the
+    # entries this braid reads
+    cq = {ci: durs[ci // n][ci % n] / 4 for _, ci, _, _ in steps[1]}
+    th = {ti: tp_comm[ti % n] / 2 for _, _, ti, _ in steps[1]}
+    th[-1] = 0.0
+    return _run_units(steps, 0, 0, 0.0, 0.0, 0.0, 0.0, 1, n, [0.0] * (2 * n), [0.0], [0.0], cq, th,
+                      None, None, None, {})[0]
 
 
 def _extend(values: list[list[float]], ms: list[int], m: int, pp: int) -> list[float]:
@@ -103,9 +124,8 @@ def _extend(values: list[list[float]], ms: list[int], m: int, pp: int) -> list[f
 
 @lru_cache(maxsize=1024)
 def _peak_at(schedule: str, pp: int, vpp: int, m: int) -> tuple[float, ...]:
-    prog = lowered_program(schedule, pp, m, vpp)
-    res = simulate(prog, CostTable.uniform(prog.num_stages, f=1.0, b=2.0), check=False)
-    return tuple(res.peak_activations)
+    # the in-flight counts follow each rank's action order alone: no lowering, no timing
+    return tuple(peak_activations(generated_program(schedule, pp, m, vpp)))
 
 
 def peak_inflight(schedule: str, pp: int, vpp: int, m: int) -> tuple[float, ...]:
@@ -182,7 +202,7 @@ def _run(key, mm, f, b, i, w, latency_ms, bandwidth_gbps, activation_bytes, tp_c
         costs = CostTable(f=list(f), b=list(b), i=list(i), w=list(w), latency_ms=latency_ms,
                           bandwidth_gbps=bandwidth_gbps, activation_bytes=activation_bytes,
                           tp_comm=list(tp_comm) if tp_comm else None)
-        res = simulate(prog, costs, check=False)
+        res = simulate(prog, costs, check=False, record=False)
         sub = (res.makespan, list(res.busy))
         _SIM_CACHE[sub_key] = sub
     return sub
@@ -192,6 +212,7 @@ def cache_clear() -> None:
     _SIM_CACHE.clear()
     _peak_at.cache_clear()
     lowered_program.cache_clear()
+    generated_program.cache_clear()
     action_counts.cache_clear()
 
 

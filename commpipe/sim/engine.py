@@ -31,6 +31,7 @@ stream waits for TP collectives, per rank.
 from __future__ import annotations
 
 import gc
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -112,15 +113,77 @@ def _gc_paused():
             gc.enable()
 
 
-def simulate(program: Program, costs: CostTable | None = None, check: bool = True) -> SimResult:
+def simulate(program: Program, costs: CostTable | None = None, check: bool = True,
+             record: bool = True) -> SimResult:
     """Time `program` (lowered here if compute-only) under `costs` (default: f=1, b=2 per
     rank's share). `check=False` skips the static validation (the walk still detects
-    deadlock)."""
+    deadlock). `record=False` keeps only the totals (makespan, busy, idle, bubble, peaks, TP
+    bubble): no timeline, `events` is empty; the planner's many simulations need no more."""
     with _gc_paused():
-        return _simulate(program, costs, check)
+        return _simulate(program, costs, check, record)
 
 
-def _simulate(program: Program, costs: CostTable | None, check: bool) -> SimResult:
+def _compiled(lowered: Program) -> tuple:
+    """The cost-free part of a walk, once per program object (programs are immutable):
+    (codes, unitwise, links). codes: per rank, (code, stage, micro-batch, x) with code as in
+    _CODE, 8 for a unit action or braid, and x what the walk reads besides costs:
+      compute: (duration index op * n + stage, the `out_ready` indices of its local inputs
+        (2 * n * m, a slot that stays 0.0, when it has none));
+      unit action or braid: its unit steps (see _unit_steps);
+      send: (message key, link index into `links`, boundary, `out_ready` index, destination rank);
+      receive: (message key, source rank, boundary).
+    unitwise: whether any action runs unit by unit; links: the (src, dst) rank pairs sends use."""
+    hit = _COMPILED.get(id(lowered))
+    if hit is not None and hit[0]() is lowered:
+        return hit[1]
+    m, n = lowered.microbatches, lowered.num_stages
+    nm, rank_of = n * m, lowered.stage_to_rank
+    zero = 2 * nm
+    links: dict[tuple[int, int], int] = {}
+    for s in range(n - 1):                  # both directions of each boundary between ranks
+        a, b = rank_of[s], rank_of[s + 1]
+        if a != b:
+            links.setdefault((a, b), len(links))
+            links.setdefault((b, a), len(links))
+    codes = []
+    for r, acts in enumerate(lowered.actions):
+        row = []
+        for a in acts:
+            s, mb = a.stage, a.microbatch
+            if a.is_braid or a.unit is not None:
+                row.append((8, s, mb, _unit_steps(a.parts, n)))
+                continue
+            op = _CODE[a.op]
+            if op < 4:
+                if op == 0:
+                    need = ((s - 1) * m + mb if s > 0 else zero, zero)
+                elif op < 3:            # its forward's output (the loss) and the gradient
+                    need = (s * m + mb, nm + (s + 1) * m + mb if s + 1 < n else zero)
+                else:
+                    need = (zero, zero)
+                x = (op * n + s, *need)
+            elif op == 4 or op == 6:
+                if op == 4:
+                    dst, key, bnd, out = rank_of[s + 1], (s + 1) * m + mb, s, s * m + mb
+                else:
+                    dst, key, bnd, out = rank_of[s - 1], nm + (s - 1) * m + mb, s - 1, nm + s * m + mb
+                x = (key, links[(r, dst)], bnd, out, dst)
+            elif op == 5:
+                x = (s * m + mb, rank_of[s - 1], s - 1)
+            else:
+                x = (nm + s * m + mb, rank_of[s + 1], s)
+            row.append((op, s, mb, x))
+        codes.append(row)
+    out = (codes, any(a[0] == 8 for acts in codes for a in acts), list(links))
+    _COMPILED[id(lowered)] = (weakref.ref(lowered), out)
+    weakref.finalize(lowered, _COMPILED.pop, id(lowered), None)
+    return out
+
+
+_COMPILED: dict[int, tuple] = {}      # id(program) -> (weak reference to it, its compiled walk)
+
+
+def _simulate(program: Program, costs: CostTable | None, check: bool, record: bool = True) -> SimResult:
     lowered = program if program.is_lowered else lower(program)
     if costs is None:
         costs = CostTable.for_program(lowered)
@@ -128,7 +191,6 @@ def _simulate(program: Program, costs: CostTable | None, check: bool) -> SimResu
     if check:
         check_program(lowered)
     p, m, n = lowered.pp, lowered.microbatches, lowered.num_stages
-    rank_of = lowered.stage_to_rank
 
     # per-op durations per stage: 0 F, 1 B, 2 I, 3 W (TP/CP collectives ride on F, B and I)
     tp = costs.tp_comm or [0.0] * n
@@ -142,30 +204,22 @@ def _simulate(program: Program, costs: CostTable | None, check: bool) -> SimResu
     dur_raw = (costs.f, costs.b, costs.i, costs.w)
     has_tp = any(tp)
     mem_w = costs.activation_memory_bytes
-    link_param, link_free = {}, {}
-    for s in range(n - 1):
-        a, b = rank_of[s], rank_of[s + 1]
-        if a != b:
-            for src, dst in ((a, b), (b, a)):
-                link_param[(src, dst)] = costs.link(src, dst)
-                link_free[(src, dst)] = 0.0
+    # units and braids: code 8, with their passes' unit steps (see _unit_steps); a unit runs a
+    # quarter of its pass (cq, by code * n + stage) and half its TP collective if it has one
+    # (th; index -1, a zero, for the units without)
+    codes, unitwise, links = _compiled(lowered)
+    cq = [x / 4 for d in dur_raw for x in d]
+    th = [x / 2 for x in tp] * 4 + [0.0]
+    durs = [x for d in dur for x in d]
+    link_lat, link_mspb = [], []
+    for src, dst in links:
+        lat, ms_per_byte = costs.link(src, dst)
+        link_lat.append(lat)
+        link_mspb.append(ms_per_byte)
+    link_free = [0.0] * len(links)
     act_bytes = costs.activation_bytes
-
-    # units and braids: code 8, with their passes' unit plans (see _plan) in `plans`
-    plans: dict[tuple[int, int], list] = {}
-    codes = []
-    for r, acts in enumerate(lowered.actions):
-        row = []
-        for k, a in enumerate(acts):
-            if a.is_braid or a.unit is not None:
-                plans[(r, k)] = [_plan(x, dur_raw, tp) for x in a.parts]
-                row.append((8, a.stage, a.microbatch))
-            else:
-                row.append((_CODE[a.op], a.stage, a.microbatch))
-        codes.append(row)
-    unitwise = bool(plans)
     nm = n * m
-    out_ready = [0.0] * (2 * nm)          # when a pass's output is complete: F (s, mb), then B/I
+    out_ready = [0.0] * (2 * nm + 1)      # when a pass's output is complete: F (s, mb), then B/I
     tp_free, exposed = [0.0] * p, [0.0] * p
     rec_u, pass_done = [], {}
     arrive: list[float | None] = [None] * (2 * nm)     # message key -> arrival time
@@ -174,7 +228,9 @@ def _simulate(program: Program, costs: CostTable | None, check: bool) -> SimResu
     pcs, cur, busy = [0] * p, [0.0] * p, [0.0] * p
     count, peak = [0] * p, [0] * p
     mem_b, peak_b = [0.0] * p, [0.0] * p
-    rec_c, rec_p, rec_tp = [], [], []
+    rec_c, rec_p, rec_tp = ([], [], []) if record else (None, None, None)
+    if not record:
+        rec_u = None
 
     ready = list(range(p))
     while ready:
@@ -182,25 +238,26 @@ def _simulate(program: Program, costs: CostTable | None, check: bool) -> SimResu
         acts, k, t = codes[r], pcs[r], cur[r]
         nacts, bsy, cnt, pk, mb_, pkb = len(acts), busy[r], count[r], peak[r], mem_b[r], peak_b[r]
         while k < nacts:
-            op, s, mb = acts[k]
+            op, s, mb, x = acts[k]
             if op == 8:                                             # units / braid
-                t, bsy, cnt, pk = _run_units(plans[(r, k)], r, k, t, bsy, cnt, pk, m, nm, out_ready,
-                                             tp_free, exposed, rec_c, rec_tp, rec_u, pass_done)
+                t, bsy, cnt, pk = _run_units(x, r, k, t, bsy, cnt, pk, m, nm, out_ready, tp_free,
+                                             exposed, cq, th, rec_c, rec_tp, rec_u, pass_done)
             elif op < 4:                                            # compute
                 if unitwise:                # a local input from a unit pass may still be in flight
-                    need = (out_ready[(s - 1) * m + mb] if op == 0 and s > 0 else 0.0)
-                    if op in (1, 2):        # its forward's output (the loss) and the gradient
-                        need = max(out_ready[s * m + mb],
-                                   out_ready[nm + (s + 1) * m + mb] if s + 1 < n else 0.0)
+                    need, other = out_ready[x[1]], out_ready[x[2]]
+                    if other > need:
+                        need = other
                     if need > t:
                         exposed[r] += need - t
                         bsy += need - t
                         t = need
-                d = dur[op][s]
-                rec_c.append((r, k, t, t + d))
+                d = durs[x[0]]
+                if record:
+                    rec_c.append((r, k, t, t + d))
                 if has_tp and op < 3 and tp[s] > 0:
-                    rec_tp.append((r, k, t + d - tp[s], t + d) if costs.tp_mode == "exposed"
-                                  else (r, k, t, t + tp[s]))
+                    if record:
+                        rec_tp.append((r, k, t + d - tp[s], t + d) if costs.tp_mode == "exposed"
+                                      else (r, k, t, t + tp[s]))
                     exposed[r] += d - dur_raw[op][s]
                 t += d
                 bsy += d
@@ -217,36 +274,32 @@ def _simulate(program: Program, costs: CostTable | None, check: bool) -> SimResu
                     if mem_w is not None:
                         mb_ -= mem_w[s]
             elif op == 4 or op == 6:                                # SEND_F / SEND_B
-                if op == 4:
-                    dst_stage, key, nbytes = s + 1, (s + 1) * m + mb, act_bytes[s]
-                else:
-                    dst_stage, key, nbytes = s - 1, nm + (s - 1) * m + mb, act_bytes[s - 1]
-                link = (r, rank_of[dst_stage])
-                lat, ms_per_byte = link_param[link]
-                start = t if t > link_free[link] else link_free[link]
+                key, li, bnd, out, dst = x
+                nbytes = act_bytes[bnd]
+                lat, free = link_lat[li], link_free[li]
+                start = t if t > free else free
                 if unitwise:                # the tensor is complete when its last collective is
-                    out = out_ready[s * m + mb] if op == 4 else out_ready[nm + s * m + mb]
+                    out = out_ready[out]
                     start = out if out > start else start
-                xfer = nbytes * ms_per_byte
-                link_free[link] = start + xfer
+                xfer = nbytes * link_mspb[li]
+                link_free[li] = start + xfer
                 arrive[key] = start + lat + xfer
                 sent_at[key] = start
-                rec_p.append((r, k, start, start + lat + xfer, link[1], nbytes, None))
+                if record:
+                    rec_p.append((r, k, start, start + lat + xfer, dst, nbytes, None))
                 w = waiting.pop(key, None)
                 if w is not None:
                     ready.append(w)
             else:                                                   # RECV_F / RECV_B
-                if op == 5:
-                    key, src, nbytes = s * m + mb, rank_of[s - 1], act_bytes[s - 1]
-                else:
-                    key, src, nbytes = nm + s * m + mb, rank_of[s + 1], act_bytes[s]
+                key, src, bnd = x
                 arr = arrive[key]
                 if arr is None:
                     waiting[key] = r
                     break
                 done = arr if arr > t else t
-                wait = sent_at[key] - t
-                rec_p.append((r, k, t, done, src, nbytes, wait if wait > 0 else 0.0))
+                if record:
+                    wait = sent_at[key] - t
+                    rec_p.append((r, k, t, done, src, act_bytes[bnd], wait if wait > 0 else 0.0))
                 t = done
             k += 1
         if k == nacts and tp_free[r] > t:     # the step ends when the last collective has
@@ -264,7 +317,37 @@ def _simulate(program: Program, costs: CostTable | None, check: bool) -> SimResu
         bubble_fraction=(sum(1 - b / makespan for b in busy) / p) if makespan > 0 else 0.0,
         peak_activations=[x * unit for x in peak],
         peak_activation_bytes=peak_b if mem_w is not None else None, tp_bubble=exposed,
-        _compute=rec_c, _comm=rec_p, _tp=rec_tp, _units=rec_u)
+        _compute=rec_c or [], _comm=rec_p or [], _tp=rec_tp or [], _units=rec_u or [],
+        _events=None if record else [])
+
+
+def peak_activations(program: Program) -> list[float]:
+    """`simulate(program, ...).peak_activations` without the timing walk: the counts follow
+    each rank's compute actions in order and nothing else, so `program` may be compute-only
+    (not lowered) and no costs are needed. The same counting as `simulate`, step for step."""
+    codes = _compiled(program)[0]
+    out = []
+    for acts in codes:
+        cnt = pk = 0
+        for op, _, _, x in acts:
+            if op == 8:
+                for plan in x[0]:                   # stored activations count from the start
+                    if plan[5] > 0:
+                        cnt += plan[5]
+                        if cnt > pk:
+                            pk = cnt
+                for plan in x[0]:
+                    if plan[5] < 0:
+                        cnt += plan[5]
+            elif op == 0:
+                cnt += 1
+                if cnt > pk:
+                    pk = cnt
+            elif op == 1 or op == 3:
+                cnt -= 1
+        out.append(pk)
+    unit = program.pp / program.num_stages
+    return [x * unit for x in out]
 
 
 # unit order and which units carry a TP collective, per pass kind
@@ -272,40 +355,48 @@ _FWD_UNITS, _BWD_UNITS = UNITS, UNITS[::-1]
 _TP_UNITS = {"F": ("attn", "mlp"), "B": ("pre_mlp", "pre_attn"), "I": ("pre_mlp", "pre_attn"), "W": ()}
 
 
-def _plan(part, dur_raw, tp) -> tuple:
-    """One plain pass (whole or one unit) as (code, key, frees, [(unit, compute, tp), ...]).
+def _unit_steps(parts, n: int) -> tuple:
+    """A unit action or braid as (passes, steps), free of costs.
 
-    key: index of its output in the engine's `out_ready` list (F outputs first, then B/I), or None
-    for W; frees: +1 forward (stores), -1 B or W (frees), 0 I, spread evenly over its units."""
-    op, s = part.op, part.stage
-    code = _CODE[op]
-    order = _FWD_UNITS if op == "F" else _BWD_UNITS
-    units = (part.unit,) if part.unit else order
-    c = dur_raw[code][s] / 4
-    t = tp[s] / 2
-    seq = [(u, c, t if u in _TP_UNITS[op] else 0.0) for u in units]
-    first, last = units[0] == order[0], units[-1] == order[-1]
-    mem = {"F": 1.0, "B": -1.0, "I": 0.0, "W": -1.0}[op] * len(seq) / 4
-    return (code, part.stage, part.microbatch, first, last, mem, seq)
+    passes: per plain pass (whole or one unit), (code, stage, micro-batch, first, last, mem):
+      first/last whether it holds its pass's first/last unit, mem the stored activations it
+      adds (+1 forward, -1 B or W, 0 I, spread evenly over its units);
+    steps: its units in execution order, the passes' units alternately (forward first), each
+      (pass index, cost index, TP index, unit): a unit computes cq[cost index] and then, with
+      a TP collective, runs th[TP index] on the TP stream (index -1: none)."""
+    passes, seqs = [], []
+    for part in parts:
+        op, s = part.op, part.stage
+        code = _CODE[op]
+        order = _FWD_UNITS if op == "F" else _BWD_UNITS
+        units = (part.unit,) if part.unit else order
+        mem = {"F": 1.0, "B": -1.0, "I": 0.0, "W": -1.0}[op] * len(units) / 4
+        passes.append((code, s, part.microbatch, units[0] == order[0], units[-1] == order[-1], mem))
+        seqs.append([(code * n + s, code * n + s if u in _TP_UNITS[op] else -1, u) for u in units])
+    steps = []
+    for x in range(max(len(q) for q in seqs)):
+        steps += [(j, *q[x]) for j, q in enumerate(seqs) if x < len(q)]
+    return tuple(passes), tuple(steps)
 
 
-def _run_units(plans, r, k, t, bsy, cnt, pk, m, nm, ready, tp_free, exposed, rec_c, rec_tp, rec_u,
-               pass_done):
+def _run_units(unit_steps, r, k, t, bsy, cnt, pk, m, nm, ready, tp_free, exposed, cq, th, rec_c,
+               rec_tp, rec_u, pass_done):
     """Time one unit action or braid on rank r from host time t; returns (t, busy, count, peak).
 
     The compute stream takes the passes' units alternately; each unit waits for its local input
     (first unit) or the collective of the unit before it in its pass (`pass_done` keeps that
     across actions for passes written unit by unit); collectives queue on the rank's TP stream.
     The compute stream is free at the end of the last unit; the passes' outputs are ready (in
-    `ready`) when their last collectives end."""
+    `ready`) when their last collectives end. rec_c, rec_tp, rec_u: timeline lists, or None."""
+    passes, steps = unit_steps
     start = t
-    for plan in plans:                            # stored activations count from the start
+    for plan in passes:                           # stored activations count from the start
         if plan[5] > 0:
             cnt += plan[5]
             if cnt > pk:
                 pk = cnt
     waits = []
-    for code, s, mb, first, _, _, _ in plans:     # a pass's first unit needs its input
+    for code, s, mb, first, _, _ in passes:       # a pass's first unit needs its input
         if not first:
             waits.append(pass_done.pop((code, s, mb), 0.0))
         elif code == 0:
@@ -315,29 +406,31 @@ def _run_units(plans, r, k, t, bsy, cnt, pk, m, nm, ready, tp_free, exposed, rec
                              ready[nm + (s + 1) * m + mb] if (s + 1) * m < nm else 0.0))
         else:
             waits.append(0.0)
-    idx = [0] * len(plans)
-    while any(idx[j] < len(plans[j][6]) for j in range(len(plans))):
-        for j, plan in enumerate(plans):
-            if idx[j] >= len(plan[6]):
-                continue
-            unit, c, comm = plan[6][idx[j]]
-            if waits[j] > t:                      # waiting for a collective (or a local input)
-                exposed[r] += waits[j] - t
-                bsy += waits[j] - t
-                t = waits[j]
+    ex, tpf = exposed[r], tp_free[r]
+    for j, ci, ti, unit in steps:
+        w = waits[j]
+        if w > t:                                 # waiting for a collective (or a local input)
+            ex += w - t
+            bsy += w - t
+            t = w
+        c = cq[ci]
+        if rec_u is not None:
             rec_u.append((r, k, j, unit, t, t + c))
-            t += c
-            bsy += c
-            if comm > 0:
-                c0 = t if t > tp_free[r] else tp_free[r]
-                tp_free[r] = c0 + comm
-                rec_tp.append((r, k, c0, c0 + comm))
-                waits[j] = c0 + comm
-            else:
-                waits[j] = t
-            idx[j] += 1
-    rec_c.append((r, k, start, t))
-    for (code, s, mb, _, last, mem, _), done in zip(plans, waits):
+        t += c
+        bsy += c
+        comm = th[ti]
+        if comm > 0:
+            c0 = t if t > tpf else tpf
+            tpf = c0 + comm
+            if rec_tp is not None:
+                rec_tp.append((r, k, c0, tpf))
+            waits[j] = tpf
+        else:
+            waits[j] = t
+    exposed[r], tp_free[r] = ex, tpf
+    if rec_c is not None:
+        rec_c.append((r, k, start, t))
+    for (code, s, mb, _, last, mem), done in zip(passes, waits):
         if mem < 0:
             cnt += mem
         if not last:
@@ -347,4 +440,3 @@ def _run_units(plans, r, k, t, bsy, cnt, pk, m, nm, ready, tp_free, exposed, rec
         elif code in (1, 2):
             ready[nm + s * m + mb] = done
     return t, bsy, cnt, pk
-
