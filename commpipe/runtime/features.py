@@ -27,8 +27,9 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16")
 ZERO_STAGES = (0, 1)
 ZERO_GROUPS = ("dp",)
-# chunked forward all-gather/GEMM overlap (measured in docs/overlap.md, "Forward all-gather")
-TP_FORWARD_DEFAULT = True
+# chunked forward all-gather/GEMM overlap: off, it does not pay on CPU/gloo (docs/overlap.md,
+# "Forward all-gather beside the own-row GEMMs"); --tp-forward-overlap turns it on
+TP_FORWARD_DEFAULT = False
 
 
 @dataclass(frozen=True)

@@ -111,8 +111,8 @@ def add_arguments(p) -> None:
     g.add_argument("--tp-forward-overlap", action=argparse.BooleanOptionalAction, default=None,
                    help="with sequence parallelism, compute the column-parallel GEMMs over the "
                         "rank's own rows while the forward all-gather brings the others "
-                        "(default: commpipe.runtime.features.TP_FORWARD_DEFAULT; off with "
-                        "--no-overlap)")
+                        "(default off: it does not pay on CPU/gloo, see docs/overlap.md; "
+                        "--no-overlap turns it off too)")
     g.add_argument("--dp-bucket-mb", type=float, default=25.0,
                    help="gradients are reduced in buckets of about this many MB, each as soon "
                         "as its gradients are final (default 25)")
