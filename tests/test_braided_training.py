@@ -7,7 +7,8 @@ parallelism each step's collective is issued asynchronously and waited by the ne
 same pass. Checked against the single-process reference (loss, pre-clip gradients, parameters):
 pp 2 here (pp 4 under strict order in tests/test_strict_order.py), tp 2 with and without
 sequence parallelism and overlap, dp 2, cp 2, selective recomputation; validation (forward only,
-unit by unit) after every training step equals the single-device one. A probe in a real run shows
+unit by unit) after every training step equals the single-device one; under bf16 autocast stp
+equals the whole-stage zbv bit for bit. A probe in a real run shows
 the collectives in flight while the other pass computes; a planted bug (an input-gradient
 all-reduce dropped) shows the comparison fails.
 """
@@ -122,6 +123,10 @@ def results(world: int) -> dict:
                 ("pp2-dualpipev", cfg(ParallelDims(pp=2), "dualpipev")),
                 ("tp2-stp-probed", cfg(ParallelDims(tp=2), "stp", sequence_parallel=False),
                  probe_overlap)]
+        # bf16 autocast: unit by unit computes what the whole-stage zbv computes on the same
+        # stages (same V split, same I/W split), to the bit
+        jobs += [(f"tp2-{name}-bf16", cfg(ParallelDims(tp=2), name, precision="bf16"))
+                 for name in ("stp", "zbv")]
         # the probe patches module functions in the worker processes: the planted bug runs last
         jobs.append(("planted", cfg(ParallelDims(tp=2), "stp", sequence_parallel=False),
                      plant_dropped_allreduce))
@@ -148,13 +153,23 @@ def reference():
 
 def test_braided_schedules_match_single_device_pp2():
     for key, got in results(2).items():
-        if key != "planted":
+        if key not in ("planted", "tp2-stp-bf16", "tp2-zbv-bf16"):
             check_against(reference(), got, key)
 
 
 def test_braided_schedules_match_single_device_tp_dp_recompute():
     for key, got in results(4).items():
         check_against(reference(), got, key)
+
+
+def test_bf16_unit_by_unit_equals_whole_stages_bitwise():
+    import torch
+
+    got, want = results(2)["tp2-stp-bf16"], results(2)["tp2-zbv-bf16"]
+    assert got["losses"] == want["losses"] and got["grad_norms"] == want["grad_norms"]
+    for name, grad in want["grads"].items():
+        assert torch.equal(got["grads"][name], grad), name
+        assert torch.equal(got["params"][name], want["params"][name]), name
 
 
 def test_validation_runs_unit_by_unit_between_training_steps():
