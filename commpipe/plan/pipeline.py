@@ -24,7 +24,6 @@ simulator runs them on a TP stream where the other pass of a braid hides them.
 
 from __future__ import annotations
 
-from collections import namedtuple
 from functools import lru_cache
 
 from commpipe.schedules import generate, lower
@@ -86,14 +85,11 @@ def action_counts(schedule: str, pp: int, vpp: int, m: int) -> tuple[dict, ...]:
                   for k in set(a[r]) | set(b[r])} for r in range(pp))
 
 
-_Pass = namedtuple("_Pass", "op stage microbatch unit")     # what engine._unit_steps reads of an Action
-
-
 @lru_cache(maxsize=4096)
 def _braid_steps(parts: tuple, n: int) -> tuple:
     from commpipe.sim.engine import _unit_steps
 
-    return _unit_steps([_Pass(op, st, 0, None) for op, st in parts], n)
+    return _unit_steps([(op, st, 0, None) for op, st in parts], n)
 
 
 def braid_span(parts: tuple, f: list[float], b: list[float], i: list[float], w: list[float],

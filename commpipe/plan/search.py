@@ -24,6 +24,7 @@ from commpipe.plan.layout import Job, Layout, enumerate_layouts, layout_problem
 from commpipe.plan.memory import memory_problem, stage_memory, static_memory_gb
 from commpipe.plan.pipeline import peak_inflight
 from commpipe.plan.timing import Efficiency, stage_costs
+from commpipe.sim.engine import gc_paused
 
 
 @dataclass
@@ -83,6 +84,13 @@ def _branch_and_bound(cands: list[Candidate], k: int, spec, job, cluster,
 
 def search(spec: ModelSpec, job: Job, cluster: Cluster, eff: Efficiency | None = None,
            fixed: dict | None = None, top: int = 5, explain: bool = True) -> SearchResult:
+    # the programs it generates and caches are ~1e6 long-lived objects, which the cyclic
+    # collector would rescan over and over (a fifth of the search's time): it runs once, after
+    with gc_paused():
+        return _search(spec, job, cluster, eff, fixed, top, explain)
+
+
+def _search(spec, job, cluster, eff, fixed, top, explain) -> SearchResult:
     eff = eff or Efficiency()
     cluster.gpu.peak_tflops(job.precision)         # fp8 on a GPU without FP8 fails here
     fixed = {k: v for k, v in (fixed or {}).items() if v is not None}

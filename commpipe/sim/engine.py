@@ -34,6 +34,7 @@ import gc
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from commpipe.schedules.actions import UNITS, Program, lower
 from commpipe.schedules.validate import ScheduleDeadlock, check_program, deadlock_message
@@ -74,7 +75,7 @@ class SimResult:
     def events(self) -> list[Event]:
         """Timeline in the shared schema (commpipe.timeline.Event), built on first access."""
         if self._events is None:
-            with _gc_paused():
+            with gc_paused():
                 self._events = self._build_events()
         return self._events
 
@@ -101,9 +102,10 @@ class SimResult:
 
 
 @contextmanager
-def _gc_paused():
+def gc_paused():
     """The walk allocates ~1e6 small tuples that all stay alive; the cyclic collector would
-    rescan them again and again (none can form a cycle), so pause it for the duration."""
+    rescan them again and again (none can form a cycle), so pause it for the duration. The
+    planner's search pauses it too: the programs it generates and caches are ~1e6 actions."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -119,7 +121,7 @@ def simulate(program: Program, costs: CostTable | None = None, check: bool = Tru
     rank's share). `check=False` skips the static validation (the walk still detects
     deadlock). `record=False` keeps only the totals (makespan, busy, idle, bubble, peaks, TP
     bubble): no timeline, `events` is empty; the planner's many simulations need no more."""
-    with _gc_paused():
+    with gc_paused():
         return _simulate(program, costs, check, record)
 
 
@@ -145,13 +147,14 @@ def _compiled(lowered: Program) -> tuple:
         if a != b:
             links.setdefault((a, b), len(links))
             links.setdefault((b, a), len(links))
-    codes = []
+    codes, unitwise = [], False
     for r, acts in enumerate(lowered.actions):
         row = []
         for a in acts:
             s, mb = a.stage, a.microbatch
-            if a.is_braid or a.unit is not None:
-                row.append((8, s, mb, _unit_steps(a.parts, n)))
+            if a.pair is not None or a.unit is not None:
+                row.append((8, s, mb, _unit_steps(_parts(a), n)))
+                unitwise = True
                 continue
             op = _CODE[a.op]
             if op < 4:
@@ -174,7 +177,7 @@ def _compiled(lowered: Program) -> tuple:
                 x = (nm + s * m + mb, rank_of[s + 1], s)
             row.append((op, s, mb, x))
         codes.append(row)
-    out = (codes, any(a[0] == 8 for acts in codes for a in acts), list(links))
+    out = (codes, unitwise, list(links))
     _COMPILED[id(lowered)] = (weakref.ref(lowered), out)
     weakref.finalize(lowered, _COMPILED.pop, id(lowered), None)
     return out
@@ -325,38 +328,50 @@ def peak_activations(program: Program) -> list[float]:
     """`simulate(program, ...).peak_activations` without the timing walk: the counts follow
     each rank's compute actions in order and nothing else, so `program` may be compute-only
     (not lowered) and no costs are needed. The same counting as `simulate`, step for step."""
-    codes = _compiled(program)[0]
+    n = program.num_stages
     out = []
-    for acts in codes:
+    for acts in program.actions:
         cnt = pk = 0
-        for op, _, _, x in acts:
-            if op == 8:
-                for plan in x[0]:                   # stored activations count from the start
-                    if plan[5] > 0:
-                        cnt += plan[5]
+        for a in acts:
+            op = a.op
+            if a.pair is not None or a.unit is not None:     # as _run_units counts
+                mems = [x[3] for x in _unit_shape(tuple((o, st, u) for o, st, _, u in _parts(a)), n)[0]]
+                for mem in mems:                    # stored activations count from the start
+                    if mem > 0:
+                        cnt += mem
                         if cnt > pk:
                             pk = cnt
-                for plan in x[0]:
-                    if plan[5] < 0:
-                        cnt += plan[5]
-            elif op == 0:
+                for mem in mems:
+                    if mem < 0:
+                        cnt += mem
+            elif op == "F":
                 cnt += 1
                 if cnt > pk:
                     pk = cnt
-            elif op == 1 or op == 3:
+            elif op == "B" or op == "W":
                 cnt -= 1
         out.append(pk)
-    unit = program.pp / program.num_stages
+    unit = program.pp / n
     return [x * unit for x in out]
 
 
 # unit order and which units carry a TP collective, per pass kind
 _FWD_UNITS, _BWD_UNITS = UNITS, UNITS[::-1]
 _TP_UNITS = {"F": ("attn", "mlp"), "B": ("pre_mlp", "pre_attn"), "I": ("pre_mlp", "pre_attn"), "W": ()}
+_MEM = {"F": 1.0, "B": -1.0, "I": 0.0, "W": -1.0}
+
+
+def _parts(a) -> tuple:
+    """(op, stage, micro-batch, unit) of each plain pass of action `a` (its `parts`)."""
+    if a.pair is None:
+        return ((a.op, a.stage, a.microbatch, a.unit),)
+    b = a.pair
+    return (("F", a.stage, a.microbatch, a.unit), (b.op, b.stage, b.microbatch, b.unit))
 
 
 def _unit_steps(parts, n: int) -> tuple:
-    """A unit action or braid as (passes, steps), free of costs.
+    """A unit action or braid (its passes as (op, stage, micro-batch, unit)) as (passes, steps),
+    free of costs.
 
     passes: per plain pass (whole or one unit), (code, stage, micro-batch, first, last, mem):
       first/last whether it holds its pass's first/last unit, mem the stored activations it
@@ -364,14 +379,21 @@ def _unit_steps(parts, n: int) -> tuple:
     steps: its units in execution order, the passes' units alternately (forward first), each
       (pass index, cost index, TP index, unit): a unit computes cq[cost index] and then, with
       a TP collective, runs th[TP index] on the TP stream (index -1: none)."""
+    shape, steps = _unit_shape(tuple((op, s, u) for op, s, _, u in parts), n)
+    return tuple((code, s, mb, first, last, mem)
+                 for (code, first, last, mem), (_, s, mb, _) in zip(shape, parts)), steps
+
+
+@lru_cache(maxsize=65536)
+def _unit_shape(parts: tuple, n: int) -> tuple:
+    """_unit_steps for passes given as (op, stage, unit): (code, first, last, mem) per pass,
+    and the steps."""
     passes, seqs = [], []
-    for part in parts:
-        op, s = part.op, part.stage
+    for op, s, unit in parts:
         code = _CODE[op]
         order = _FWD_UNITS if op == "F" else _BWD_UNITS
-        units = (part.unit,) if part.unit else order
-        mem = {"F": 1.0, "B": -1.0, "I": 0.0, "W": -1.0}[op] * len(units) / 4
-        passes.append((code, s, part.microbatch, units[0] == order[0], units[-1] == order[-1], mem))
+        units = (unit,) if unit else order
+        passes.append((code, units[0] == order[0], units[-1] == order[-1], _MEM[op] * len(units) / 4))
         seqs.append([(code * n + s, code * n + s if u in _TP_UNITS[op] else -1, u) for u in units])
     steps = []
     for x in range(max(len(q) for q in seqs)):
