@@ -34,12 +34,6 @@ LAYOUTS = {  # world -> name: (dims, schedule, options)
         "tp2pp2-nosp": (ParallelDims(tp=2, pp=2), "1f1b", {"sequence_parallel": False}),
         "tp2pp2-sp-none": (ParallelDims(tp=2, pp=2), "1f1b", {}),
         "tp2pp2-sp-selective": (ParallelDims(tp=2, pp=2), "1f1b", {"recompute": "selective"}),
-        # the chunked forward all-gather explicitly on / off, whatever TP_FORWARD_DEFAULT is
-        "tp2pp2-zbv-full-fwdchunk": (ParallelDims(tp=2, pp=2), "zbv",
-                                     {"recompute": "full", "tp_forward_overlap": True}),
-        "tp2dp2-zbh1-selective-fwdchunk": (ParallelDims(tp=2, dp=2), "zbh1",
-                                           {"recompute": "selective", "tp_forward_overlap": True}),
-        "tp2pp2-sp-nofwdchunk": (ParallelDims(tp=2, pp=2), "1f1b", {"tp_forward_overlap": False}),
     },
     8: {
         "tp2cp2pp2": (ParallelDims(tp=2, cp=2, pp=2), "1f1b", {}),
@@ -122,6 +116,14 @@ def gemms_in_flight(log: list) -> list[list[int]]:
 
 
 PROBED = ParallelDims(tp=2, dp=2)
+# the chunked forward all-gather (off by default) with the I/W split and recomputation; the
+# probe runs below check it on and off with 1F1B
+FWDCHUNK = {
+    "tp2pp2-zbv-full-fwdchunk": (ParallelDims(tp=2, pp=2), "zbv",
+                                 {"recompute": "full", "tp_forward_overlap": True}),
+    "tp2dp2-zbh1-selective-fwdchunk": (ParallelDims(tp=2, dp=2), "zbh1",
+                                       {"recompute": "selective", "tp_forward_overlap": True}),
+}
 
 
 @functools.cache
@@ -131,6 +133,7 @@ def results_of(world: int) -> dict:
     if world == 4:
         jobs.append(("planted-early-buckets", _cfg(ParallelDims(tp=2, dp=2), "1f1b", {}, True),
                      plant_early_buckets))
+        jobs += [(name, _cfg(d, s, o, True)) for name, (d, s, o) in FWDCHUNK.items()]
         for chunk in (True, False):
             opts = {"tp_forward_overlap": chunk}
             jobs.append((f"probe-fwdchunk-{chunk}", _cfg(PROBED, "1f1b", opts, True),
