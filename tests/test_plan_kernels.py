@@ -130,3 +130,12 @@ def test_megatron_overlap_of_the_dp_reduction_by_hand():
     # one chunk and a plain all-reduce: the former rule, max(ar - last backward, last bucket)
     assert overlapped_dp_exposed(1.0, 0.0, 400e6, [0.25], [0.5], 4) == pytest.approx(0.5)
     assert overlapped_dp_exposed(1.0, 0.0, 400e6, [2.0], [4.0], 4) == pytest.approx(0.1)
+
+
+def test_op_sac_counts_the_replayed_matmuls_as_executed_flops():
+    from commpipe.models.spec import flops_per_token
+    from commpipe.plan.estimate import hardware_flops_per_token
+
+    # 4 layers x 2 x (1024 x 256 + 1024 x 1024 + 1024 x 4096) = 4 x 2 x 5,505,024 = 44,040,192
+    extra = hardware_flops_per_token(SPEC, 2048, "op", True) - flops_per_token(SPEC, 2048)
+    assert extra == pytest.approx(44_040_192)

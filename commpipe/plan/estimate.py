@@ -98,6 +98,11 @@ def hardware_flops_per_token(spec: ModelSpec, seq_len: int, recompute: str, flas
     base = flops_per_token(spec, seq_len)
     if recompute == "selective" and not flash:
         base += spec.layers * 2 * 2 * seq_len * spec.hidden
+    if recompute == "op":
+        # torchtitan's per-op SAC replays every other matmul (kernels.py): Llama's wk, wo, w3,
+        # GPT's attention projection and fc2
+        h, kv, f = spec.hidden, spec.kv_dim, spec.ffn_hidden
+        base += spec.layers * 2 * (h * kv + h * h + h * f if spec.arch == "llama" else h * h + f * h)
     return base
 
 

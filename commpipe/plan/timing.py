@@ -334,12 +334,11 @@ def _dp_and_optimizer(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluste
     call = eff.coll_overhead_s
     lin = linear_params_per_layer(spec, layout.tp)
     sync = _step_sync(job, cluster, groups, call)
-    reduce_cost: dict = {}
+    prices: dict = {}
+    f, b = costs.f, costs.b
     for rank, (layers, params) in enumerate(stage_params(spec, layout, job)):
-        key = (params, tuple(chunks[rank]))
-        if key not in reduce_cost:
-            reduce_cost[key] = dp_cost(spec, layout, job, cluster, costs, groups, eff, rank, layers, params)
-        total, exposed = reduce_cost[key]
+        total, exposed = dp_cost(spec, layout, job, cluster, f, b, groups, eff, chunks[rank], layers,
+                                 params, prices)
         costs.dp_total.append(total)
         costs.dp_exposed.append(exposed)
         # the embedding and the head (with the final norm) count as one layer each

@@ -9,7 +9,7 @@ from commpipe.models.spec import ModelSpec
 from commpipe.plan.cluster import Cluster
 from commpipe.plan.kernels import fsdp_copy_bytes
 from commpipe.plan.layout import Job, Layout, zero_stage
-from commpipe.plan.memory import layer_params_per_rank, linear_params_per_layer, rank_chunks
+from commpipe.plan.memory import layer_params_per_rank, linear_params_per_layer
 
 
 def zero_exposed(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster, layers: int,
@@ -85,47 +85,55 @@ def overlapped_dp_exposed(reduce_s: float, gather_s: float, params: float, f: li
     return red + gat
 
 
-def dp_cost(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster, costs,
-             groups: dict, eff, rank: int, layers: int, params: float) -> tuple[float, float]:
-    """(total, exposed) seconds per step of one pipeline rank's data-parallel traffic."""
+def dp_cost(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster, f: list[float],
+            b: list[float], groups: dict, eff, mine: tuple, layers: int, params: float,
+            prices: dict) -> tuple[float, float]:
+    """(total, exposed) seconds per step of one pipeline rank's data-parallel traffic. `f`, `b`:
+    one micro-batch's forward and backward per stage; `mine`: the rank's stages; `prices`: a
+    cache of the collectives' prices by parameter count (they do not depend on the rank)."""
+    if params not in prices:
+        prices[params] = _dp_prices(spec, layout, job, cluster, groups, eff, layers, params)
+    kind, red, ag = prices[params]
+    if kind == "overlap":
+        exposed = overlapped_dp_exposed(red, ag, params, [f[s] for s in mine], [b[s] for s in mine],
+                                        layout.pp)
+        return red + ag, exposed
+    window = sum(b[s] for s in mine) if job.dp_overlap else 0.0
+    # the last bucket can never hide: Megatron's default bucket is 40M parameters
+    tail = red * min(1.0, BUCKET_PARAMS / max(params, 1.0))
+    return red, max(red - window, tail if job.dp_overlap else red)
+
+
+def _dp_prices(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster, groups: dict, eff,
+               layers: int, params: float) -> tuple[str, float, float]:
+    """("overlap", reduction, all-gather) under Megatron's overlap, else ("after", total, 0)."""
     grad_b = 2 if job.mixed and not job.grad_fp32 else 4
     z = zero_stage(layout, job)
     group, stride = groups["dp_cp"]
     shard = layout.shard_size if z >= 1 else 1
     call = eff.coll_overhead_s
-    mine = rank_chunks(layout.schedule, layout.pp, layout.vpp)[rank]
-    b = costs.b
     if z == 3 and layout.pp == 1 and shard > 1:
         # gradients already reduce-scattered per layer; HSDP all-reduces the shards across
         # the group's replicas once per step
         replicas = group // shard
         ar = cluster.all_reduce(params / shard * grad_b, replicas, stride * shard)
-        ar += call if replicas > 1 else 0.0
-    elif z == 2 and shard > 1:
+        return "after", ar + (call if replicas > 1 else 0.0), 0.0
+    if z == 2 and shard > 1:
         # gradients reduce-scattered per micro-batch (in the backward): the updated weights'
         # all-gather is what is left
-        ar = cluster.all_gather(params * (2 if job.mixed else 4), group, stride)
-    elif job.dp_overlap and group > 1 and shard in (1, group):
-        # Megatron's DDP with --overlap-grad-reduce / --overlap-param-gather (zero_costs.py):
-        # each chunk's reduction starts after its last backward, the distributed optimizer's
-        # parameter all-gather overlaps the next step's forward
+        return "after", cluster.all_gather(params * (2 if job.mixed else 4), group, stride), 0.0
+    if job.dp_overlap and group > 1 and shard in (1, group):
+        # Megatron's DDP with --overlap-grad-reduce / --overlap-param-gather (comment above
+        # overlapped_dp_exposed): each chunk's reduction starts after its last backward, the
+        # distributed optimizer's parameter all-gather overlaps the next step's forward
         if shard > 1:
             red = cluster.reduce_scatter(params * grad_b, group, stride) + call
             w_b = gather_bytes(spec, layout, job, params, layers)
-            ag = cluster.all_gather(params * w_b, group, stride) + call
-        else:
-            red, ag = cluster.all_reduce(params * grad_b, group, stride) + call, 0.0
-        exposed = overlapped_dp_exposed(red, ag, params, [costs.f[s] for s in mine],
-                                        [b[s] for s in mine], layout.pp)
-        return red + ag, exposed
-    else:
-        # all-reduce over dp*cp (ZeRO-1: reduce-scatter + all-gather, the same traffic)
-        ar = cluster.all_reduce(params * grad_b, group, stride)
-        ar += call if group > 1 else 0.0
-    window = sum(b[s] for s in mine) if job.dp_overlap else 0.0
-    # the last bucket can never hide: Megatron's default bucket is 40M parameters
-    tail = ar * min(1.0, 40e6 / max(params, 1.0))
-    return ar, max(ar - window, tail if job.dp_overlap else ar)
+            return "overlap", red, cluster.all_gather(params * w_b, group, stride) + call
+        return "overlap", cluster.all_reduce(params * grad_b, group, stride) + call, 0.0
+    # all-reduce over dp*cp (ZeRO-1: reduce-scatter + all-gather, the same traffic)
+    ar = cluster.all_reduce(params * grad_b, group, stride)
+    return "after", ar + (call if group > 1 else 0.0), 0.0
 
 
 def gather_bytes(spec: ModelSpec, layout: Layout, job: Job, params: float, layers: int) -> float:
