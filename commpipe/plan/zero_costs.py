@@ -95,9 +95,12 @@ def dp_cost(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster, f: list
         prices[params] = _dp_prices(spec, layout, job, cluster, groups, eff, layers, params)
     kind, red, ag = prices[params]
     if kind == "overlap":
-        exposed = overlapped_dp_exposed(red, ag, params, [f[s] for s in mine], [b[s] for s in mine],
-                                        layout.pp)
-        return red + ag, exposed
+        # commpipe's own runtime gathers the updated parameters after the step (parallel/data.py),
+        # Megatron during the next step's forward
+        later = job.runtime == "commpipe"
+        exposed = overlapped_dp_exposed(red, 0.0 if later else ag, params, [f[s] for s in mine],
+                                        [b[s] for s in mine], layout.pp)
+        return red + ag, exposed + (ag if later else 0.0)
     window = sum(b[s] for s in mine) if job.dp_overlap else 0.0
     # the last bucket can never hide: Megatron's default bucket is 40M parameters
     tail = red * min(1.0, BUCKET_PARAMS / max(params, 1.0))
