@@ -66,6 +66,24 @@ def probe_overlap(trainer) -> None:
     executor._alternate = logged_alternate
 
 
+def probe_roots(trainer) -> None:
+    """After each forward pass, record the bytes its steps' backward roots hold beyond the
+    storages the next steps read (trainer.test_log: (bytes, number of roots))."""
+    from commpipe.runtime import units
+
+    log = trainer.test_log = []
+    forward = units.UnitPass.forward_steps
+
+    def logged(self):
+        yield from forward(self)
+        if self.grad:
+            read = {t.untyped_storage().data_ptr() for st in self.steps for t in st.leaves}
+            extra = sum(r.untyped_storage().nbytes() for st in self.steps for r in st.results
+                        if r.untyped_storage().data_ptr() not in read and st.unit != "end")
+            log.append((extra, sum(len(st.results) for st in self.steps if st.unit != "end")))
+    units.UnitPass.forward_steps = logged
+
+
 def plant_dropped_allreduce(trainer) -> None:
     """A deliberate bug: the backward all-reduce of the input gradient before attention and MLP
     (the adjoint of `f`) is skipped, so each TP rank keeps its partial gradient."""
@@ -125,8 +143,9 @@ def results(world: int) -> dict:
                  probe_overlap)]
         # bf16 autocast: unit by unit computes what the whole-stage zbv computes on the same
         # stages (same V split, same I/W split), to the bit
-        jobs += [(f"tp2-{name}-bf16", cfg(ParallelDims(tp=2), name, precision="bf16"))
-                 for name in ("stp", "zbv")]
+        jobs += [(f"tp2-{name}-bf16", cfg(ParallelDims(tp=2), name, precision="bf16"), probe_roots)
+                 for name in ("stp",)]
+        jobs.append(("tp2-zbv-bf16", cfg(ParallelDims(tp=2), "zbv", precision="bf16")))
         # the probe patches module functions in the worker processes: the planted bug runs last
         jobs.append(("planted", cfg(ParallelDims(tp=2), "stp", sequence_parallel=False),
                      plant_dropped_allreduce))
@@ -207,3 +226,12 @@ def test_tp_collectives_are_in_flight_while_the_other_pass_computes():
     # stp at pp=1 braids every steady-state forward with an input gradient: the collectives a
     # braid's step issues are waited for only after a step of the other pass has run
     assert len(hidden) >= 0.75 * len(in_braids), (len(hidden), len(in_braids))
+
+
+def test_backward_roots_do_not_keep_full_sequence_partials():
+    # a step's output that went through a collective is kept only as its backward's root: once
+    # the collective has read it, its values are freed (the row-parallel partial sums span the
+    # whole sequence with sequence parallelism; the whole-stage path never keeps them)
+    log = results(2)["tp2-stp-bf16"]["logs"][0]
+    # at most one element (a freed root keeps a 1-element storage for its shape) per root
+    assert log and all(extra <= 4 * roots for extra, roots in log), log[:3]

@@ -36,9 +36,21 @@ class _InFlight:
 
     def __init__(self, handle, finish):
         self.handle, self.finish = handle, finish
+        self.root = None        # the producer's output, kept only as its backward's root
 
     def value(self) -> torch.Tensor:
-        return self.finish(self.handle.wait())
+        out = self.finish(self.handle.wait())
+        if self.root is not None:
+            _release(self.root)
+        return out
+
+
+def _release(root: torch.Tensor) -> None:
+    """Free a backward root's values and keep its graph: the collective has read them, and the
+    backward needs only the node (and a tensor of the root's shape to start from). Without this
+    a layer's row-parallel partial sums (full sequence) would stay alive until its backward,
+    which the whole-stage path never keeps."""
+    root.data = torch.empty(1, dtype=root.dtype, device=root.device).expand(root.shape)
 
 
 def _seq_first(t: torch.Tensor) -> torch.Tensor:
@@ -161,7 +173,10 @@ class UnitPass:
                 step.leaves, step.results = args, outs
             for name, out, kind in zip(step.outs, outs, step.kinds):
                 self.edges[name] = (kind, step.tp)
-                self.env[name] = _issue(step.tp, kind, False, out.detach()) if kind else out
+                sent = _issue(step.tp, kind, False, out.detach()) if kind else out
+                if isinstance(sent, _InFlight) and self.grad:
+                    sent.root = out
+                self.env[name] = sent
             yield step.unit
         self.output = self.tail(_resolve(self.env.pop("out")))
         if not self.grad:
