@@ -214,3 +214,19 @@ def test_link_classes_matrix_and_terminal_table(tmp_path):
                                 "TP", "intra", "TP", "inter", "Loss"]
     # m, step ms, bubble, PP intra, PP inter, TP intra, TP inter, loss
     assert lines[2].split()[-8:] == ["–", "500", "–", "1.5", "0.01", "3", "–", "3"]
+
+
+def test_layouts_that_differ_only_in_schedule_are_told_apart(tmp_path):
+    from commpipe.report.tables import collect
+
+    root = tmp_path / "sw"
+    _jsonl(root / "sweep.jsonl", [
+        {"name": n, "label": "TP2/CP1/PP2", "tp": 2, "cp": 1, "pp": 2, "dp": 1, "status": "ok",
+         "reason": ""} for n in ("s", "z")] + [
+        {"name": "o", "label": "TP1/CP1/PP4", "tp": 1, "cp": 1, "pp": 4, "dp": 1, "status": "ok",
+         "reason": ""}])
+    for name, schedule in (("s", "stp"), ("z", "zbv"), ("o", "1f1b")):
+        _jsonl(root / name / "metrics.jsonl",
+               _metrics([1.0, 0.5, 0.5], [0.1, 1.0, 1.0], [5, 4, 3], schedule=schedule, vpp=1))
+    labels = {r["name"]: r["label"] for r in collect(root)}
+    assert labels == {"s": "TP2/CP1/PP2 stp", "z": "TP2/CP1/PP2 zbv", "o": "TP1/CP1/PP4"}

@@ -180,6 +180,14 @@ def collect(sweep_dir, warmup: int = 1) -> list[dict]:
             row["label"] = f"TP{row['tp']}/CP{row['cp']}/PP{row['pp']}" + (
                 f"/DP{row['dp']}" if (row.get("dp") or 1) > 1 else "")
         rows.append(row)
+    # layouts that differ only in schedule (or vpp) would read alike: name it in their labels
+    seen: dict = {}
+    for r in rows:
+        seen.setdefault(r.get("label"), set()).add((r.get("schedule"), r.get("vpp")))
+    for r in rows:
+        if len(seen.get(r.get("label"), ())) > 1 and r.get("schedule"):
+            vpp = f" v{r['vpp']}" if r.get("schedule") == "interleaved" and r.get("vpp") else ""
+            r["label"] = f"{r['label']} {r['schedule']}{vpp}"
     best = max((r["tflops_per_gpu"] for r in rows if r["status"] == "ok" and r.get("tflops_per_gpu")),
                default=None)
     for r in rows:
