@@ -31,7 +31,7 @@ from commpipe.schedules.actions import COMM_OPS as _COMM_OPS
 from commpipe.schedules.actions import Program
 from commpipe.schedules.registry import info
 from commpipe.sim import CostTable, simulate
-from commpipe.sim.engine import peak_activations
+from commpipe.sim.engine import gc_paused, peak_activations
 
 M_CAP_PER_STAGE = 2     # simulate at least 2*pp micro-batches before extrapolating
 M_CAP_MIN = 4
@@ -46,15 +46,20 @@ def representative_ms(pp: int, m: int, period: int | None = None) -> list[int]:
     return [m1, m1 + period]
 
 
+# programs are up to ~1e5 long-lived actions each: built with the cyclic collector paused
+# (it would rescan them, and everything cached before them, while they are made)
 @lru_cache(maxsize=256)
 def generated_program(schedule: str, pp: int, m: int, vpp: int) -> Program:
     """The compute-only program (what in-flight counts and action counts read)."""
-    return generate(schedule, pp, m, vpp)
+    with gc_paused():
+        return generate(schedule, pp, m, vpp)
 
 
 @lru_cache(maxsize=256)
 def lowered_program(schedule: str, pp: int, m: int, vpp: int) -> Program:
-    return lower(generated_program(schedule, pp, m, vpp))
+    prog = generated_program(schedule, pp, m, vpp)
+    with gc_paused():
+        return lower(prog)
 
 
 def _kinds(prog: Program) -> list[dict]:
