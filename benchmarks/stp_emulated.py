@@ -45,9 +45,13 @@ def parse_args(argv=None):
     p.add_argument("--microbatches", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--model", default=MODEL, help=f"model (default {MODEL})")
+    p.add_argument("--pp", type=int, default=2, choices=(1, 2),
+                   help="pipeline ranks per node (default 2: four ranks; 1: two ranks, one per "
+                        "core on a 2-core host, each still holding a V of two chunks)")
     p.add_argument("--schedules", default="stp,interleaved,zbv",
                    help="comma-separated, of stp, interleaved (vpp 2), zbv, dualpipev")
     p.add_argument("--out", default=None, help="keep the runs here (default: a temp folder)")
+    p.add_argument("--gantt", default=None, help="draw a window of the stp run's step here (PNG)")
     return p.parse_args(argv)
 
 
@@ -113,6 +117,54 @@ def simulated(schedule: str, pp: int, microbatches: int, f, i, w, tp_pass) -> fl
     return simulate(prog, costs).makespan
 
 
+def gantt(run_dir: Path, path: Path, window_ms: float = 400.0) -> Path:
+    """A window of the last traced step of a run, per rank: compute on top (braids hatched),
+    each TP collective below it from issue to completion."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    from commpipe.report.figures import load_events
+
+    events = [e for e in load_events(run_dir) if isinstance(e.get("rank"), int)
+              and e["stream"] in ("compute", "tp") and e.get("name") != "wait"]
+    step = max(e.get("step", 0) for e in events)
+    events = [e for e in events if e.get("step", 0) == step]
+    t0 = min(e["start_ms"] for e in events)
+    mid = (max(e["end_ms"] for e in events) - t0) / 2
+    lo, hi = mid - window_ms / 2, mid + window_ms / 2
+    ranks = sorted({e["rank"] for e in events})
+    fig, ax = plt.subplots(figsize=(11, 0.6 * len(ranks) + 1.4))
+    for e in events:
+        a, b = e["start_ms"] - t0, e["end_ms"] - t0
+        if b < lo or a > hi:
+            continue
+        y = ranks.index(e["rank"])
+        if e["stream"] == "compute":
+            braid = "&" in e["name"]
+            ax.broken_barh([(a, b - a)], (y, 0.45), color="#4c72b0" if braid else "#8fbc8f",
+                           hatch="//" if braid else None, edgecolor="white", linewidth=0.3)
+        else:
+            ax.broken_barh([(a, b - a)], (y + 0.5, 0.3), color="#dd8452", edgecolor="white",
+                           linewidth=0.3)
+    ax.set_xlim(lo, hi)
+    ax.set_yticks([i + 0.4 for i in range(len(ranks))], [f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel(f"ms since step {step} began")
+    ax.legend(handles=[Patch(color="#4c72b0", hatch="//", label="braid (F&I, F&W)"),
+                       Patch(color="#8fbc8f", label="plain action"),
+                       Patch(color="#dd8452", label="TP collective, issue to completion")],
+              fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    ax.set_title(f"stp, measured: {window_ms:.0f} ms in the middle of a step (TP2 across two "
+                 "emulated nodes)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     sys.path.insert(0, str(REPO))
@@ -132,11 +184,11 @@ def main(argv=None) -> int:
              "seq_len": args.seq_len, "micro_batch_size": 1, "comm_monitor": "all",
              "trace": True, "device": "cpu"}
     times, tp = {}, {}
-    with EmulatedCluster(nodes=2, ranks_per_node=2, inter_node_mbit=args.mbit,
+    with EmulatedCluster(nodes=2, ranks_per_node=args.pp, inter_node_mbit=args.mbit,
                          prefix="cpstp") as cluster:
         runner = EmulatedRunner(cluster, timeout_s=900)
         for name in schedules:
-            layout = Layout(tp=2, pp=2, schedule=name, vpp=VPP[name], name=name,
+            layout = Layout(tp=2, pp=args.pp, schedule=name, vpp=VPP[name], name=name,
                             placement="cp-dp-pp-tp")
             res = runner(layout, flags, out / name)
             if not res.ok:
@@ -147,11 +199,11 @@ def main(argv=None) -> int:
             print(f"{name}: median step {times[name]:.3f} s; TP per step: exposed "
                   f"{tp[name]['exposed_ms']:.0f} ms, in transfer {tp[name]['transfer_ms']:.0f} ms",
                   flush=True)
-    f, i, w, tp_pass = measured_costs(out / "zbv", 2, args.microbatches)
-    pred = {s: simulated(s, 2, args.microbatches, f, i, w, tp_pass) for s in schedules}
-    print(f"\nemulated cluster: 2 nodes x 2 ranks, {args.mbit:g} Mbit/s between nodes; TP2 across "
-          f"nodes, PP2 inside; {args.model}, seq {args.seq_len}, {args.microbatches} micro-batches, "
-          f"{args.steps} steps (median of steps 1..)")
+    f, i, w, tp_pass = measured_costs(out / "zbv", args.pp, args.microbatches)
+    pred = {s: simulated(s, args.pp, args.microbatches, f, i, w, tp_pass) for s in schedules}
+    print(f"\nemulated cluster: 2 nodes x {args.pp} ranks, {args.mbit:g} Mbit/s between nodes; TP2 "
+          f"across nodes, PP{args.pp} inside; {args.model}, seq {args.seq_len}, "
+          f"{args.microbatches} micro-batches, {args.steps} steps (median of steps 1..)")
     print(f"simulator costs from the zbv run, ms per chunk: f {[round(x, 1) for x in f]}, "
           f"i {[round(x, 1) for x in i]}, w {[round(x, 1) for x in w]}, tp_comm {tp_pass:.1f}")
     print("schedule    | step s | TP exposed ms/step | ratio to stp | simulated ms | sim ratio")
@@ -164,6 +216,8 @@ def main(argv=None) -> int:
     if "stp" in times and "interleaved" in times:
         print(f"interleaved/stp {times['interleaved'] / times['stp']:.3f} (goal >= 1.10); "
               f"simulated {pred['interleaved'] / pred['stp']:.3f}")
+    if args.gantt and "stp" in times:
+        print(f"gantt: {gantt(out / 'stp', Path(args.gantt))}")
     print(f"(runs in {out})")
     return 0
 
