@@ -37,8 +37,10 @@ def runtime_job(features: RuntimeFeatures | None = None) -> dict:
       chunk, their gradients reduce-scattered after the backward's attention;
     - DP: buckets reduced during the last micro-batch's backward (ZeRO-1: reduce-scatter, then
       an all-gather of the updated parameters: the same traffic);
-    - TP: asynchronous input-gradient collectives run beside the weight-gradient GEMMs of the
-      entry projections; no chunked (TE userbuffers) overlap, so `tp_overlap` stays off;
+    - TP: the runtime runs its asynchronous input-gradient collectives beside the entry
+      projections' weight-gradient GEMMs, and (with --tp-forward-overlap) the forward all-gather
+      beside the own-row GEMMs; neither is priced yet: TP collectives of non-braided schedules
+      count as exposed (an upper bound), and `tp_overlap` (TE's chunked overlap) stays off;
     - per step a grad-norm all-reduce over TP and PP and a loss all-reduce over DP*CP and PP;
       activations as this runtime saves them (`runtime="commpipe"`, plan/runtime_memory.py),
       SwiGLU keeping its SiLU output (plain PyTorch)."""
