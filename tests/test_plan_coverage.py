@@ -291,3 +291,27 @@ def test_public_runs_file_is_complete():
                      "interleaved" if vpp > 1 else "1f1b")
         assert layout_problem(resolve_model(r["model"]), Job(int(r["global_batch"]), int(r["seq_len"])),
                               lay, gpus) is None, r["where"]
+
+
+def test_async_input_gradient_collectives_hide_behind_dw_gemms():
+    # TP8 with SP (the runtime's tp_grad_overlap): per layer the backward's two entry
+    # reduce-scatters are each half of an all-reduce's traffic, `one` / 2, and each hides behind
+    # the weight-gradient GEMM of the projections it feeds: QKV [T, h] x [h, (16 + 2 * 8) * 64 / 8]
+    # and gate+up [T, h] x [h, 2 * 4096 / 8]; the backward TP time falls by the smaller of the two
+    # per entry. Zero-bubble schedules move those GEMMs to W: nothing hides there.
+    from commpipe.plan.timing import gemms_time
+
+    c, eff = default_cluster(H100, 8, 8), Efficiency()
+    spec = resolve_model("arch=llama,layers=4,hidden=1024,heads=16,kv_heads=8,ffn_hidden=4096,vocab=32000")
+    lay, job = Layout(tp=8), Job(1, 2048)
+    one = 2 * 7 / 8 * 4_194_304 / 360e9 + 6 * 5e-6
+    dw_qkv = gemms_time([(2048, 1024, 2048 / 8)], job, H100, eff)
+    dw_up = gemms_time([(2048, 1024, 8192 / 8)], job, H100, eff)
+    saved = min(one / 2, dw_qkv) + min(one / 2, dw_up)
+    plain = stage_costs(spec, lay, job, c, eff)
+    hidden = stage_costs(spec, lay, replace(job, tp_grad_overlap=True), c, eff)
+    assert plain.tp_b[0] - hidden.tp_b[0] == pytest.approx(4 * saved, rel=1e-9)
+    assert 0 < saved < one
+    zbh1 = replace(lay, schedule="zbh1")
+    assert stage_costs(spec, zbh1, replace(job, tp_grad_overlap=True), c, eff).tp_b == \
+        stage_costs(spec, zbh1, job, c, eff).tp_b

@@ -37,16 +37,18 @@ def runtime_job(features: RuntimeFeatures | None = None) -> dict:
       chunk, their gradients reduce-scattered after the backward's attention;
     - DP: buckets reduced during the last micro-batch's backward (ZeRO-1: reduce-scatter, then
       an all-gather of the updated parameters: the same traffic);
-    - TP: the runtime runs its asynchronous input-gradient collectives beside the entry
-      projections' weight-gradient GEMMs, and (with --tp-forward-overlap) the forward all-gather
-      beside the own-row GEMMs; neither is priced yet: TP collectives of non-braided schedules
-      count as exposed (an upper bound), and `tp_overlap` (TE's chunked overlap) stays off;
+    - TP: the asynchronous input-gradient collective of each entry beside its projections'
+      weight-gradient GEMMs (`tp_grad_overlap`, with TP overlap on; not inside the I passes of
+      zero-bubble schedules, whose W GEMMs move to the W pass); the forward all-gather beside
+      the own-row GEMMs (--tp-forward-overlap, off by default, a few ms on CPU) is not priced;
+      no chunked (TE userbuffers) overlap, so `tp_overlap` stays off;
     - per step a grad-norm all-reduce over TP and PP and a loss all-reduce over DP*CP and PP;
       activations as this runtime saves them (`runtime="commpipe"`, plan/runtime_memory.py),
       SwiGLU keeping its SiLU output (plain PyTorch)."""
     f = features or RuntimeFeatures()
     return {"sequence_parallel": f.sequence_parallel, "pp_sharded": f.sequence_parallel,
             "cp_comm": "allgather", "cp_overlap": f.overlap.cp, "dp_overlap": f.overlap.dp,
+            "tp_grad_overlap": f.overlap.tp,
             "tp_overlap": False, "step_syncs": True, "fused_swiglu": False, "runtime": "commpipe"}
 
 
@@ -81,6 +83,9 @@ class Job:
     fp8_params: bool = True     # fp8: weights kept as FP8 (+ transpose) instead of bf16 (Megatron
     #                             --fp8-param-gather, NeMo's FP8 recipes); False: bf16 weights plus
     #                             TE's cached FP8 copy and transpose
+    tp_grad_overlap: bool = False  # each entry's input-gradient collective (all-reduce, SP:
+    #                             reduce-scatter) beside its column projections' weight-gradient
+    #                             GEMMs (commpipe's TPRegion; backward passes not split into I/W)
     tp_overlap: bool = False    # TP collectives pipelined with their GEMMs (TE userbuffers,
     #                             Megatron --tp-comm-overlap, NeMo's performance recipes)
     fused_swiglu: bool = True   # SwiGLU keeps only its input (Megatron/TE recompute SiLU); False:

@@ -71,6 +71,7 @@ from commpipe.plan.memory import (
     stage_params,
 )
 from commpipe.plan.zero_costs import dp_cost, fsdp_copies, zero_exposed
+from commpipe.schedules.registry import info as schedule_info
 
 FLASH_BWD_RATIO = 2.5  # flash attention backward / forward matmul work
 
@@ -229,6 +230,14 @@ def stage_costs(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
         # the layer's GEMMs of that pass shows (forward: QKV, proj, fc1, fc2; backward: their
         # input-gradient GEMMs, the same shapes)
         tp_f = tp_b = max(0.0, 2 * tp_one - lc["gemm"])
+    elif job.tp_grad_overlap and tp_size > 1 and not schedule_info(layout.schedule).splits_backward:
+        # each entry's backward collective (AR, or SP's RS: half the layer's backward traffic)
+        # travels while the weight-gradient GEMMs of the projections it feeds run: QKV for the
+        # attention, gate and up for the MLP (dW has the forward GEMM's shape and FLOPs)
+        entry = tp_one if not job.sequence_parallel else tp_one / 2
+        qkv = [(tokens, h, (spec.heads * spec.head_dim + 2 * spec.kv_dim) / t)]
+        up = [(tokens, h, (2 if spec.arch == "llama" else 1) * spec.ffn_hidden / t)]
+        tp_b -= sum(min(entry, gemms_time(shapes, job, cluster.gpu, eff)) for shapes in (qkv, up))
     cp_size, cp_stride = groups["cp"]
     cp_f = cp_b = 0.0
     kv_bytes = job.activation_bytes * tokens * spec.kv_dim / t      # this rank's K (or V)
