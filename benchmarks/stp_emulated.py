@@ -50,14 +50,17 @@ def parse_args(argv=None):
                         "core on a 2-core host, each still holding a V of two chunks)")
     p.add_argument("--schedules", default="stp,interleaved,zbv",
                    help="comma-separated, of stp, interleaved (vpp 2), zbv, dualpipev")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="run the schedules this many times, alternating their order (default 1)")
     p.add_argument("--out", default=None, help="keep the runs here (default: a temp folder)")
     p.add_argument("--gantt", default=None, help="draw a window of the stp run's step here (PNG)")
     return p.parse_args(argv)
 
 
-def median_step(run_dir: Path) -> float:
+def step_times(run_dir: Path) -> list[float]:
+    """Step times of steps 1.. (the first connects and warms up)."""
     recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return statistics.median(r["step_time_s"] for r in recs[1:])
+    return [r["step_time_s"] for r in recs[1:]]
 
 
 def tp_per_step(run_dir: Path) -> dict[str, float]:
@@ -183,27 +186,36 @@ def main(argv=None) -> int:
     flags = {"steps": args.steps, "microbatches": args.microbatches, "model": args.model,
              "seq_len": args.seq_len, "micro_batch_size": 1, "comm_monitor": "all",
              "trace": True, "device": "cpu"}
-    times, tp = {}, {}
+    steps, tp = {}, {}
+    # rounds run the schedules in turn, each round in the reverse order of the one before
+    # (stp, interleaved, zbv, zbv, interleaved, stp, ...), so drifting load hits all alike; a
+    # schedule's step time is the median over all its rounds' steps
+    order = [s for k in range(args.rounds) for s in (schedules if k % 2 == 0 else schedules[::-1])]
     with EmulatedCluster(nodes=2, ranks_per_node=args.pp, inter_node_mbit=args.mbit,
                          prefix="cpstp") as cluster:
         runner = EmulatedRunner(cluster, timeout_s=900)
-        for name in schedules:
-            layout = Layout(tp=2, pp=args.pp, schedule=name, vpp=VPP[name], name=name,
+        for k, name in enumerate(order):
+            run = name if k < len(schedules) else f"{name}-{k // len(schedules)}"
+            layout = Layout(tp=2, pp=args.pp, schedule=name, vpp=VPP[name], name=run,
                             placement="cp-dp-pp-tp")
-            res = runner(layout, flags, out / name)
+            res = runner(layout, flags, out / run)
             if not res.ok:
-                print(f"{name}: {res.status}: {res.reason}")
+                print(f"{run}: {res.status}: {res.reason}")
                 return 1
-            times[name] = median_step(out / name)
-            tp[name] = tp_per_step(out / name)
-            print(f"{name}: median step {times[name]:.3f} s; TP per step: exposed "
-                  f"{tp[name]['exposed_ms']:.0f} ms, in transfer {tp[name]['transfer_ms']:.0f} ms",
-                  flush=True)
+            steps.setdefault(name, []).extend(step_times(out / run))
+            got = tp_per_step(out / run)
+            tp.setdefault(name, []).append(got)
+            print(f"{run}: median step {statistics.median(step_times(out / run)):.3f} s; TP per "
+                  f"step: exposed {got['exposed_ms']:.0f} ms, in transfer "
+                  f"{got['transfer_ms']:.0f} ms", flush=True)
+    times = {name: statistics.median(v) for name, v in steps.items()}
+    tp = {name: {k: statistics.median(r[k] for r in v) for k in v[0]} for name, v in tp.items()}
     f, i, w, tp_pass = measured_costs(out / "zbv", args.pp, args.microbatches)
     pred = {s: simulated(s, args.pp, args.microbatches, f, i, w, tp_pass) for s in schedules}
     print(f"\nemulated cluster: 2 nodes x {args.pp} ranks, {args.mbit:g} Mbit/s between nodes; TP2 "
           f"across nodes, PP{args.pp} inside; {args.model}, seq {args.seq_len}, "
-          f"{args.microbatches} micro-batches, {args.steps} steps (median of steps 1..)")
+          f"{args.microbatches} micro-batches, {args.steps} steps x {args.rounds} round(s) "
+          "(median of steps 1.. of every round)")
     print(f"simulator costs from the zbv run, ms per chunk: f {[round(x, 1) for x in f]}, "
           f"i {[round(x, 1) for x in i]}, w {[round(x, 1) for x in w]}, tp_comm {tp_pass:.1f}")
     print("schedule    | step s | TP exposed ms/step | ratio to stp | simulated ms | sim ratio")
