@@ -235,9 +235,9 @@ def stage_costs(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
         # travels while the weight-gradient GEMMs of the projections it feeds run: QKV for the
         # attention, gate and up for the MLP (dW has the forward GEMM's shape and FLOPs)
         entry = tp_one if not job.sequence_parallel else tp_one / 2
-        qkv = [(tokens, h, (spec.heads * spec.head_dim + 2 * spec.kv_dim) / t)]
-        up = [(tokens, h, (2 if spec.arch == "llama" else 1) * spec.ffn_hidden / t)]
-        tp_b -= sum(min(entry, gemms_time(shapes, job, cluster.gpu, eff)) for shapes in (qkv, up))
+        shapes = layer_gemms(spec, layout, job, fused=not job.eager_ops)   # as layer_compute
+        fed = (shapes[:1], shapes[2:3]) if len(shapes) == 4 else (shapes[:3], shapes[4:6])
+        tp_b -= sum(min(entry, gemms_time(g, job, cluster.gpu, eff)) for g in fed)
     cp_size, cp_stride = groups["cp"]
     cp_f = cp_b = 0.0
     kv_bytes = job.activation_bytes * tokens * spec.kv_dim / t      # this rank's K (or V)
