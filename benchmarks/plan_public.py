@@ -19,7 +19,8 @@ these rows. Settings every source's framework uses: sequence parallelism with TP
 DP reduction, flash attention; per row (columns): gradient reduction in fp32 (torchtitan's FSDP2
 default, Llama 3 paper Sec. 3.3.2; NeMo's FP8 performance scripts turn it off), TP communication
 overlap (NeMo's performance scripts), all-gather context parallelism (Llama 3 paper), eager
-PyTorch kernels and FSDP2's copies (torchtitan, commpipe/plan/kernels.py).
+PyTorch kernels and FSDP2's copies (torchtitan, commpipe/plan/kernels.py), FP8 parameters
+(Megatron-Bridge's fp8_param_gather) or bf16 weights beside TE's FP8 copies (NeMo 24.07's default).
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def load_rows(path: Path = RUNS) -> list[Row]:
         # eager PyTorch (torchtitan) keeps SiLU's output for the backward: no fused SwiGLU
         job = Job(gb, seq, precision=r["precision"], grad_fp32=r["grad_fp32"] == "1",
                   tp_overlap=r["tp_overlap"] == "1", cp_comm=r["cp_comm"] or "ring",
-                  eager_ops=eager, fused_swiglu=not eager, fsdp_copies=r.get("fsdp_copies") == "1")
+                  eager_ops=eager, fused_swiglu=not eager, fsdp_copies=r.get("fsdp_copies") == "1",
+                  fp8_params=r.get("fp8_params") != "0")
         cluster = default_cluster(resolve_gpu(r["gpu"]), gpus, int(r["gpus_per_node"]))
         fixed = {k: int(r[k]) for k in ("tp", "cp", "pp", "vpp", "zero", "dp_shard") if r[k]}
         if r["micro_batch_size"]:
