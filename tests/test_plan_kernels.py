@@ -6,6 +6,7 @@ checkpointing, eager non-GEMM ops and FSDP2's buffer copies. Expectations worked
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -156,3 +157,38 @@ def test_commpipe_runtime_gathers_parameters_after_the_step():
     # first bucket shows under Megatron
     assert mega.dp_exposed[0] < own.dp_exposed[0]
     assert own.dp_exposed[0] - mega.dp_exposed[0] == pytest.approx(ag - ag * 40e6 / params, rel=1e-9)
+
+
+def test_eager_ops_and_fsdp_copies_flags_reach_the_job(capsys):
+    from commpipe.cli import main
+
+    model = "arch=llama,layers=4,hidden=1024,heads=16,kv_heads=4,ffn_hidden=4096,vocab=32000"
+    base = ["estimate", "--model", model, "--gpu", "a100-80gb", "--gpus", "8", "--dp", "8",
+            "--global-batch", "8", "--seq-len", "2048", "--zero", "3", "--json"]
+    assert main(base) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*base, "--eager-ops", "--fsdp-copies"]) == 0
+    flagged = json.loads(capsys.readouterr().out)
+    # the same as the library with those Job fields (eager autograd keeps SiLU's output: +2f/h)
+    job = Job(8, 2048, eager_ops=True, fused_swiglu=False, fsdp_copies=True)
+    ref = estimate(SPEC, Layout(dp=8, zero=3), job, default_cluster(A100, 8, 8))
+    assert flagged["step_time_s"] == pytest.approx(ref.step_time_s, rel=1e-12)
+    assert flagged["activation_gb_per_gpu"] == pytest.approx(ref.activation_gb_per_gpu, rel=1e-12)
+    # one micro-batch through 4 layers, no pipeline: FSDP2's copies come on top of the step, per
+    # layer 60,825,600 B forward and 60,825,600 + 15,206,400 x (2 + 2) = 121,651,200 B backward
+    # with bf16 gradients (test_fsdp2_copies_by_hand), and the eager ops' extra traffic besides
+    copies = 4 * (60_825_600 + 121_651_200) / HBM
+    assert flagged["step_time_s"] - plain["step_time_s"] > copies
+    # SiLU's output kept: 2 bytes x f per token and layer more activations (4 layers, 2048 tokens)
+    assert (flagged["activation_gb_per_gpu"] - plain["activation_gb_per_gpu"]) * GIB == \
+        pytest.approx(4 * 2 * 4096 * 2048, rel=1e-9)
+    # bad combinations fail early and say what to change
+    assert main([*base[:-3], "--zero", "1", "--fsdp-copies"]) == 2
+    assert "--fsdp-copies" in capsys.readouterr().err
+    gpt = ["plan", "--model", "arch=gpt,layers=2,hidden=256,heads=4,vocab=1024", "--gpus", "2",
+           "--global-batch", "2", "--seq-len", "128", "--eager-ops"]
+    assert main(gpt) == 2
+    assert "arch=gpt" in capsys.readouterr().err
+    assert main(["plan", "--model", "tiny", "--gpu", "cpu", "--gpus", "2", "--global-batch", "2",
+                 "--seq-len", "64", "--fsdp-copies"]) == 2
+    assert "--gpu cpu" in capsys.readouterr().err

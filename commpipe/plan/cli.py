@@ -48,6 +48,14 @@ def add_common_arguments(p, require_layout: bool = False) -> None:
                    help="TP without sequence parallelism (all-reduce, norms replicated)")
     g.add_argument("--flash-attention", default="auto", choices=("auto", "on", "off"),
                    help="auto: on for llama shapes, off for gpt shapes")
+    g.add_argument("--eager-ops", action="store_true",
+                   help="llama only: non-GEMM work as unfused eager PyTorch kernels, counted op by op "
+                        "(torchtitan without torch.compile: separate Q/K/V and gate/up GEMMs, SiLU's "
+                        "output kept for the backward); default: fused kernels (Megatron/TE, compile)")
+    g.add_argument("--fsdp-copies", action="store_true",
+                   help="ZeRO-3 as PyTorch FSDP2: price copying the gathered weights out of, and the "
+                        "gradients into, the flat communication buffers on the compute stream; "
+                        "needs ZeRO 3 (--zero 3, or left to the search)")
     c = p.add_argument_group("cluster")
     c.add_argument("--gpu", default="h100", help="a100-40gb, a100-80gb, h100, h200, b200, or "
                                                  "name=foo,tflops=..,mem_gb=..[,hbm_gbps=..,nvlink_gbps=..,nic_gbps=..]")
@@ -100,10 +108,24 @@ def job_from_args(args) -> Job:
         if getattr(args, flag) is None:
             raise ValueError(f"--{flag.replace('_', '-')} is required")
     flash = {"auto": None, "on": True, "off": False}[args.flash_attention]
+    eager = getattr(args, "eager_ops", False)
     return Job(args.global_batch, args.seq_len, precision=args.precision,
                dp_overlap=not args.no_dp_overlap, sequence_parallel=not args.no_sequence_parallel,
                flash_attention=flash, grad_fp32=args.grad_fp32, tp_overlap=args.tp_overlap,
-               fp8_params=not getattr(args, "bf16_weights_with_fp8", False))
+               fp8_params=not getattr(args, "bf16_weights_with_fp8", False),
+               eager_ops=eager, fused_swiglu=not eager,  # eager autograd keeps SiLU's output
+               fsdp_copies=getattr(args, "fsdp_copies", False))
+
+
+def check_framework_flags(args, spec, zero: int | None) -> None:
+    """--eager-ops and --fsdp-copies describe a PyTorch-eager / FSDP2 stack; fail where they would
+    price nothing. `zero`: the ZeRO stage the command fixes (None: searched)."""
+    if getattr(args, "eager_ops", False) and spec.arch != "llama":
+        raise ValueError(f"--eager-ops counts the kernels of torchtitan's Llama op by op; this model is "
+                         f"arch={spec.arch}, priced with fused kernels (drop --eager-ops)")
+    if getattr(args, "fsdp_copies", False) and zero is not None and zero != 3:
+        raise ValueError(f"--fsdp-copies prices FSDP2's buffer copies under ZeRO-3; it contradicts "
+                         f"--zero {zero} (use --zero 3, or leave --zero to the search)")
 
 
 def for_cluster(job: Job, cluster) -> Job:
@@ -115,6 +137,9 @@ def for_cluster(job: Job, cluster) -> Job:
         return job
     from commpipe.runtime.features import PRECISIONS, Overlap, RuntimeFeatures
 
+    if job.eager_ops or job.fsdp_copies:
+        raise ValueError("--gpu cpu prices commpipe's own runtime tensor by tensor; --eager-ops and "
+                         "--fsdp-copies describe torchtitan / FSDP2 on GPUs (drop them)")
     if job.precision not in PRECISIONS:
         raise ValueError(f"--gpu cpu prices commpipe's own runtime, which trains in "
                          f"{' or '.join(PRECISIONS)}; --precision {job.precision} is for GPU stacks")
@@ -179,15 +204,20 @@ def run(args) -> int:
     if is_blip(args.model):   # a vision encoder + text decoder (commpipe.plan.blip)
         from commpipe.plan.blip import run_blip_cli
 
+        if args.eager_ops or args.fsdp_copies:
+            raise ValueError("--eager-ops and --fsdp-copies price torchtitan's Llama; not a BLIP model")
+
         return run_blip_cli(args)
     from commpipe.plan.report import print_plan
     from commpipe.plan.search import search
 
     spec = resolve_model(args.model)
+    fixed = fixed_from_args(args)
+    check_framework_flags(args, spec, fixed.get("zero"))
     cluster, eff = cluster_from_args(args, profile_path=args.profile)
     job = for_cluster(job_from_args(args), cluster)
     try:
-        result = search(spec, job, cluster, eff, fixed_from_args(args), top=args.top)
+        result = search(spec, job, cluster, eff, fixed, top=args.top)
     except ValueError as e:
         if not args.json:
             raise

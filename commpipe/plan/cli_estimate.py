@@ -17,6 +17,7 @@ import sys
 from commpipe.models.spec import resolve_model
 from commpipe.plan.cli import (
     add_common_arguments,
+    check_framework_flags,
     cluster_from_args,
     for_cluster,
     job_from_args,
@@ -52,6 +53,7 @@ def run(args) -> int:
     schedule = args.schedule or "1f1b"
     vpp = args.vpp or (default_vpp(schedule) if schedule in SCHEDULES else 1)
     zero = zero_from_args(args) or 0
+    check_framework_flags(args, spec, zero)
     if args.dp_shard is not None and not zero:
         raise ValueError("--dp-shard shards ZeRO states; use it with --zero 1, 2 or 3")
     layout = Layout(tp, cp, pp, dp, vpp, args.micro_batch_size or 1, schedule, args.recompute or "none",
