@@ -37,7 +37,7 @@ from commpipe.models.spec import flops_per_token, resolve_model
 from commpipe.plan.cluster import default_cluster
 from commpipe.plan.gpus import resolve_gpu
 from commpipe.plan.layout import Job
-from commpipe.plan.search import search
+from commpipe.plan.search import rank_key, search
 from commpipe.plan.timing import Efficiency
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,7 +142,7 @@ def free_rank(row: Row, eff: Efficiency, frameworks: bool = True) -> tuple[int |
         except ValueError:          # no layout of this schedule is valid for the job
             continue
     triples = []
-    for e in sorted(found, key=lambda e: e.step_time_s):
+    for e in sorted(found, key=rank_key):       # the planner's own order (ties: least model parallelism)
         t = (e.layout.tp, e.layout.cp, e.layout.pp)
         if t not in triples:
             triples.append(t)

@@ -62,23 +62,33 @@ def _prepare(spec, job, cluster, eff, layout) -> Candidate | str:
     return Candidate(est, costs)
 
 
+def rank_key(e: Estimate) -> tuple[float, int, int, int]:
+    """Order of the ranking: step time, and among layouts the model prices the same (to 9
+    significant digits: CP2 with micro-batch 2 and CP1 with micro-batch 1 often come out equal,
+    since the CP ring hides behind attention) the one with the least model parallelism, tp*cp*pp,
+    then the smaller cp and pp: what such a layout costs beyond the model (CP's per-step
+    attention kernels and output merges, more pipeline stages) can only add to it."""
+    lay = e.layout
+    return float(f"{e.step_time_s:.9g}"), lay.tp * lay.cp * lay.pp, lay.cp, lay.pp
+
+
 def _branch_and_bound(cands: list[Candidate], k: int, spec, job, cluster,
                       eff=None) -> tuple[list[Estimate], int]:
-    """The k fastest of `cands` (sorted by lower bound), simulating as few as possible."""
+    """The k best of `cands` by `rank_key` (sorted by lower bound), simulating as few as possible."""
     cands = sorted(cands, key=lambda c: c.est.lower_bound_s)
-    heap: list[tuple[float, int, Estimate]] = []       # max-heap on step time via negation
+    heap: list[tuple] = []          # the worst kept on top: rank key negated, then the index
     simulated = 0
     for n, c in enumerate(cands):
-        if len(heap) >= k and c.est.lower_bound_s > -heap[0][0]:
+        if len(heap) >= k and c.est.lower_bound_s > heap[0][-1].step_time_s:
             break
         finish_estimate(c.est, spec, job, cluster, c.costs, detail=False, eff=eff)
         simulated += 1
-        item = (-c.est.step_time_s, n, c.est)
+        item = (*(-x for x in rank_key(c.est)), n, c.est)
         if len(heap) < k:
             heapq.heappush(heap, item)
-        elif item[0] > heap[0][0]:
+        elif item[:4] > heap[0][:4]:
             heapq.heapreplace(heap, item)
-    best = sorted((e for _, _, e in heap), key=lambda e: e.step_time_s)
+    best = sorted((item[-1] for item in heap), key=rank_key)
     return best, simulated
 
 
