@@ -192,3 +192,29 @@ def test_eager_ops_and_fsdp_copies_flags_reach_the_job(capsys):
     assert main(["plan", "--model", "tiny", "--gpu", "cpu", "--gpus", "2", "--global-batch", "2",
                  "--seq-len", "64", "--fsdp-copies"]) == 2
     assert "--gpu cpu" in capsys.readouterr().err
+
+
+def test_te_userbuffers_take_sms_from_the_reduce_scatter_gemms_by_hand():
+    # tp 2, 2048 tokens, the small Llama: QKV (2048, 1024, 768), projection (2048, 512, 1024),
+    # fc1 (2048, 1024, 4096), fc2 (2048, 2048, 1024). Under TE's userbuffers the projection and
+    # fc2 run beside their pipelined reduce-scatter on 132 - 16 of the H100's SMs: x 132/116
+    h100 = resolve_gpu("h100")
+    eff, cluster = Efficiency(), default_cluster(h100, 2, 8)
+    peak, ridge = h100.achievable_tflops("bf16") * 1e12, h100.ridge_flop_per_byte
+
+    def g(m, k, n):
+        return gemm_time(2 * m * k * n, m, k, n, peak, eff, ridge)
+    lay = Layout(tp=2, dp=1)
+    on = layer_compute(SPEC, lay, Job(1, 2048, tp_overlap=True), cluster, eff)
+    whole = g(2048, 1024, 768) + g(2048, 512, 1024) + g(2048, 1024, 4096) + g(2048, 2048, 1024)
+    want_f = g(2048, 1024, 768) + g(2048, 1024, 4096) + (g(2048, 512, 1024) + g(2048, 2048, 1024)) * 132 / 116
+    assert on["gemm_f"] == pytest.approx(want_f, rel=1e-12)
+    assert on["gemm"] == pytest.approx(whole, rel=1e-12)        # backward GEMMs keep every SM
+    costs = stage_costs(SPEC, lay, Job(1, 2048, tp_overlap=True), cluster, eff)
+    nosm = default_cluster(resolve_gpu("h100,sms=0"), 2, 8)
+    plain = stage_costs(SPEC, lay, Job(1, 2048, tp_overlap=True), nosm, eff)
+    # 4 layers' forward GEMMs slower, the backward unchanged; an unknown SM count prices no margin
+    assert costs.comp_f[0] - plain.comp_f[0] == pytest.approx(4 * (want_f - whole), rel=1e-9)
+    assert costs.comp_i[0] == pytest.approx(plain.comp_i[0], rel=1e-12)
+    off = layer_compute(SPEC, lay, Job(1, 2048), cluster, eff)
+    assert off["gemm_f"] == off["gemm"] == pytest.approx(whole, rel=1e-12)

@@ -26,6 +26,8 @@ class GPU:
     fp8_tflops: float = 0.0   # peak dense FP8 tensor-core TFLOP/s; 0: no FP8 tensor cores
     mamf: float = 1.0         # maximum achievable matmul FLOP/s / bf16 peak (measured, see below)
     mamf_fp8: float = 1.0     # the same for FP8 GEMMs
+    sms: int = 0              # streaming multiprocessors (datasheet); 0: unknown (TE userbuffers'
+    #                           SM margin, kernels.ub_gemm_times, is then not priced)
 
     @property
     def ridge_flop_per_byte(self) -> float:
@@ -77,11 +79,11 @@ class GPU:
 # (and by precision): it is a property of the hardware, not of the training framework, and the
 # cost model's efficiencies are relative to it. A100 40GB and PCIe variants: the SXM figure.
 GPUS: dict[str, GPU] = {
-    "a100-40gb": GPU("a100-40gb", 312.0, 40.0, 1555.0, 300.0, 25.0, 0.0, 0.869),
-    "a100-80gb": GPU("a100-80gb", 312.0, 80.0, 2039.0, 300.0, 25.0, 0.0, 0.869),
-    "h100": GPU("h100", 989.0, 80.0, 3350.0, 450.0, 50.0, 1979.0, 0.803, 0.709),
-    "h200": GPU("h200", 989.0, 141.0, 4800.0, 450.0, 50.0, 1979.0, 0.803, 0.734),
-    "b200": GPU("b200", 2250.0, 192.0, 8000.0, 900.0, 50.0, 4500.0, 0.776, 0.763),
+    "a100-40gb": GPU("a100-40gb", 312.0, 40.0, 1555.0, 300.0, 25.0, 0.0, 0.869, sms=108),
+    "a100-80gb": GPU("a100-80gb", 312.0, 80.0, 2039.0, 300.0, 25.0, 0.0, 0.869, sms=108),
+    "h100": GPU("h100", 989.0, 80.0, 3350.0, 450.0, 50.0, 1979.0, 0.803, 0.709, sms=132),
+    "h200": GPU("h200", 989.0, 141.0, 4800.0, 450.0, 50.0, 1979.0, 0.803, 0.734, sms=132),
+    "b200": GPU("b200", 2250.0, 192.0, 8000.0, 900.0, 50.0, 4500.0, 0.776, 0.763, sms=148),
 }
 ALIASES = {"a100": "a100-80gb", "a100-80": "a100-80gb", "a100-40": "a100-40gb",
            "h100-sxm": "h100", "h100-80gb": "h100", "h200-141gb": "h200", "b200-192gb": "b200"}
@@ -90,16 +92,16 @@ ALIASES = {"a100": "a100-80gb", "a100-80": "a100-80gb", "a100-40": "a100-40gb",
 # A custom entry without mamf= takes its tflops as reachable (mamf 1): give mamf=MAMF/peak with a
 # datasheet peak.
 _CUSTOM_DEFAULTS = {"hbm_gbps": 2000.0, "nvlink_gbps": 300.0, "nic_gbps": 25.0, "fp8_tflops": 0.0,
-                    "mamf": 1.0, "mamf_fp8": 1.0}
+                    "mamf": 1.0, "mamf_fp8": 1.0, "sms": 0}
 _CUSTOM_KEYS = ("name", "tflops", "mem_gb", "hbm_gbps", "nvlink_gbps", "nic_gbps", "fp8_tflops", "mamf",
-                "mamf_fp8")
+                "mamf_fp8", "sms")
 
 
 def resolve_gpu(text: str) -> GPU:
     """A table name (`h100`, `a100-80gb`, ...), `cpu` (this machine, measured by
     `commpipe.plan.cpu`), a custom entry
     `name=foo,tflops=..,mem_gb=..[,hbm_gbps=..,nvlink_gbps=..,nic_gbps=..,fp8_tflops=..,mamf=..,
-    mamf_fp8=..]`, or a
+    mamf_fp8=..,sms=..]`, or a
     table entry with fields changed: `h100,mem_gb=96,hbm_gbps=2400` (a variant)."""
     head = text.split(",", 1)[0]
     if "=" in text and "=" not in head:
@@ -138,10 +140,11 @@ def resolve_gpu(text: str) -> GPU:
             nums[k] = float(raw)
         except (TypeError, ValueError):
             raise ValueError(f"GPU field {k}={raw!r} is not a number") from None
-        if nums[k] < 0 or (nums[k] == 0 and k != "fp8_tflops"):
+        if nums[k] < 0 or (nums[k] == 0 and k not in ("fp8_tflops", "sms")):
             raise ValueError(f"GPU field {k}={raw} must be positive")
         if k.startswith("mamf") and nums[k] > 1:
             raise ValueError(f"GPU field {k}={raw} is a fraction of the peak: give a value in (0, 1]")
+    nums["sms"] = int(nums["sms"])
     return GPU(values.get("name", "custom"), **nums)
 
 

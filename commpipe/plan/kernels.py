@@ -59,6 +59,30 @@ def layer_gemms(spec: ModelSpec, layout: Layout, job: Job, fused: bool = True) -
             (tokens, h, f / t), (tokens, h, f / t), (tokens, f / t, h)]
 
 
+# TE's userbuffers overlap (Megatron --tp-comm-overlap; the defaults of TE's initialize_ub in
+# transformer_engine/pytorch/module/base.py, which NVIDIA's H100 configs keep for these GEMMs,
+# e.g. NeMo-Framework-Launcher@24.07 launcher_scripts/conf/training/tp_overlap/): the
+# reduce-scatter after a row-parallel forward GEMM (attention projection, fc2) is "pipelined",
+# its communication kernels holding UB_COMM_SMS of the GPU's SMs while the GEMM runs on the rest
+# (set_sm_margin), so those two GEMMs take sms / (sms - 16) of their time. The GEMMs also run in
+# chunks (4 for these, tp for the ring-exchanged all-gathers): not priced, since the efficiency
+# curve, fitted on whole GEMMs of whole steps, would extrapolate to the chunks' shapes (it made the
+# NVIDIA rows 5-10 points more pessimistic). The backward's bulk overlaps (set_sm_margin 0 in
+# NVIDIA's configs) keep their GEMMs on every SM.
+UB_COMM_SMS = 16
+
+
+def ub_margin_gemms(shapes: list[tuple]) -> list[tuple]:
+    """The GEMMs of a fused layer (QKV, projection, fc1, fc2) that TE's userbuffers run under an
+    SM margin: the row-parallel projection and fc2, in the forward."""
+    return [shapes[1], shapes[3]]
+
+
+def ub_sm_slowdown(sms: int) -> float:
+    """Time factor of a GEMM launched on `sms` - UB_COMM_SMS SMs; 1 when the SM count is unknown."""
+    return sms / (sms - UB_COMM_SMS) if sms > UB_COMM_SMS else 1.0
+
+
 def op_sac_recomputed(spec: ModelSpec, layout: Layout, job: Job) -> list[tuple]:
     """The GEMMs per-op SAC recomputes in the backward: every other matmul (2nd, 4th, ...)."""
     return layer_gemms(spec, layout, job, fused=spec.arch != "llama")[1::2]

@@ -61,6 +61,8 @@ from commpipe.plan.kernels import (
     fp8_gemm_time,
     layer_gemms,
     op_sac_recomputed,
+    ub_margin_gemms,
+    ub_sm_slowdown,
 )
 from commpipe.plan.layout import Job, Layout, zero_stage
 from commpipe.plan.memory import (
@@ -150,8 +152,10 @@ def gemm_time(flops: float, m: float, k: float, n: float, peak: float, eff: Effi
 
 def layer_compute(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
                   eff: Efficiency) -> dict[str, float]:
-    """Forward seconds of one layer for one micro-batch: 'gemm' (weight matmuls), 'attn'
-    (scores and values), 'elem' (HBM-bound ops)."""
+    """Seconds of one layer for one micro-batch: 'gemm' (the weight matmuls of a pass: the
+    backward's input- and weight-gradient GEMMs have the forward's shapes), 'gemm_f' (the
+    forward's as run: under TE's userbuffers overlap two of them lose SMs), 'attn' (scores and
+    values), 'elem' (HBM-bound ops)."""
     gpu = cluster.gpu
     peak, ridge = gpu.achievable_tflops("bf16") * 1e12, gpu.ridge_flop_per_byte
     t, s = layout.tp, job.seq_len
@@ -159,7 +163,11 @@ def layer_compute(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
     # torchtitan's eager Llama runs one GEMM per matrix; Megatron/TE fuse QKV and gate/up
     shapes = layer_gemms(spec, layout, job, fused=not job.eager_ops)
     cast = 0.0
-    gemm = gemms_time(shapes, job, gpu, eff)
+    gemm = gemm_f = gemms_time(shapes, job, gpu, eff)
+    if job.tp_overlap and t > 1 and len(shapes) == 4:
+        # TE userbuffers: the reduce-scatter's GEMMs run under an SM margin (kernels.py)
+        margin = gemms_time(ub_margin_gemms(shapes), job, gpu, eff)
+        gemm_f = gemm + margin * (ub_sm_slowdown(gpu.sms) - 1)
     if job.precision == "fp8":
         cast = fp8_cast_time(spec, layout, job, gpu)
     heads = layout.micro_batch_size * spec.heads / t
@@ -178,8 +186,8 @@ def layer_compute(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
         elem = eff.elementwise * layer_activation_bytes(spec, layout, job, recompute="none") / hbm
         elem_b = 2 * elem
     copy_f, copy_b = fsdp_copies(spec, layout, job, hbm)
-    return {"gemm": gemm, "attn": attn, "elem": elem + cast, "elem_b": elem_b + 2 * cast,
-            "copy_f": copy_f, "copy_b": copy_b}
+    return {"gemm": gemm, "gemm_f": gemm_f, "attn": attn, "elem": elem + cast,
+            "elem_b": elem_b + 2 * cast, "copy_f": copy_f, "copy_b": copy_b}
 
 
 def gemms_time(shapes: list[tuple], job: Job, gpu, eff: Efficiency) -> float:
@@ -218,7 +226,7 @@ def stage_costs(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
     tokens = layout.micro_batch_size * s / layout.cp
     act_bytes = job.activation_bytes * tokens * h                   # [b, s/cp, h]
     lc = layer_compute(spec, layout, job, cluster, eff)
-    comp_f = lc["gemm"] + lc["attn"] + lc["elem"] + lc["copy_f"] + eff.overhead_s
+    comp_f = lc["gemm_f"] + lc["attn"] + lc["elem"] + lc["copy_f"] + eff.overhead_s
     tp_size = groups["tp"][0]
     call = eff.coll_overhead_s
     # TP: AR per collective (RS+AG with SP has the same bus traffic)
