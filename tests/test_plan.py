@@ -376,25 +376,17 @@ def test_schedule_rules_mirror_the_generators():
                         assert proposed or not runs, f"planner rejects {case}, runtime runs it"
 
 
-def test_equal_layouts_rank_the_least_model_parallel_first():
-    # a 4-layer Llama (h 1024, 16 heads, 4 KV heads) on 2 H100s, 2 sequences of 8192: CP2 with
-    # micro-batch 2 and plain DP2 with micro-batch 1 put the same 8192 tokens through every rank's
-    # GEMMs and attention, and CP's K/V ring step (2 x 4096 x 256 x 2 B = 4.2 MB over NVLink,
-    # ~17 us) hides behind a step's attention (half of 4 x 4096 x 8192 x 64 x 16 FLOPs at
-    # ~585 TFLOP/s, ~0.12 ms), so the model prices both the same; the ranking takes DP2
-    spec = resolve_model("arch=llama,layers=4,hidden=1024,heads=16,kv_heads=4,ffn_hidden=4096,vocab=32000")
-    fixed = dict(tp=1, pp=1, zero=1, recompute="none")
-    res = search(spec, Job(2, 8192), default_cluster(H100, 2, 8), Efficiency(), fixed, top=2,
-                 explain=False)
-    a, b = res.top
-    assert (a.layout.cp, a.layout.dp, a.layout.micro_batch_size) == (1, 2, 1)
-    assert (b.layout.cp, b.layout.dp, b.layout.micro_batch_size) == (2, 1, 2)
-    assert a.step_time_s == pytest.approx(b.step_time_s, rel=1e-9)
-    assert b.breakdown.get("cp", 0.0) == 0.0
-    # whatever order they come in: keeping one of the two, branch and bound keeps DP2
-    from commpipe.plan.search import _branch_and_bound
+def test_equal_predictions_rank_the_least_model_parallel_first():
+    # the ranking's order: step time to 9 significant digits, then tp*cp*pp, cp, pp
+    from commpipe.plan.estimate import Estimate
+    from commpipe.plan.search import rank_key
 
-    job, cluster, eff = Job(2, 8192), default_cluster(H100, 2, 8), Efficiency()
-    cands = [_prepare(spec, job, cluster, eff, replace(e.layout)) for e in (b, a)]
-    best, _ = _branch_and_bound(cands, 1, spec, job, cluster, eff)
-    assert best[0].layout.cp == 1
+    t = 1.234567891
+    cp2 = Estimate(Layout(cp=2, dp=2, micro_batch_size=2), True, "", step_time_s=t)
+    pp2 = Estimate(Layout(pp=2, dp=2, vpp=1), True, "", step_time_s=t * (1 + 1e-12))
+    dp4 = Estimate(Layout(dp=4), True, "", step_time_s=t * (1 - 1e-12))
+    tp2cp2 = Estimate(Layout(tp=2, cp=2), True, "", step_time_s=t)
+    assert sorted([tp2cp2, cp2, pp2, dp4], key=rank_key) == [dp4, pp2, cp2, tp2cp2]
+    # a real difference in the 9th digit wins over less parallelism
+    faster = Estimate(Layout(tp=2, cp=2), True, "", step_time_s=t * (1 - 1e-8))
+    assert sorted([dp4, faster], key=rank_key) == [faster, dp4]

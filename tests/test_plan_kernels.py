@@ -218,3 +218,23 @@ def test_te_userbuffers_take_sms_from_the_reduce_scatter_gemms_by_hand():
     assert costs.comp_i[0] == pytest.approx(plain.comp_i[0], rel=1e-12)
     off = layer_compute(SPEC, lay, Job(1, 2048), cluster, eff)
     assert off["gemm_f"] == off["gemm"] == pytest.approx(whole, rel=1e-12)
+
+
+def test_cp_ring_merges_by_hand():
+    # the small Llama, 2 H100s, sequences of 8192: CP2 with micro-batch 2 and DP2 with micro-batch 1
+    # put the same 8192 tokens and the same attention FLOPs through a rank; CP2's ring adds the
+    # merges: forward 6 B x cp 2 x 8192 tokens x 1024 (16 heads x 64) = 100,663,296 B per layer,
+    # backward 6 x 2 x 8192 x (1024 + 2 x 256) = 150,994,944 B
+    h100 = resolve_gpu("h100")
+    hbm = 3350e9 * HBM_EFFICIENCY
+    eff, cluster = Efficiency(), default_cluster(h100, 2, 8)
+    job = Job(2, 8192)
+    cp2 = stage_costs(SPEC, Layout(cp=2, dp=1, micro_batch_size=2), job, cluster, eff)
+    dp2 = stage_costs(SPEC, Layout(dp=2), job, cluster, eff)
+    assert cp2.comp_f[0] - dp2.comp_f[0] == pytest.approx(4 * 100_663_296 / hbm, rel=1e-9)
+    assert cp2.comp_i[0] - dp2.comp_i[0] == pytest.approx(4 * 150_994_944 / hbm, rel=1e-9)
+    assert cp2.cp_f[0] == 0.0                  # the ring itself hides behind attention
+    # the all-gather form runs one attention call over the gathered K/V: no merges
+    ag = stage_costs(SPEC, Layout(cp=2, dp=1, micro_batch_size=2), replace(job, cp_comm="allgather"),
+                     cluster, eff)
+    assert ag.comp_f[0] == pytest.approx(dp2.comp_f[0], rel=1e-12)

@@ -83,6 +83,27 @@ def ub_sm_slowdown(sms: int) -> float:
     return sms / (sms - UB_COMM_SMS) if sms > UB_COMM_SMS else 1.0
 
 
+# Ring attention as Transformer Engine runs it (AttnFuncWithCPAndKVP2P; load-balanced causal
+# split, every rank holding two of 2*cp sequence chunks): step i runs flash attention of the rank's
+# queries against the K/V received i steps earlier, and the forward then merges each step's partial
+# output into the result with its log-sum-exp correction (flash_attn_fwd_out_correction: read the
+# step's output and the running output, write it back, 6 bytes per bf16 element); the backward
+# adds each step's query gradient and K/V gradient into their accumulators the same way. The rank
+# holding the last chunks merges whole outputs on all cp steps (the others on fewer), and the
+# ring's exchanges keep the ranks in step: cp full merges per layer and pass. The all-gather form
+# (Llama 3's, commpipe's runtime) runs one attention call over the gathered K/V: no merges.
+def cp_ring_merge_bytes(spec: ModelSpec, layout: Layout, job: Job) -> tuple[float, float]:
+    """(forward, backward) HBM bytes per layer and micro-batch of ring attention's per-step merges
+    (comment above); 0 without CP or with the all-gather form."""
+    cp = layout.cp
+    if cp == 1 or job.cp_comm != "ring":
+        return 0.0, 0.0
+    tokens = layout.micro_batch_size * job.seq_len / cp
+    q_elems = tokens * spec.heads * spec.head_dim / layout.tp
+    kv_elems = 2 * tokens * spec.kv_dim / layout.tp
+    return 6 * cp * q_elems, 6 * cp * (q_elems + kv_elems)
+
+
 def op_sac_recomputed(spec: ModelSpec, layout: Layout, job: Job) -> list[tuple]:
     """The GEMMs per-op SAC recomputes in the backward: every other matmul (2nd, 4th, ...)."""
     return layer_gemms(spec, layout, job, fused=spec.arch != "llama")[1::2]

@@ -56,6 +56,7 @@ from commpipe.plan.cluster import Cluster
 from commpipe.plan.kernels import (
     FP8_CAST_BYTES,
     HBM_EFFICIENCY,
+    cp_ring_merge_bytes,
     eager_elementwise_bytes,
     fp8_cast_time,
     fp8_gemm_time,
@@ -247,7 +248,7 @@ def stage_costs(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
         fed = (shapes[:1], shapes[2:3]) if len(shapes) == 4 else (shapes[:3], shapes[4:6])
         tp_b -= sum(min(entry, gemms_time(g, job, cluster.gpu, eff)) for g in fed)
     cp_size, cp_stride = groups["cp"]
-    cp_f = cp_b = 0.0
+    cp_f = cp_b = merge_b = 0.0
     kv_bytes = job.activation_bytes * tokens * spec.kv_dim / t      # this rank's K (or V)
     if cp_size > 1 and job.cp_comm == "ring":
         # ring attention: K,V chunk [b, s/cp, 2*kv/tp] per step, overlapped with attention
@@ -255,6 +256,10 @@ def stage_costs(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
         step = 2 * kv_bytes / bw + link.latency_s + call
         cp_f = (cp_size - 1) * max(step - lc["attn"] / cp_size, 0.0)
         cp_b = (cp_size - 1) * max(2 * step - 2 * lc["attn"] / cp_size, 0.0)
+        # the per-step merges of partial outputs and gradients (kernels.py), HBM-bound compute
+        hbm = cluster.gpu.hbm_gbps * 1e9 * HBM_EFFICIENCY
+        merge_f, merge_b = (x / hbm for x in cp_ring_merge_bytes(spec, layout, job))
+        comp_f += merge_f
     elif cp_size > 1:
         # all-gather K and V before attention, reduce-scatter their gradients after: exposed
         cp_f = 2 * (cluster.all_gather(cp_size * kv_bytes, cp_size, cp_stride) + call)
@@ -280,7 +285,8 @@ def stage_costs(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
     # flash attention's backward recomputes the scores and runs 5 matmuls to the forward's 2
     # (Dao 2023, FlashAttention-2, Algorithm 2): 2.5 forwards; materialised scores: 2
     attn_b = FLASH_BWD_RATIO if job.uses_flash(spec) else 2.0
-    layer_i = lc["gemm"] + attn_b * lc["attn"] + lc["elem_b"] + lc["copy_b"] + eff.overhead_s + re_comp
+    layer_i = (lc["gemm"] + attn_b * lc["attn"] + lc["elem_b"] + lc["copy_b"] + merge_b + eff.overhead_s
+               + re_comp)
     head_gemm, loss = head_compute(spec, layout, job, cluster, eff)
     head_f, head_b, embed_tp = _head_and_embedding_tp(spec, layout, job, cluster, act_bytes, call)
     # collective calls per layer and pass (host CPU time = calls * coll_overhead_s)
