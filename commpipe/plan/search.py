@@ -64,10 +64,10 @@ def _prepare(spec, job, cluster, eff, layout) -> Candidate | str:
 
 def rank_key(e: Estimate) -> tuple[float, int, int, int]:
     """Order of the ranking: step time, and among layouts the model prices the same (to 9
-    significant digits: CP2 with micro-batch 2 and CP1 with micro-batch 1 often come out equal,
-    since the CP ring hides behind attention) the one with the least model parallelism, tp*cp*pp,
-    then the smaller cp and pp: what such a layout costs beyond the model (CP's per-step
-    attention kernels and output merges, more pipeline stages) can only add to it."""
+    significant digits; e.g. all-gather CP2 with micro-batch 2 against CP1 with micro-batch 1
+    when the gather hides behind attention) the one with the least model parallelism, tp*cp*pp,
+    then the smaller cp and pp: a rule for equal predictions, not a cost (what more parallelism
+    costs beyond the model, such as more kernels and more stages, can only add to it)."""
     lay = e.layout
     return float(f"{e.step_time_s:.9g}"), lay.tp * lay.cp * lay.pp, lay.cp, lay.pp
 
