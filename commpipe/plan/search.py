@@ -64,8 +64,8 @@ def _prepare(spec, job, cluster, eff, layout) -> Candidate | str:
 
 def rank_key(e: Estimate) -> tuple[float, int, int, int]:
     """Order of the ranking: step time, and among layouts the model prices the same (to 9
-    significant digits; e.g. all-gather CP2 with micro-batch 2 against CP1 with micro-batch 1
-    when the gather hides behind attention) the one with the least model parallelism, tp*cp*pp,
+    significant digits: layouts that differ only in what the model does not price) the one with
+    the least model parallelism, tp*cp*pp,
     then the smaller cp and pp: a rule for equal predictions, not a cost (what more parallelism
     costs beyond the model, such as more kernels and more stages, can only add to it)."""
     lay = e.layout
