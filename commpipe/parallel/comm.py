@@ -216,8 +216,18 @@ class Comm:
         out = torch.empty((tensor.shape[0] // n, *tensor.shape[1:]), dtype=tensor.dtype,
                           device=tensor.device)
         call, ctxs = self._start(dim, "reduce_scatter", tensor, group=self._group_ranks(dim))
-        work = dist.reduce_scatter_tensor(out, tensor, group=self._pg_of(dim), async_op=True)
-        handle = Handle(self, work, call, ctxs, lambda: out)
+        if self.backend == "gloo":
+            # gloo's reduce-scatter costs as much as an all-reduce of the whole tensor (see
+            # benchmarks/gloo_reduce_scatter.py); an all-to-all sends each rank the slices it
+            # keeps ((n-1)/n of the tensor, as a ring would) and the sum is taken here, in rank
+            # order
+            slices = torch.empty_like(tensor)
+            work = dist.all_to_all_single(slices, tensor, group=self._pg_of(dim), async_op=True)
+            handle = Handle(self, work, call, ctxs,
+                            lambda: torch.sum(slices.view(n, *out.shape), dim=0, out=out))
+        else:
+            work = dist.reduce_scatter_tensor(out, tensor, group=self._pg_of(dim), async_op=True)
+            handle = Handle(self, work, call, ctxs, lambda: out)
         return handle if async_op else handle.wait()
 
     def broadcast(self, tensor: torch.Tensor, dim: str, src_local: int = 0) -> None:
