@@ -14,9 +14,9 @@ Each schedule trains the same model in turn; printed per schedule:
   `blocked_ms_total` of dim tp in OUT/monitor/rank*.jsonl, summed per step, mean over ranks,
   median over steps), beside their transfer time;
 - the simulator's prediction of the same ratios, from costs measured in the zbv run (whose TP
-  collectives block): per chunk, the median F, I and W (trace/actions_rank*.jsonl) less the
-  time blocked on TP per pass, and the TP transfer time per pass as `tp_comm`; the same
-  Programs simulated with the TP stream.
+  collectives block), calibrated as `commpipe simulate --compare` does: per chunk, the median
+  compute of F, I and W without the time they waited for TP, and that wait per pass as
+  `tp_comm`; the same Programs simulated with the TP stream.
 
 Needs root and iproute2; otherwise it says why and exits 0. On a shared 2-core machine the four
 ranks contend for the cores: quote ratios, not absolute times.
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import tempfile
@@ -80,44 +79,14 @@ def tp_per_step(run_dir: Path) -> dict[str, float]:
             "transfer_ms": statistics.median(transfers) if transfers else 0.0}
 
 
-def measured_costs(run_dir: Path, pp: int, microbatches: int):
-    """Per-stage f, i, w (ms, TP wait taken out) and tp_comm per pass, from a zbv run."""
+def simulated(schedule: str, pp: int, microbatches: int, costs) -> float:
+    """The simulator's step for `schedule` with the zbv run's calibrated costs (chunk costs of
+    the zbv layout's 4 chunks of 2 layers; interleaved vpp 2 and the V schedules have the same
+    chunks)."""
     from commpipe.schedules import generate
-    from commpipe.sim.compare import load_run
+    from commpipe.sim import simulate
 
-    cfg, per_rank = load_run(run_dir)
-    prog = generate("zbv", pp, microbatches)
-    by = defaultdict(list)                          # (op, stage) -> durations
-    for events in per_rank.values():
-        for e in events:
-            hit = re.fullmatch(r"(\d+)([FIW])\d+", e.name)
-            if e.stream == "compute" and hit:
-                by[(hit[2], int(hit[1]))].append(e.dur_ms)
-    tp = tp_per_step(run_dir)
-    passes = 2 * prog.num_stages * microbatches / pp       # F and I passes per rank per step
-    blocked = tp["exposed_ms"] / passes       # zbv's TP collectives block: all of it inside F, I
-    n = prog.num_stages
-
-    def med(op, s):
-        return statistics.median(by[(op, s)]) if by[(op, s)] else 0.0
-    f = [max(med("F", s) - blocked, 0.0) for s in range(n)]
-    i = [max(med("I", s) - blocked, 0.0) for s in range(n)]
-    w = [med("W", s) for s in range(n)]
-    # the link time alone (what a TP stream holds); blocked beyond it was waiting for the peer
-    return f, i, w, tp["transfer_ms"] / passes
-
-
-def simulated(schedule: str, pp: int, microbatches: int, f, i, w, tp_pass) -> float:
-    from commpipe.schedules import generate
-    from commpipe.sim import CostTable, simulate
-
-    prog = generate(schedule, pp, microbatches, VPP[schedule])
-    n = prog.num_stages
-    # chunk costs measured on the zbv layout (4 chunks of 2 layers); interleaved vpp 2 has the
-    # same 4 chunks
-    costs = CostTable(f=f[:n], b=[a + b for a, b in zip(i, w)][:n], i=i[:n], w=w[:n],
-                      tp_comm=[tp_pass] * n)
-    return simulate(prog, costs).makespan
+    return simulate(generate(schedule, pp, microbatches, VPP[schedule]), costs).makespan
 
 
 def gantt(run_dir: Path, path: Path, window_ms: float = 400.0) -> Path:
@@ -174,6 +143,7 @@ def main(argv=None) -> int:
     from commpipe.cluster.grids import Layout
     from commpipe.cluster.netns import EmulatedCluster, available
     from commpipe.cluster.sweep import EmulatedRunner
+    from commpipe.sim.compare import calibrate_run
 
     ok, why = available()
     if not ok:
@@ -210,14 +180,15 @@ def main(argv=None) -> int:
                   f"{got['transfer_ms']:.0f} ms", flush=True)
     times = {name: statistics.median(v) for name, v in steps.items()}
     tp = {name: {k: statistics.median(r[k] for r in v) for k in v[0]} for name, v in tp.items()}
-    f, i, w, tp_pass = measured_costs(out / "zbv", args.pp, args.microbatches)
-    pred = {s: simulated(s, args.pp, args.microbatches, f, i, w, tp_pass) for s in schedules}
+    _, costs, _ = calibrate_run(out / "zbv")
+    pred = {s: simulated(s, args.pp, args.microbatches, costs) for s in schedules}
     print(f"\nemulated cluster: 2 nodes x {args.pp} ranks, {args.mbit:g} Mbit/s between nodes; TP2 "
           f"across nodes, PP{args.pp} inside; {args.model}, seq {args.seq_len}, "
           f"{args.microbatches} micro-batches, {args.steps} steps x {args.rounds} round(s) "
           "(median of steps 1.. of every round)")
-    print(f"simulator costs from the zbv run, ms per chunk: f {[round(x, 1) for x in f]}, "
-          f"i {[round(x, 1) for x in i]}, w {[round(x, 1) for x in w]}, tp_comm {tp_pass:.1f}")
+    print("simulator costs from the zbv run (commpipe.sim.compare.calibrate_run), ms per chunk: "
+          f"f {[round(x, 1) for x in costs.f]}, i {[round(x, 1) for x in costs.i]}, "
+          f"w {[round(x, 1) for x in costs.w]}, tp_comm {costs.tp_comm[0]:.1f} per pass")
     print("schedule    | step s | TP exposed ms/step | ratio to stp | simulated ms | sim ratio")
     for s in schedules:
         base, sbase = times.get("stp"), pred.get("stp")

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 from commpipe.schedules import Action
-from commpipe.sim.compare import compare_run, load_run, overlay_trace
+from commpipe.sim.compare import calibrate_run, compare_run, load_run, overlay_trace, tp_split
 
 
 def test_traced_run_is_compared_with_its_simulation(tmp_path):
@@ -52,3 +52,38 @@ def test_measured_bubble_is_mean_idle_share():
     per_rank = {0: [Event(0, "compute", "0F0", 0, 2), Event(0, "compute", "0B0", 3, 4)],
                 1: [Event(1, "compute", "1F0", 1, 3), Event(1, "pp", "1RECV_F0", 0, 1)]}
     assert measured_bubble(per_rank) == (0.25 + 0.5) / 2
+
+
+def test_tp_run_prices_its_collectives_on_the_tp_stream(tmp_path):
+    """A traced tp2 stp run with the monitor: plain passes' TP waits become `tp_comm`, their
+    compute alone the stage costs, and the simulated braids hide collectives behind compute."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "commpipe", "train", "--preset", "tiny", "--tp", "2", "--schedule", "stp",
+           "--microbatches", "4", "--seq-len", "16", "--steps", "3", "--out", str(out), "--trace",
+           "--comm-monitor", "all"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    program, costs, per_rank = calibrate_run(out)
+    split = tp_split(out, program)
+    assert set(split) == {0, 1}                 # both TP ranks; the pipeline rank is rank 0
+    # every plain F and I of steps 1.. on rank 0 (2 per stage and op), each with a TP wait
+    assert {k: len(v) for k, v in split[0]["compute"].items() if k[1] != "W"} == {
+        (0, "F"): 2, (1, "F"): 2, (0, "I"): 2, (1, "I"): 2}
+    assert len(split[0]["tp"]) == 8 and min(split[0]["tp"]) > 0
+    tp = costs.tp_comm[0]
+    assert costs.tp_comm == [tp, tp] and tp == statistics.median(split[0]["tp"])
+    # the runtime's own timeline (trace/actions_rank0.jsonl, last step) has whole plain passes:
+    # the calibrated compute is less, by about the TP wait
+    for s in (0, 1):
+        whole = statistics.median(e.dur_ms for e in per_rank[0] if e.stream == "compute"
+                                  and Action.parse(e.name).op == "F" and Action.parse(e.name).stage == s)
+        assert costs.f[s] < whole
+        assert abs(costs.f[s] + tp - whole) < 0.5 * whole
+    # simulated: a braid's collectives run on the TP stream while its compute goes on
+    res = compare_run(out).result
+    braids = [e for e in res.events if e.stream == "compute" and "&" in e.name]
+    hidden = [t for t in res.events if t.stream == "tp" and "&" in t.name
+              and any(b.start_ms <= t.start_ms and t.end_ms <= b.end_ms for b in braids)]
+    assert braids and hidden

@@ -8,6 +8,13 @@
 that run (median measured F, B, I, W time per stage; point-to-point cost from the fastest
 receives, when the data was already there), the same Program is simulated, and each pipeline
 rank's measured and predicted busy time and finish time are reported side by side.
+
+With tensor parallelism and the communication monitor's trace (`--comm-monitor all --trace`),
+the TP collectives get their own cost: a plain action's compute, without the time it waited
+for its collectives, is the stage's cost, and that wait is the simulator's `tp_comm`
+(`tp_split`). Braided actions (stp, dualpipev) are then timed with their collectives on the TP
+stream, hidden behind the other pass, as they ran. Without that trace, a plain action's time
+includes its blocking collectives and braids are timed as their two passes' plain times.
 """
 
 from __future__ import annotations
@@ -88,9 +95,45 @@ def measured_bubble(per_rank: dict[int, list[Event]]) -> float:
                            for evs in compute.values())
 
 
-def calibrate(program, per_rank: dict[int, list[Event]], activation_bytes: float) -> CostTable:
+def tp_split(run_dir, program) -> dict[int, dict]:
+    """Per pipeline rank, from the monitor's Chrome trace (trace/rank{r}.json, which splits each
+    action's compute at its collectives and records the action's whole time): for every plain
+    F, B or I, its compute time and the rest, the time it waited for its TP collectives, over
+    all traced steps but the first; {rank: {"compute": {(stage, op): [ms]}, "tp": [ms]}}.
+    Empty when the run has no such trace."""
+    from commpipe.report.figures import load_events
+
+    chrome = Path(run_dir) / "trace"
+    if not any(chrome.glob("rank*.json")):
+        return {}
+    parts: dict[tuple, list] = {}                 # (rank, step, action) -> [compute ms, action ms]
+    for e in load_events(Path(run_dir)):
+        if e["stream"] != "compute" or "action_ms" not in e.get("args", {}):
+            continue
+        cell = parts.setdefault((e["rank"], e.get("step", 0), e["name"]), [0.0, e["args"]["action_ms"]])
+        cell[0] += e["end_ms"] - e["start_ms"]
+    first = min((step for _, step, _ in parts), default=0)
+    out: dict[int, dict] = {}
+    for (rank, step, name), (compute, whole) in parts.items():
+        a = Action.parse(name)
+        if step == first or a.pair is not None or a.unit or a.op not in ("F", "B", "I", "W"):
+            continue
+        got = out.setdefault(rank, {"compute": {}, "tp": []})
+        got["compute"].setdefault((a.stage, a.op), []).append(compute)
+        if a.op != "W":
+            got["tp"].append(max(whole - compute, 0.0))
+    return out
+
+
+def calibrate(program, per_rank: dict[int, list[Event]], activation_bytes: float,
+              split: dict[int, dict] | None = None) -> CostTable:
     """Median measured compute time per (stage, op) plus the median host time between compute
-    actions; point-to-point cost from the fastest receives."""
+    actions; point-to-point cost from the fastest receives.
+
+    split: `tp_split` of a TP run. A plain F, B or I waited for all of its TP collectives; its
+    compute alone is then the stage's cost, and the median wait of the plain passes is the
+    `tp_comm` of every stage ("exposed" for plain actions, the TP stream for braids). Braided
+    actions' own times are not used: they are what the simulator predicts from their passes."""
     durations: dict[tuple[int, str], list[float]] = {}
     recv_waits = []
     for events in per_rank.values():
@@ -100,6 +143,14 @@ def calibrate(program, per_rank: dict[int, list[Event]], activation_bytes: float
                 durations.setdefault((a.stage, a.op), []).append(e.dur_ms)
             elif a.op.startswith("RECV"):
                 recv_waits.append(e.dur_ms)
+
+    tp = 0.0
+    if split:
+        durations = {}
+        for got in split.values():
+            for key, vals in got["compute"].items():
+                durations.setdefault(key, []).extend(vals)
+        tp = statistics.median(x for got in split.values() for x in got["tp"])
 
     def med(stage, op, default=0.0):
         vals = durations.get((stage, op))
@@ -124,21 +175,33 @@ def calibrate(program, per_rank: dict[int, list[Event]], activation_bytes: float
     i = [med(s, "I") + host for s in range(n)]
     w = [med(s, "W") + host for s in range(n)]
     b = [med(s, "B", i[s] + w[s] - host) + host for s in range(n)]
-    split = any(durations.get((s, "I")) for s in range(n))
+    has_i = any(durations.get((s, "I")) for s in range(n))
     # the quickest receives found their data waiting: what is left is the transfer itself
     recv_waits.sort()
     fastest = recv_waits[: max(1, len(recv_waits) // 10)] if recv_waits else [0.0]
-    return CostTable(f=f, b=b, i=i if split else None, w=w if split else None,
-                     latency_ms=statistics.median(fastest), activation_bytes=activation_bytes)
+    return CostTable(f=f, b=b, i=i if has_i else None, w=w if has_i else None,
+                     latency_ms=statistics.median(fastest), activation_bytes=activation_bytes,
+                     tp_comm=[tp] * n if split else None)
 
 
-def compare_run(run_dir) -> Comparison:
+def calibrate_run(run_dir):
+    """(the run's Program, the CostTable calibrated from its trace, the traced events per
+    pipeline rank), as `simulate --compare` uses them."""
     cfg, per_rank = load_run(run_dir)
     d = cfg["dims"]
     program = generate(cfg["schedule"], d["pp"], cfg["microbatches"], cfg.get("vpp", 1))
     spec = cfg["spec"]
     act_bytes = 4.0 * cfg["micro_batch_size"] * (cfg["seq_len"] // d["cp"]) * spec["hidden"]
-    costs = calibrate(program, per_rank, act_bytes)
+    split = None
+    if d["tp"] > 1:
+        dims = ParallelDims(dp=d["dp"], pp=d["pp"], cp=d["cp"], tp=d["tp"])
+        ranks = {dims.rank_of(pp=r): r for r in range(d["pp"])}
+        split = {ranks[k]: v for k, v in tp_split(run_dir, program).items() if k in ranks} or None
+    return program, calibrate(program, per_rank, act_bytes, split), per_rank
+
+
+def compare_run(run_dir) -> Comparison:
+    program, costs, per_rank = calibrate_run(run_dir)
     res = simulate(program, costs)
     measured_busy, measured_end, starts = [], [], []
     for r in range(program.pp):
