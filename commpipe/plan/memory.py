@@ -31,11 +31,24 @@ A rank holds `inflight` micro-batches' worth of its layers at its peak: the simu
 (for 1F1B rank r holds p - r; a chunk of an interleaved schedule counts 1/vpp). The last stage
 also holds the fp32 softmax of the vocabulary-parallel cross-entropy (4*T*V/t per micro-batch
 whose loss backward has not run: m for GPipe, 1 for the 1F1B family, which runs the loss
-backward right after its forward) plus the transient bf16 logits (2*T*V/t).
+backward right after its forward) plus the transient bf16 logits (2*T*V/t): Megatron-core's
+vocab-parallel cross-entropy (tensor_parallel/cross_entropy.py) makes one fp32 copy of the bf16
+logits and then subtracts, exponentiates and normalises it in place, 6 bytes per logit. It also
+keeps the final norm's input and the output layer's input (2*T*h/t each: TENorm and
+ColumnParallelLinear each save their input for backward).
 
 Reserve: 1.5 GiB fixed (CUDA context ~0.5-0.8 GiB, cuBLAS workspaces, NCCL communicator
-buffers) plus 10% of the tensors for caching-allocator fragmentation (PyTorch's reserved vs
-allocated gap in practice). GB in this module means GiB (2**30 bytes), as torch.cuda reports.
+buffers) plus 10% of the *transient* tensors for caching-allocator fragmentation. Fragmentation
+is free space left between cached blocks when tensors of different life spans are freed and
+reallocated (PyTorch's CUDA memory notes; arXiv:2507.16274 measures it growing with virtual
+pipelines and recomputation, i.e. with activations). States allocated once and never freed take
+none of it: Megatron-core's DDP puts all bf16 weights and all gradients of a model chunk in
+one contiguous `torch.zeros` buffer each (distributed/param_and_grad_buffer.py; NeMo's configs:
+"Allocate gradients in a contiguous bucket to save memory (less fragmentation ...)"), TE's FP8
+weight copies are cached workspaces updated in place, and the optimizer's shards live for the
+whole run. So the 10% applies to activations, logits and, under ZeRO-3, the gathered weights
+and unsharded gradients, which come and go every step (`persistent_state_bytes`).
+GB in this module means GiB (2**30 bytes), as torch.cuda reports.
 """
 
 from __future__ import annotations
@@ -189,13 +202,15 @@ def linear_params_per_layer(spec: ModelSpec, tp: int) -> float:
     return (layer_param_count(spec) - _replicated_layer_params(spec)) / tp
 
 
+def _bytes_per_param(job: Job) -> tuple[int, int, int]:
+    """(weight, gradient, optimizer) bytes per parameter before any sharding."""
+    return (2, (4 if job.grad_fp32 else 2), 12) if job.mixed else (4, 4, 8)
+
+
 def state_bytes(spec: ModelSpec, layout: Layout, job: Job, layers: int, params: float) -> tuple:
     """(weights, gradients, optimizer) bytes of a rank holding `layers` layers and `params`
     parameters, for the job's precision and the layout's ZeRO stage (module docstring)."""
-    if job.mixed:
-        w_b, g_b, o_b = 2, (4 if job.grad_fp32 else 2), 12
-    else:
-        w_b, g_b, o_b = 4, 4, 8
+    w_b, g_b, o_b = _bytes_per_param(job)
     n = layout.shard_size
     z = zero_stage(layout, job)
     # FP8 (Transformer Engine on Hopper/Blackwell): every linear weight as FP8 plus its transpose
@@ -215,6 +230,20 @@ def state_bytes(spec: ModelSpec, layout: Layout, job: Job, layers: int, params: 
     g = params * g_b / (n if z == 2 else 1)
     o = params * o_b / (n if z >= 1 else 1)
     return w, g, o
+
+
+def persistent_state_bytes(spec: ModelSpec, layout: Layout, job: Job, layers: int, params: float) -> float:
+    """The part of `state_bytes` allocated once and kept all run (no fragmentation share; module
+    docstring): everything below ZeRO-3; under ZeRO-3 only each rank's shards, since the gathered
+    weights and the unsharded gradients (and their FP8 copies) are allocated and freed every step
+    (per layer without a pipeline, per stage and step with one)."""
+    if zero_stage(layout, job) < 3:
+        return sum(state_bytes(spec, layout, job, layers, params))
+    return params * sum(_bytes_per_param(job)) / layout.shard_size
+
+
+def _reserve_bytes(tensors: float, persistent: float) -> float:
+    return RESERVE_FIXED_GIB * GIB + FRAGMENTATION * (tensors - persistent)
 
 
 def stage_memory(spec: ModelSpec, layout: Layout, job: Job, inflight: list[float]) -> list[StageMemory]:
@@ -244,12 +273,13 @@ def stage_memory(spec: ModelSpec, layout: Layout, job: Job, inflight: list[float
             # transient bf16 logits of the one being computed; the final norm's input too
             last_inflight = layout.microbatches(job) if layout.schedule == "gpipe" else 1
             logits = (4 * last_inflight + 2) * tokens * spec.vocab / layout.tp
-            act += last_inflight * 2 * tokens * spec.hidden / layout.tp
+            act += last_inflight * 4 * tokens * spec.hidden / layout.tp     # norm and head inputs
         if (layers, params) not in states:
-            states[layers, params] = state_bytes(spec, layout, job, layers, params)
-        w, g, o = states[layers, params]
+            states[layers, params] = (state_bytes(spec, layout, job, layers, params),
+                                      persistent_state_bytes(spec, layout, job, layers, params))
+        (w, g, o), kept = states[layers, params]
         tensors = w + g + o + act + logits
-        reserve = RESERVE_FIXED_GIB * GIB + FRAGMENTATION * tensors
+        reserve = _reserve_bytes(tensors, kept)
         out.append(StageMemory(rank, layers, params, w / GIB, g / GIB, o / GIB, act / GIB,
                                logits / GIB, reserve / GIB, inflight[rank]))
     return out
@@ -258,8 +288,10 @@ def stage_memory(spec: ModelSpec, layout: Layout, job: Job, inflight: list[float
 def static_memory_gb(spec: ModelSpec, layout: Layout, job: Job) -> float:
     """Weights, gradients and optimizer states of the heaviest rank plus the reserve: a lower
     bound on its memory that needs no schedule walk (the search prunes with it first)."""
-    worst = max(sum(state_bytes(spec, layout, job, n, p)) for n, p in set(stage_params(spec, layout, job)))
-    return (RESERVE_FIXED_GIB * GIB + (1 + FRAGMENTATION) * worst) / GIB
+    def bound(n, p):
+        states = sum(state_bytes(spec, layout, job, n, p))
+        return states + _reserve_bytes(states, persistent_state_bytes(spec, layout, job, n, p))
+    return max(bound(n, p) for n, p in set(stage_params(spec, layout, job))) / GIB
 
 
 def memory_problem(stages: list[StageMemory], capacity_gb: float) -> str | None:
