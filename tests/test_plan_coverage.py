@@ -116,6 +116,14 @@ def test_fragmentation_reserve_counts_only_what_comes_and_goes():
     kept, cached = _mem(Layout(), fp8)[0], _mem(Layout(), replace(fp8, fp8_params=False))[0]
     assert (cached.weights_gb - kept.weights_gb) * GIB == pytest.approx(121_634_816, rel=1e-12)
     assert cached.reserve_gb == pytest.approx(kept.reserve_gb, rel=1e-12)
+    # ZeRO-3 with a pipeline keeps a stage's weights gathered and its gradients unsharded for the
+    # step (priced as ZeRO-1): only the shards, 16 B / 4 per parameter, are allocated once. Rank 0
+    # of pp 2, dp 4: 2 layers + embedding = 2 x 15,206,400 + 32,768,000 = 63,180,800 parameters;
+    # states 2 + 2 + 12/4 = 7 B each, 4 of them persistent: 10% of 3 x 63,180,800 = 18,954,240
+    r0 = _mem(Layout(pp=2, dp=4, zero=3), replace(job, global_batch=8))[0]
+    assert r0.params == 63_180_800
+    frag = r0.reserve_gb * GIB - 1_610_612_736 - 0.1 * (r0.activations_gb + r0.logits_gb) * GIB
+    assert frag == pytest.approx(18_954_240, rel=1e-9)
     # the pruning bound: states + the fixed 1.5 GiB, a lower bound of the full figure
     assert static_memory_gb(SPEC, Layout(), job) * GIB == pytest.approx(1_610_612_736 + 2_021_801_984)
     assert static_memory_gb(SPEC, Layout(), job) < one.total_gb
