@@ -68,7 +68,8 @@ def probe_overlap(trainer) -> None:
 
 def probe_roots(trainer) -> None:
     """After each forward pass, record the bytes its steps' backward roots hold beyond the
-    storages the next steps read (trainer.test_log: (bytes, number of roots))."""
+    storages the next steps read, the stage output (which the loss or the send reads) aside
+    (trainer.test_log: (bytes, number of roots))."""
     from commpipe.runtime import units
 
     log = trainer.test_log = []
@@ -79,8 +80,8 @@ def probe_roots(trainer) -> None:
         if self.grad:
             read = {t.untyped_storage().data_ptr() for st in self.steps for t in st.leaves}
             extra = sum(r.untyped_storage().nbytes() for st in self.steps for r in st.results
-                        if r.untyped_storage().data_ptr() not in read and st.unit != "end")
-            log.append((extra, sum(len(st.results) for st in self.steps if st.unit != "end")))
+                        if r.untyped_storage().data_ptr() not in read and st.outs != ("out",))
+            log.append((extra, sum(len(st.results) for st in self.steps if st.outs != ("out",))))
     units.UnitPass.forward_steps = logged
 
 

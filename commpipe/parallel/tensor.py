@@ -64,11 +64,14 @@ class VocabParallelEmbedding(nn.Module):
         self.end = self.start + per_rank
         self.weight = nn.Parameter(full.weight.detach()[self.start:self.end].clone())
         self.weight._tp_dim = 0
+        self._tp_by_units = False       # the unit-by-unit runtime sums the partials itself
 
     def forward(self, tokens):
         outside = (tokens < self.start) | (tokens >= self.end)
         local = (tokens - self.start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside[..., None], 0.0)
+        if self._tp_by_units:
+            return out
         if self.sequence_parallel:
             return scatter_seq(out, self.comm, "tp")          # [b, s/tp, h]
         return reduce_from(out, self.comm, "tp")
@@ -77,7 +80,8 @@ class VocabParallelEmbedding(nn.Module):
 class _VocabParallelCE(torch.autograd.Function):
     """Summed cross-entropy over logits split along the vocabulary (Megatron-LM,
     vocab_parallel_cross_entropy): max, sum of exponentials and the target logit are
-    all-reduced across TP; the full [tokens, vocab] logits never exist on one rank."""
+    all-reduced across TP (the sum of exponentials and the target logit in one call); the full
+    [tokens, vocab] logits never exist on one rank."""
 
     @staticmethod
     def forward(ctx, logits, labels, comm: Comm, start: int):
@@ -86,13 +90,13 @@ class _VocabParallelCE(torch.autograd.Function):
         comm.all_reduce(logits_max, "tp", op="max")
         shifted = logits - logits_max[:, None]
         exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
-        comm.all_reduce(sum_exp, "tp")
         n_local = logits.shape[-1]
         inside = (labels >= start) & (labels < start + n_local)
         local_labels = (labels - start).masked_fill(~inside, 0)
         target = shifted.gather(1, local_labels[:, None]).squeeze(1).masked_fill(~inside, 0.0)
-        comm.all_reduce(target, "tp")
+        sums = torch.stack([exp.sum(dim=-1), target])
+        comm.all_reduce(sums, "tp")
+        sum_exp, target = sums[0], sums[1]
         loss = (sum_exp.log() - target).sum()
         ctx.save_for_backward(exp / sum_exp[:, None], local_labels, inside)
         return loss
@@ -131,6 +135,14 @@ class TPLayer:
     def by_units(block: nn.Module, on: bool) -> None:
         for m in (block.attention, block.feed_forward, block.attention.wo, block.feed_forward.w2):
             m._tp_by_units = on
+
+    @staticmethod
+    def ends_by_units(model: nn.Module, on: bool) -> None:
+        """The same for a stage's vocabulary-parallel embedding (the sum of its partial
+        lookups) and head (f or all-gather on its input), where the stage has them."""
+        for m in (model.tok_embeddings, model.output):
+            if m is not None and hasattr(m, "_tp_by_units"):
+                m._tp_by_units = on
 
 
 def _serve_ready(linear: nn.Linear) -> None:

@@ -2,24 +2,26 @@
 
 A stage's pass over one micro-batch becomes a list of steps: the embedding (first stage), then
 per layer the four units of `Block` (pre_attn, attn, pre_mlp, mlp), then the last residual add
-with the head and loss (last stage). Steps are separate autograd graphs joined by leaf tensors,
-so the backward also runs step by step, in reverse. `forward_steps` and `backward_steps` are
-generators that yield after each step; the executor alternates two of them for a braid.
+(with the final norm on the last stage, then the head, whose output the loss reads). Steps are
+separate autograd graphs joined by leaf tensors, so the backward also runs step by step, in
+reverse. `forward_steps` and `backward_steps` are generators that yield after each step; the
+executor alternates two of them for a braid.
 
 With tensor parallelism the layer's four collectives sit on the edges between steps instead of
-inside the modules (`TPLayer.by_units`): an edge's forward collective is issued asynchronously
-when its producer finishes and waited by its consumer, and its adjoint is issued when the
-consumer's backward finishes and waited by the producer's backward. Between the two, the
-executor runs a step of the other pass of the braid:
+inside the modules (`TPLayer.by_units`), and so do the vocabulary-parallel embedding's sum (an
+exit edge) and the head's input (an enter edge, `TPLayer.ends_by_units`): an edge's forward
+collective is issued asynchronously when its producer finishes and waited by its consumer, and
+its adjoint is issued when the consumer's backward finishes and waited by the producer's
+backward. Between the two, the executor runs a step of the other pass of the braid:
 
     edge                      forward                      backward (adjoint)
     norm -> attention / MLP   identity (SP: all-gather)    all-reduce (SP: reduce-scatter)
     attention / MLP -> add    all-reduce (SP: reduce-sc.)  identity (SP: all-gather)
 
-The values are those of `Block.forward` with the hooks in place: the same operations in the
-same order. With overlap on, the column-parallel Linears' weight-gradient GEMMs (stashed in
-their `TPRegion`) run while the input-gradient collective of their edge travels, as in the
-whole-stage path.
+The values are those of `Block.forward` with the hooks in place: the same operations in the same
+order. With overlap on, the column-parallel Linears' weight-gradient GEMMs (stashed in their
+`TPRegion`) run while the input-gradient collective of their edge travels, as in the whole-stage
+path.
 """
 
 from __future__ import annotations
@@ -95,11 +97,20 @@ def supports_units(module) -> bool:
         all(hasattr(b, "unit_attn") for b in layers.values())
 
 
+def _stage_tp(module):
+    """The TPLayer of a stage's layers (they share group and sequence parallelism), or None."""
+    return next((b.tp for b in module.layers.values() if getattr(b, "tp", None) is not None), None)
+
+
 def use_unit_collectives(module, on: bool = True) -> None:
-    """Move the TP collectives of `module`'s layers onto the unit edges (or back)."""
+    """Move the TP collectives of `module`'s layers, embedding and head onto the unit edges
+    (or back)."""
     for block in module.layers.values():
         if getattr(block, "tp", None) is not None:
             block.tp.by_units(block, on)
+    tp = _stage_tp(module)
+    if tp is not None:
+        tp.ends_by_units(module, on)
 
 
 def _layer_steps(i: str, block, positions, h: str, m: str | None) -> list[_Step]:
@@ -142,20 +153,24 @@ class UnitPass:
 
     @staticmethod
     def _plan(mod, positions) -> list[_Step]:
+        tp = _stage_tp(mod)
+        enter, exit_ = (ENTER, EXIT) if tp is not None else (None, None)
         steps, h, m = [], "in", None
-        if mod.tok_embeddings is not None:
+        if mod.tok_embeddings is not None:      # vocabulary-parallel: partial lookups summed
             steps.append(_Step("embed", lambda t: (mod.tok_embeddings(t),), ("in",), ("e",),
-                               (None,)))
+                               (exit_,), tp))
             h = "e"
         for i, block in mod.layers.items():
             steps += _layer_steps(i, block, positions, h, m)
             h, m = f"{i}.h", f"{i}.m"
-
-        def end(h, m):
-            out = block.residual(h, m)
-            return (mod.output(mod.norm(out)) if mod.output is not None else out,)
-
-        steps.append(_Step("end", end, (h, m), ("out",), (None,)))
+        if mod.output is None:
+            steps.append(_Step("end", lambda h, m: (block.residual(h, m),), (h, m), ("out",), (None,)))
+            return steps
+        # the last stage: the final norm, then the column-parallel head on the gathered input
+        steps.append(_Step("end", lambda h, m: (mod.norm(block.residual(h, m)),), (h, m), ("n",),
+                           (enter,), tp))
+        steps.append(_Step("head", lambda n: (mod.output(n),), ("n",), ("out",), (None,), tp,
+                           getattr(mod.output, "_tp_region", None)))
         return steps
 
     def forward_steps(self):
@@ -187,7 +202,7 @@ class UnitPass:
         gradient of the stage output, or None on the last stage (backward from the scalar
         loss). The stage input's gradient lands in its `.grad`."""
         for step in reversed(self.steps):
-            if step.unit == "end":
+            if step.outs == ("out",):
                 if grad_out is None:
                     torch.autograd.backward(self.output)
                 else:
