@@ -78,25 +78,12 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class _VocabParallelCE(torch.autograd.Function):
-    """Summed cross-entropy over logits split along the vocabulary (Megatron-LM,
-    vocab_parallel_cross_entropy): max, sum of exponentials and the target logit are
-    all-reduced across TP (the sum of exponentials and the target logit in one call); the full
-    [tokens, vocab] logits never exist on one rank."""
+    """Summed cross-entropy over logits split along the vocabulary, from the TP-global row maxima,
+    sums of exponentials and target logits (`vocab_parallel_ce_steps` all-reduces them); the
+    full [tokens, vocab] logits never exist on one rank."""
 
     @staticmethod
-    def forward(ctx, logits, labels, comm: Comm, start: int):
-        logits = logits.float()
-        logits_max = logits.max(dim=-1).values
-        comm.all_reduce(logits_max, "tp", op="max")
-        shifted = logits - logits_max[:, None]
-        exp = shifted.exp()
-        n_local = logits.shape[-1]
-        inside = (labels >= start) & (labels < start + n_local)
-        local_labels = (labels - start).masked_fill(~inside, 0)
-        target = shifted.gather(1, local_labels[:, None]).squeeze(1).masked_fill(~inside, 0.0)
-        sums = torch.stack([exp.sum(dim=-1), target])
-        comm.all_reduce(sums, "tp")
-        sum_exp, target = sums[0], sums[1]
+    def forward(ctx, logits, exp, sum_exp, target, local_labels, inside):
         loss = (sum_exp.log() - target).sum()
         ctx.save_for_backward(exp / sum_exp[:, None], local_labels, inside)
         return loss
@@ -107,18 +94,55 @@ class _VocabParallelCE(torch.autograd.Function):
         g = softmax.clone()
         rows = torch.arange(g.shape[0], device=g.device)
         g[rows[inside], local_labels[inside]] -= 1.0
-        return g * grad, None, None, None
+        return g * grad, None, None, None, None, None
+
+
+def vocab_parallel_ce_steps(logits, labels, comm: Comm, start: int):
+    """The vocabulary-parallel cross-entropy (Megatron-LM, vocab_parallel_cross_entropy) as a
+    generator: it yields after issuing each of its two all-reduces (the row maxima; then the
+    sums of exponentials and the target logits in one call, where Megatron makes two) and
+    returns the summed loss, so a braid can run a step of its other pass while they travel."""
+    x = logits.detach().float()
+    logits_max = x.max(dim=-1).values
+    handle = comm.all_reduce(logits_max, "tp", op="max", async_op=True)
+    yield "loss"
+    handle.wait()
+    shifted = x - logits_max[:, None]
+    exp = shifted.exp()
+    inside = (labels >= start) & (labels < start + x.shape[-1])
+    local_labels = (labels - start).masked_fill(~inside, 0)
+    target = shifted.gather(1, local_labels[:, None]).squeeze(1).masked_fill(~inside, 0.0)
+    sums = torch.stack([exp.sum(dim=-1), target])
+    handle = comm.all_reduce(sums, "tp", async_op=True)
+    yield "loss"
+    handle.wait()
+    return _VocabParallelCE.apply(logits, exp, sums[0], sums[1], local_labels, inside)
+
+
+def run_steps(gen):
+    """Run a generator of steps to its end; its return value."""
+    while True:
+        try:
+            next(gen)
+        except StopIteration as done:
+            return done.value
 
 
 def make_loss_fn(comm: Comm, head: nn.Linear | None):
-    """Summed token cross-entropy for this rank's logits (full or vocabulary shard)."""
+    """Summed token cross-entropy for this rank's logits (full or vocabulary shard). With a
+    vocabulary shard it also has `.steps(logits, labels)`: the same loss as a generator that
+    yields while its collectives travel (`vocab_parallel_ce_steps`)."""
     if comm.size("tp") == 1 or head is None:
         return cross_entropy_sum
     start = comm.local_rank("tp") * head.weight.shape[0]
 
-    def loss_fn(logits, labels):
-        return _VocabParallelCE.apply(logits.flatten(0, -2), labels.flatten(), comm, start)
+    def steps(logits, labels):
+        return vocab_parallel_ce_steps(logits.flatten(0, -2), labels.flatten(), comm, start)
 
+    def loss_fn(logits, labels):
+        return run_steps(steps(logits, labels))
+
+    loss_fn.steps = steps
     return loss_fn
 
 

@@ -27,7 +27,7 @@ from torch import nn
 from commpipe.models.blip import IGNORE, Attention, Blip, DecoderBlock
 from commpipe.parallel.comm import Comm
 from commpipe.parallel.functional import copy_to, reduce_from
-from commpipe.parallel.tensor import VocabParallelEmbedding, _shard_, _VocabParallelCE
+from commpipe.parallel.tensor import VocabParallelEmbedding, _shard_, run_steps, vocab_parallel_ce_steps
 from commpipe.runtime.weight_grad import route_linear
 
 
@@ -89,6 +89,6 @@ def vocab_parallel_caption_loss(comm: Comm, head_output: nn.Linear):
     def loss_fn(logits, labels):
         logits, labels = logits.flatten(0, -2), labels.flatten()
         keep = labels != IGNORE
-        return _VocabParallelCE.apply(logits[keep], labels[keep], comm, start)
+        return run_steps(vocab_parallel_ce_steps(logits[keep], labels[keep], comm, start))
 
     return loss_fn

@@ -209,10 +209,12 @@ class PipelineRuntime:
             # residual stream is fp32 on every stage, as on one device
             x = {k: v.float() for k, v in x.items()}
 
-            def tail(out):
+            def tail(out, loss=None):
                 nonlocal loss_total
                 if s == self.last_stage:            # the loss in fp32, outside autocast
-                    out = self.loss_fn(out["logits"], batches[m]["labels"]) * loss_scale
+                    if loss is None:
+                        loss = self.loss_fn(out["logits"], batches[m]["labels"])
+                    out = loss * loss_scale
                     loss_total = loss_total + out.detach()
                 local_next = (s != self.last_stage
                               and self.program.rank_of(s + 1) == self.program.rank_of(s))
@@ -223,10 +225,18 @@ class PipelineRuntime:
                     outputs[(s, m)] = out  # kept for its backward, or until its SEND_F
                 return out
 
+            def tail_steps(out):
+                """tail(), with a vocabulary-parallel loss's collectives yielded to the braid's
+                other pass while they travel (`steps` of the loss function)."""
+                steps = getattr(self.loss_fn, "steps", None)
+                if s == self.last_stage and steps is not None:
+                    return tail(out, (yield from steps(out["logits"], batches[m]["labels"])))
+                return tail(out)
+
             if self.units:
                 key = "logits" if s == self.last_stage else "hidden"
                 unit = UnitPass(self.stages[s], batches[m]["tokens"] if s == 0 else x["hidden"],
-                                positions, lambda out: tail({key: out}), self._autocast,
+                                positions, lambda out: tail_steps({key: out}), self._autocast,
                                 grad=not self.forward_only)
                 if not self.forward_only:
                     unit_passes[(s, m)] = unit

@@ -139,8 +139,9 @@ class UnitPass:
     """One micro-batch through one LLaMA stage, step by step.
 
     `x`: the stage input (tokens on the first stage, else the received hidden state: a leaf
-    whose `.grad` the executor reads). `tail(out)`: what the stage output becomes (the scaled
-    loss on the last stage, run outside autocast; else the dict the executor sends).
+    whose `.grad` the executor reads). `tail(out)`: a generator returning what the stage output
+    becomes (the scaled loss on the last stage, run outside autocast, yielding while the loss's
+    collectives travel; else the dict the executor sends).
     `autocast()`: a context for the steps. `grad=False`: forward only, nothing kept."""
 
     def __init__(self, module, x, positions, tail, autocast, grad: bool = True):
@@ -193,7 +194,7 @@ class UnitPass:
                     sent.root = out
                 self.env[name] = sent
             yield step.unit
-        self.output = self.tail(_resolve(self.env.pop("out")))
+        self.output = yield from self.tail(_resolve(self.env.pop("out")))
         if not self.grad:
             self.steps = []
 
