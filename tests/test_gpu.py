@@ -26,7 +26,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 MODEL = "arch=llama,layers=8,hidden=32,heads=4,kv_heads=2,ffn_hidden=64,vocab=128"
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zbh1"])
+@pytest.mark.parametrize("schedule", ["1f1b", "zbh1", "stp"])      # stp: unit by unit, braided
 def test_bf16_autocast_training_tracks_fp32_cpu(schedule):
     losses = {}
     for device, precision in (("cpu", "fp32"), ("cuda", "bf16")):
@@ -51,10 +51,11 @@ def test_grad_norm_is_computed_on_the_parameters_device():
     assert total == pytest.approx(1.0, rel=1e-5)
 
 
-def _nccl_worker(rank: int, world: int, port: int, outdir: str) -> None:
+def _nccl_worker(rank: int, world: int, port: int, outdir: str, dim: str, schedule: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
                       RANK=str(rank), LOCAL_RANK=str(rank))
-    cfg = make_cfg(ParallelDims(pp=world), "zbv", model=MODEL, device="auto", precision="fp32")
+    cfg = make_cfg(ParallelDims(**{dim: world}), schedule, model=MODEL, device="auto",
+                   precision="fp32")
     trainer = Trainer.build(cfg)          # init_distributed: NCCL, cuda:LOCAL_RANK
     try:
         assert trainer.comm.backend == "nccl" and trainer.comm.strict_order
@@ -66,9 +67,12 @@ def _nccl_worker(rank: int, world: int, port: int, outdir: str) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_zbv_over_nccl_matches_single_device():
+@pytest.mark.parametrize("dim, schedule", [("pp", "zbv"), ("pp", "stp"), ("tp", "stp")])
+def test_over_nccl_matches_single_device(dim, schedule):
+    # ("tp", "stp"): the braids' TP collectives issued asynchronously on NCCL's stream
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_nccl_worker, args=(2, free_port(), tmp), nprocs=2, start_method="spawn")
+        mp.start_processes(_nccl_worker, args=(2, free_port(), tmp, dim, schedule), nprocs=2,
+                           start_method="spawn")
         losses = torch.load(Path(tmp) / "rank0.pt")
     reference = reference_run(make_cfg(ParallelDims(), "1f1b", model=MODEL))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference["losses"]),
