@@ -1,12 +1,13 @@
 """STP against interleaved 1F1B and ZB-V where TP communication is exposed, measured and simulated.
 
     sudo python benchmarks/stp_emulated.py                      # 2 nodes x 2 ranks, 200 Mbit/s
-    sudo python benchmarks/stp_emulated.py --steps 6 --schedules stp,interleaved
+    sudo python benchmarks/stp_emulated.py --seq-len 128 --rounds 1 --schedules stp,interleaved
 
 Two emulated nodes (network namespaces on a bridge, commpipe.cluster.netns) of two ranks, the
 inter-node links shaped to `--mbit` with tc tbf. TP2 spans the two nodes (placement
-cp-dp-pp-tp), PP2 stays inside each node; an 8-layer LLaMA of hidden 128, 16 micro-batches.
-Each schedule trains the same model in turn; printed per schedule:
+cp-dp-pp-tp), PP2 stays inside each node; an 8-layer LLaMA of hidden 128, 16 micro-batches of
+one sequence of 256 tokens. Each schedule trains the same model in turn, three rounds in
+alternating order; printed per schedule:
 
 - the median step time (steps 1.., the first connects and warms up) and interleaved/stp and
   zbv/stp ratios (goal: interleaved/stp >= 1.10);
@@ -42,15 +43,17 @@ def parse_args(argv=None):
     p.add_argument("--mbit", type=float, default=200.0, help="inter-node rate, Mbit/s (default 200)")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--microbatches", type=int, default=16)
-    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--seq-len", type=int, default=256,
+                   help="tokens per sequence (default 256; at 128 a braid has less compute per "
+                        "collective to hide it behind, docs/schedules.md)")
     p.add_argument("--model", default=MODEL, help=f"model (default {MODEL})")
     p.add_argument("--pp", type=int, default=2, choices=(1, 2),
                    help="pipeline ranks per node (default 2: four ranks; 1: two ranks, one per "
                         "core on a 2-core host, each still holding a V of two chunks)")
     p.add_argument("--schedules", default="stp,interleaved,zbv",
                    help="comma-separated, of stp, interleaved (vpp 2), zbv, dualpipev")
-    p.add_argument("--rounds", type=int, default=1,
-                   help="run the schedules this many times, alternating their order (default 1)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="run the schedules this many times, alternating their order (default 3)")
     p.add_argument("--out", default=None, help="keep the runs here (default: a temp folder)")
     p.add_argument("--gantt", default=None, help="draw a window of the stp run's step here (PNG)")
     return p.parse_args(argv)
