@@ -61,8 +61,9 @@ def parse_args(argv=None):
 
 def step_times(run_dir: Path) -> list[float]:
     """Step times of steps 1.. (the first connects and warms up)."""
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r["step_time_s"] for r in recs[1:]]
+    from commpipe.report.tables import read_jsonl
+
+    return [r["step_time_s"] for r in read_jsonl(run_dir / "metrics.jsonl")[1:]]
 
 
 def tp_per_step(run_dir: Path) -> dict[str, float]:
@@ -175,10 +176,11 @@ def main(argv=None) -> int:
             if not res.ok:
                 print(f"{run}: {res.status}: {res.reason}")
                 return 1
-            steps.setdefault(name, []).extend(step_times(out / run))
+            these = step_times(out / run)
+            steps.setdefault(name, []).extend(these)
             got = tp_per_step(out / run)
             tp.setdefault(name, []).append(got)
-            print(f"{run}: median step {statistics.median(step_times(out / run)):.3f} s; TP per "
+            print(f"{run}: median step {statistics.median(these):.3f} s; TP per "
                   f"step: exposed {got['exposed_ms']:.0f} ms, in transfer "
                   f"{got['transfer_ms']:.0f} ms", flush=True)
     times = {name: statistics.median(v) for name, v in steps.items()}

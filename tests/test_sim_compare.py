@@ -65,8 +65,8 @@ def test_tp_run_prices_its_collectives_on_the_tp_stream(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=180,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
-    program, costs, per_rank = calibrate_run(out)
-    split = tp_split(out, program)
+    _, costs, per_rank = calibrate_run(out)
+    split = tp_split(out)
     assert set(split) == {0, 1}                 # both TP ranks; the pipeline rank is rank 0
     # every plain F and I of steps 1.. on rank 0 (2 per stage and op), each with a TP wait
     assert {k: len(v) for k, v in split[0]["compute"].items() if k[1] != "W"} == {

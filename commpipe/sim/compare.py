@@ -95,8 +95,8 @@ def measured_bubble(per_rank: dict[int, list[Event]]) -> float:
                            for evs in compute.values())
 
 
-def tp_split(run_dir, program) -> dict[int, dict]:
-    """Per pipeline rank, from the monitor's Chrome trace (trace/rank{r}.json, which splits each
+def tp_split(run_dir) -> dict[int, dict]:
+    """Per rank (global), from the monitor's Chrome trace (trace/rank{r}.json, which splits each
     action's compute at its collectives and records the action's whole time): for every plain
     F, B or I, its compute time and the rest, the time it waited for its TP collectives, over
     all traced steps but the first; {rank: {"compute": {(stage, op): [ms]}, "tp": [ms]}}.
@@ -196,7 +196,7 @@ def calibrate_run(run_dir):
     if d["tp"] > 1:
         dims = ParallelDims(dp=d["dp"], pp=d["pp"], cp=d["cp"], tp=d["tp"])
         ranks = {dims.rank_of(pp=r): r for r in range(d["pp"])}
-        split = {ranks[k]: v for k, v in tp_split(run_dir, program).items() if k in ranks} or None
+        split = {ranks[k]: v for k, v in tp_split(run_dir).items() if k in ranks} or None
     return program, calibrate(program, per_rank, act_bytes, split), per_rank
 
 
