@@ -40,9 +40,13 @@ def test_gloo_rings_and_one_nic_per_node():
     # gloo's ring all-reduce pays 2(n-1) = 6 latency steps, all-gather n-1 = 3
     assert c.all_reduce(1e6, 4, 1) == pytest.approx(2 * 3 / 4 * 1e6 / 1e7 + 6 * 2e-4)
     assert c.all_gather(1e6, 4, 1) == pytest.approx(3 / 4 * 1e6 / 1e7 + 3 * 2e-4)
+    # commpipe's gloo reduce-scatter: the same bytes in one all-to-all round, one latency step
+    assert c.reduce_scatter(1e6, 4, 1) == pytest.approx(3 / 4 * 1e6 / 1e7 + 1 * 2e-4)
     # NCCL with a NIC per GPU: 2 links per node, 2*ceil(log2 4) = 4 steps
     n = _cpu_cluster()
     assert n.all_reduce(1e6, 4, 1) == pytest.approx(2 * 3 / 4 * 1e6 / 2e7 + 4 * 2e-4)
+    assert n.reduce_scatter(1e6, 4, 1) == n.all_gather(1e6, 4, 1) == pytest.approx(
+        3 / 4 * 1e6 / 2e7 + 2 * 2e-4)
 
 
 def test_node_of_places_groups_and_pipeline_links():

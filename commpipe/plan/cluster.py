@@ -23,8 +23,10 @@ Other clusters (all optional, defaults as above):
 - `nics_per_node`: scale-out NICs per node when fewer than GPUs; a group with k ranks per node then
   drives min(k, nics_per_node) links (the emulated cluster of `commpipe sweep` has one per node).
 - `backend="gloo"`: gloo's all-reduce is a ring (gloo/allreduce.cc: reduce-scatter then
-  all-gather around the ring), so it pays 2(n-1) latency steps, all-gather/reduce-scatter n-1,
-  instead of NCCL's logarithmic trees. A probe from gloo sets it.
+  all-gather around the ring), so it pays 2(n-1) latency steps and all-gather n-1, instead of
+  NCCL's logarithmic trees. commpipe's reduce-scatter on gloo is one all-to-all (every chunk
+  posted at once) and a local sum (`Comm.reduce_scatter`): one latency step. A probe from gloo
+  sets it.
 - `node_of`: the node of every rank when ranks do not fill nodes in rank order (a sweep's
   `placement`, e.g. TP across nodes); groups and pipeline links are placed by it.
 - `host_cores`: all ranks share one machine with this many cores (CPU training, or the emulated
@@ -127,7 +129,10 @@ class Cluster:
         return bw * 1e9, self.inter
 
     def latency_steps(self, size: int, op: str = "all_reduce") -> int:
-        """Latency-bound steps of a collective: NCCL trees ~log2(n), gloo rings n-1 per phase."""
+        """Latency-bound steps of a collective: NCCL trees ~log2(n), gloo rings n-1 per phase,
+        except commpipe's gloo reduce-scatter (one all-to-all round)."""
+        if self.backend == "gloo" and op == "reduce_scatter":
+            return 1
         per_phase = size - 1 if self.backend == "gloo" else math.ceil(math.log2(size))
         return 2 * per_phase if op == "all_reduce" else per_phase
 
@@ -138,14 +143,16 @@ class Cluster:
         bw, link = self.bus_bandwidth(size, stride)
         return 2 * (size - 1) / size * nbytes / bw + self.latency_steps(size) * link.latency_s
 
-    def all_gather(self, nbytes: float, size: int, stride: int) -> float:
+    def all_gather(self, nbytes: float, size: int, stride: int, op: str = "all_gather") -> float:
         """All-gather (or reduce-scatter) whose full, gathered tensor has `nbytes`."""
         if size <= 1 or nbytes <= 0:
             return 0.0
         bw, link = self.bus_bandwidth(size, stride)
-        return (size - 1) / size * nbytes / bw + self.latency_steps(size, "all_gather") * link.latency_s
+        return (size - 1) / size * nbytes / bw + self.latency_steps(size, op) * link.latency_s
 
-    reduce_scatter = all_gather
+    def reduce_scatter(self, nbytes: float, size: int, stride: int) -> float:
+        """Reduce-scatter of a full tensor of `nbytes`: the all-gather's bytes, its own latency."""
+        return self.all_gather(nbytes, size, stride, "reduce_scatter")
 
     def p2p_link(self, rank_a: int, rank_b: int) -> Link:
         return self.intra if self.node(rank_a) == self.node(rank_b) else self.inter
