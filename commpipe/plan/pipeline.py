@@ -92,7 +92,7 @@ def action_counts(schedule: str, pp: int, vpp: int, m: int) -> tuple[dict, ...]:
 
 @lru_cache(maxsize=4096)
 def _braid_steps(parts: tuple, n: int) -> tuple:
-    from commpipe.sim.engine import _unit_steps
+    from commpipe.sim.units import _unit_steps
 
     return _unit_steps([(op, st, 0, None) for op, st in parts], n)
 
@@ -100,9 +100,9 @@ def _braid_steps(parts: tuple, n: int) -> tuple:
 def braid_span(parts: tuple, f: list[float], b: list[float], i: list[float], w: list[float],
                tp_comm: list[float]) -> float:
     """How long the compute stream is held by one braid ((op, stage) pairs) with nothing else
-    in flight: the simulator's own unit walk (commpipe.sim.engine) on that braid alone. Any
+    in flight: the simulator's own unit walk (commpipe.sim.units) on that braid alone. Any
     wait for an input or a busy TP stream only lengthens it, so it bounds the braid below."""
-    from commpipe.sim.engine import _run_units
+    from commpipe.sim.units import _run_units
 
     n = len(f)
     steps = _braid_steps(parts, n)
