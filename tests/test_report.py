@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import csv
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -131,6 +132,13 @@ def test_timeline_reads_the_last_step_of_chrome_traces(sweep):
 def test_report_needs_a_sweep(tmp_path):
     with pytest.raises(FileNotFoundError, match="holds no sweep.jsonl"):
         write_report(tmp_path)
+    # a run folder itself (not its parent) is named as such, with the folder to pass instead
+    run = tmp_path / "one"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 0, "loss": 5.0}\n')
+    expected = "is one run folder.*pass its parent " + re.escape(f"({tmp_path.resolve()})")
+    with pytest.raises(FileNotFoundError, match=expected):
+        write_report(run)
 
 
 def test_spearman():

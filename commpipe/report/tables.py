@@ -157,6 +157,10 @@ def discover(sweep_dir) -> list[dict]:
         if sub.name not in entries and ((sub / "metrics.jsonl").exists() or (sub / "config.json").exists()):
             entries[sub.name] = {"name": sub.name, "status": "unknown"}
     if not entries:
+        if (root / "metrics.jsonl").exists() or (root / "config.json").exists():
+            raise FileNotFoundError(
+                f"{root} is one run folder; report reads a folder of run folders: pass its parent "
+                f"({root.resolve().parent})")
         raise FileNotFoundError(f"{root} holds no sweep.jsonl and no run folders; run `commpipe sweep` first")
     return list(entries.values())
 
