@@ -229,6 +229,9 @@ def test_cli_text_and_csv(tmp_path, capsys):
     assert cli_main(["simulate", "--schedule", "interleaved", "--pp", "4",
                      "--microbatches", "8"]) == 2
     assert "--vpp 2" in capsys.readouterr().err
+    # --compare takes everything from the run; schedule or cost flags beside it are refused, not ignored
+    assert cli_main(["simulate", "--compare", str(tmp_path), "--schedule", "zbv", "--costs", "f=1"]) == 2
+    assert "drop --schedule, --costs" in capsys.readouterr().err
 
 
 def test_generate_names_match_cli():

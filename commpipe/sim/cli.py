@@ -75,6 +75,12 @@ def _compare(args) -> int:
 
 def run(args) -> int:
     if args.compare:
+        ignored = [f for f, v in (("--schedule", args.schedule), ("--pp", args.pp), ("--vpp", args.vpp),
+                                  ("--microbatches", args.microbatches), ("--costs", args.costs))
+                   if v is not None]
+        if ignored:
+            raise ValueError(f"--compare simulates the run's own schedule and layout on costs calibrated "
+                             f"from it; drop {', '.join(ignored)}")
         return _compare(args)
     if not args.schedule:
         raise ValueError("give --schedule NAME|CSV (or --compare RUN_DIR)")
