@@ -25,14 +25,13 @@ otherwise it says why and exits 0. Timings on a shared 2-core machine are noisy.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from _emulated import add_out, emulated_runner, parser, runs_dir, step_times
+
 # per case: the layout, and a model and batch where the overlapped work is comparable to the
 # communication at 50 Mbit/s (dp: the backward beside the gradient buckets; tp: the
 # weight-gradient GEMMs beside the backward's reduce-scatters, hence a wider model; one DP
@@ -58,13 +57,10 @@ AB_NAMES = {"dp": ("overlap", "no-overlap"), "tp": ("overlap", "no-overlap"),
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mbit", type=float, default=50.0, help="inter-node rate, Mbit/s (default 50)")
-    p.add_argument("--steps", type=int, default=6)
-    p.add_argument("--microbatches", type=int, default=1)
+    p = parser(__doc__, mbit=50.0, steps=6, microbatches=1)
     p.add_argument("--bucket-mb", type=float, default=0.25, help="DP gradient bucket size")
     p.add_argument("--cases", default="dp,tp", help="comma-separated: dp, tp, tpfwd")
-    p.add_argument("--out", default=None, help="keep the runs here (default: a temp folder)")
+    add_out(p)
     return p.parse_args(argv)
 
 
@@ -104,29 +100,17 @@ def inflight_s(run_dir: Path) -> dict[str, float]:
     return {d: t / n for d, t in total.items()}
 
 
-def median_step(run_dir: Path) -> float:
-    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return statistics.median(r["step_time_s"] for r in recs[1:])
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
-    sys.path.insert(0, str(REPO))
-    from commpipe.cluster.grids import Layout
-    from commpipe.cluster.netns import EmulatedCluster, available
-    from commpipe.cluster.sweep import EmulatedRunner
-
-    ok, why = available()
-    if not ok:
-        print(f"overlap_emulated: skipped: {why}")
+    out = runs_dir("overlap_emulated", args.out)
+    if out is None:
         return 0
-    out = Path(args.out or tempfile.mkdtemp(prefix="overlap_emulated_"))
+    from commpipe.cluster.grids import Layout
+
     train = {"steps": args.steps, "microbatches": args.microbatches,
              "comm_monitor": "all", "trace": True, "device": "cpu"}
     rows = []
-    with EmulatedCluster(nodes=2, ranks_per_node=2, inter_node_mbit=args.mbit,
-                         prefix="cpovl") as cluster:
-        runner = EmulatedRunner(cluster, timeout_s=900)
+    with emulated_runner(args.mbit, 2, prefix="cpovl") as run:
         for case in args.cases.split(","):
             times, comm = {}, {}
             for overlap in (True, False):
@@ -134,11 +118,9 @@ def main(argv=None) -> int:
                 layout = Layout(**CASES[case][0], name=name)
                 flags = {**train, "dp_bucket_mb": args.bucket_mb, **CASES[case][1],
                          **AB[case][0 if overlap else 1]}
-                res = runner(layout, flags, out / name)
-                if not res.ok:
-                    print(f"{name}: {res.status}: {res.reason}")
+                if not run(layout, flags, out / name):
                     return 1
-                times[overlap] = median_step(out / name)
+                times[overlap] = statistics.median(step_times(out / name))
                 comm[overlap] = inflight_s(out / name)
             rows.append((case, times, comm))
     print(f"emulated cluster: 2 nodes x 2 ranks, {args.mbit:g} Mbit/s between nodes; "

@@ -25,24 +25,20 @@ ranks contend for the cores: quote ratios, not absolute times.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from _emulated import add_out, emulated_runner, parser, runs_dir, step_times
+
 MODEL = "arch=llama,layers=8,hidden=128,heads=4,kv_heads=2,ffn_hidden=384,vocab=1024"
 VPP = {"interleaved": 2, "zbv": 1, "stp": 1, "dualpipev": 1}
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mbit", type=float, default=200.0, help="inter-node rate, Mbit/s (default 200)")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--microbatches", type=int, default=16)
+    p = parser(__doc__, mbit=200.0, steps=5, microbatches=16)
     p.add_argument("--seq-len", type=int, default=256,
                    help="tokens per sequence (default 256; at 128 a braid has less compute per "
                         "collective to hide it behind, docs/schedules.md)")
@@ -54,16 +50,9 @@ def parse_args(argv=None):
                    help="comma-separated, of stp, interleaved (vpp 2), zbv, dualpipev")
     p.add_argument("--rounds", type=int, default=3,
                    help="run the schedules this many times, alternating their order (default 3)")
-    p.add_argument("--out", default=None, help="keep the runs here (default: a temp folder)")
+    add_out(p)
     p.add_argument("--gantt", default=None, help="draw a window of the stp run's step here (PNG)")
     return p.parse_args(argv)
-
-
-def step_times(run_dir: Path) -> list[float]:
-    """Step times of steps 1.. (the first connects and warms up)."""
-    from commpipe.report.tables import read_jsonl
-
-    return [r["step_time_s"] for r in read_jsonl(run_dir / "metrics.jsonl")[1:]]
 
 
 def tp_per_step(run_dir: Path) -> dict[str, float]:
@@ -143,20 +132,15 @@ def gantt(run_dir: Path, path: Path, window_ms: float = 400.0) -> Path:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    sys.path.insert(0, str(REPO))
+    out = runs_dir("stp_emulated", args.out)
+    if out is None:
+        return 0
     from commpipe.cluster.grids import Layout
-    from commpipe.cluster.netns import EmulatedCluster, available
-    from commpipe.cluster.sweep import EmulatedRunner
     from commpipe.sim.compare import calibrate_run
 
-    ok, why = available()
-    if not ok:
-        print(f"stp_emulated: skipped: {why}")
-        return 0
     schedules = args.schedules.split(",")
     if "zbv" not in schedules:
         schedules.append("zbv")                     # the simulator's costs come from its run
-    out = Path(args.out or tempfile.mkdtemp(prefix="stp_emulated_"))
     flags = {"steps": args.steps, "microbatches": args.microbatches, "model": args.model,
              "seq_len": args.seq_len, "micro_batch_size": 1, "comm_monitor": "all",
              "trace": True, "device": "cpu"}
@@ -165,16 +149,12 @@ def main(argv=None) -> int:
     # (stp, interleaved, zbv, zbv, interleaved, stp, ...), so drifting load hits all alike; a
     # schedule's step time is the median over all its rounds' steps
     order = [s for k in range(args.rounds) for s in (schedules if k % 2 == 0 else schedules[::-1])]
-    with EmulatedCluster(nodes=2, ranks_per_node=args.pp, inter_node_mbit=args.mbit,
-                         prefix="cpstp") as cluster:
-        runner = EmulatedRunner(cluster, timeout_s=900)
+    with emulated_runner(args.mbit, args.pp, prefix="cpstp") as train:
         for k, name in enumerate(order):
             run = name if k < len(schedules) else f"{name}-{k // len(schedules)}"
             layout = Layout(tp=2, pp=args.pp, schedule=name, vpp=VPP[name], name=run,
                             placement="cp-dp-pp-tp")
-            res = runner(layout, flags, out / run)
-            if not res.ok:
-                print(f"{run}: {res.status}: {res.reason}")
+            if not train(layout, flags, out / run):
                 return 1
             these = step_times(out / run)
             steps.setdefault(name, []).extend(these)
