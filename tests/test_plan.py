@@ -253,6 +253,21 @@ def test_estimate_and_plan_json(capsys):
     assert rows[0]["step_time_s"] <= rows[1]["step_time_s"] <= rows[2]["step_time_s"]
 
 
+def test_layout_that_misses_the_gpu_count_names_the_degrees_and_gpus(capsys):
+    # 8*4 = 32 GPUs asked of 16: said in GPUs (no "launch 32 processes"); a tp that cannot split
+    # the 32 heads is named for the heads, before any GPU-count arithmetic
+    args = ["--model", "llama3-8b", "--gpu", "h100", "--gpus", "16", "--gpus-per-node", "8",
+            "--global-batch", "16", "--seq-len", "4096"]
+    assert main(["plan", *args, "--tp", "8", "--pp", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "tp*cp*pp*dp = 8*1*4*1 = 32 GPUs, not the 16 of --gpus" in err and "launch" not in err
+    assert main(["plan", *args, "--tp", "3"]) == 2
+    assert "tp=3 does not divide 32 attention heads; use tp in {1, 2, 4, 8}" in capsys.readouterr().err
+    # estimate with --dp as well as --gpus: a mismatch fails before pricing a different cluster
+    assert main(["estimate", *args, "--tp", "4", "--pp", "2", "--dp", "4"]) == 2
+    assert "--gpus 16 but tp*cp*pp*dp = 4*1*2*4 = 32; drop --dp" in capsys.readouterr().err
+
+
 def test_plan_text_output(capsys):
     assert main(["plan", "--model", "llama3-8b", "--gpu", "a100-80gb", "--gpus", "16",
                  "--gpus-per-node", "4", "--global-batch", "64", "--seq-len", "4096", "--top", "3"]) == 0

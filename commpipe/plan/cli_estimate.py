@@ -49,6 +49,9 @@ def run(args) -> int:
         dp = gpus // (tp * cp * pp)
     else:
         dp = args.dp
+        if gpus is not None and gpus != tp * cp * pp * dp:
+            raise ValueError(f"--gpus {gpus} but tp*cp*pp*dp = {tp}*{cp}*{pp}*{dp} = {tp * cp * pp * dp}; "
+                             "drop --dp (it is then --gpus / (tp*cp*pp)) or change the degrees")
     gpus = gpus if gpus is not None else tp * cp * pp * dp
     schedule = args.schedule or "1f1b"
     vpp = args.vpp or (default_vpp(schedule) if schedule in SCHEDULES else 1)

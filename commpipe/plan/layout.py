@@ -152,9 +152,11 @@ def layout_problem(spec: ModelSpec, job: Job, layout: Layout, num_gpus: int | No
                 f"use one of {divisors(group)}")
     dims = layout.dims
     try:
-        if num_gpus is not None:
-            dims.check_world(num_gpus)
         dims.check_model(spec, job.seq_len, vpp=layout.vpp)
+        if num_gpus is not None and dims.world_size != num_gpus:
+            # the trainer's check_world speaks of processes to launch; a plan speaks of --gpus
+            return (f"tp*cp*pp*dp = {dims.tp}*{dims.cp}*{dims.pp}*{dims.dp} = {dims.world_size} GPUs, "
+                    f"not the {num_gpus} of --gpus; change the degrees or --gpus")
         m = dims.check_batch(job.global_batch, layout.micro_batch_size)
     except ValueError as e:
         return str(e)
