@@ -295,6 +295,15 @@ def test_refuses_another_model_shape(tiny_run, capsys):
     assert "no complete checkpoint" in capsys.readouterr().err
 
 
+def test_resume_under_another_global_batch_says_so(tiny_run, capsys):
+    # it loads (a batch-size change is allowed), but is said, with the flag that keeps the batch
+    assert main(["train", *TINY, "--global-batch", "2", "--steps", "5", "--resume", str(tiny_run)]) == 0
+    out = capsys.readouterr().out
+    assert "note: global batch 2, the checkpoint's was 4; pass --global-batch 4" in out
+    assert main(["train", *TINY, "--steps", "5", "--resume", str(tiny_run)]) == 0
+    assert "note: global batch" not in capsys.readouterr().out
+
+
 def test_nan_stops_and_keeps_the_last_good_checkpoint(tiny_run, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(tiny_run, run)

@@ -314,9 +314,13 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
     start = checkpoint.resolve_resume(cfg)
     saved_at = None
     if start is not None:
-        checkpoint.load(trainer, start)
+        meta = checkpoint.load(trainer, start)
         saved_at = trainer.step
         say(f"resumed from {start} at step {trainer.step}")
+        if meta.get("global_batch") not in (None, cfg.global_batch):
+            # a resume under another pp changes the default micro-batch count (2*pp) with it
+            say(f"note: global batch {cfg.global_batch}, the checkpoint's was {meta['global_batch']}; "
+                f"pass --global-batch {meta['global_batch']} to keep training on the same batch")
     elif cfg.resume:
         say(f"no checkpoint in {ckpt_root} yet: starting at step 0")
     metrics_file = None
