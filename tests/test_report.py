@@ -222,6 +222,14 @@ def test_link_classes_matrix_and_terminal_table(tmp_path):
                                 "TP", "intra", "TP", "inter", "Loss"]
     # m, step ms, bubble, PP intra, PP inter, TP intra, TP inter, loss
     assert lines[2].split()[-8:] == ["–", "500", "–", "1.5", "0.01", "3", "–", "3"]
+    # a failed layout's reason is wrapped within the width, not cut before the fix it names
+    reason = ("interleaved needs vpp >= 2 model chunks per rank, got vpp=1; use --vpp 2 (or more), "
+              "or --schedule 1f1b for one chunk per rank")
+    lines = terminal_table([{"name": "x", "label": "TP1/CP1/PP4", "status": "invalid",
+                             "reason": reason}]).splitlines()
+    failed = [line for line in lines if line.startswith(("TP1/CP1/PP4", "  "))]
+    assert len(failed) == 2 and all(len(line) <= 100 for line in failed)
+    assert " ".join(line.strip() for line in failed) == f"TP1/CP1/PP4: invalid: {reason}"
 
 
 def test_layouts_that_differ_only_in_schedule_are_told_apart(tmp_path):

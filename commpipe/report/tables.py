@@ -25,6 +25,7 @@ from __future__ import annotations
 import csv
 import json
 import statistics
+import textwrap
 from pathlib import Path
 
 DIMS = ("pp", "tp", "cp", "dp")
@@ -275,9 +276,9 @@ def terminal_table(rows: list[dict], width: int = 100, report: str = "report.htm
 
     lines = [line(head), line(["-" * w for w in widths])] + [line(b) for b in body]
     lines.append("GB/s: PP per message, TP bus bandwidth; intra = links inside a node, inter = across nodes.")
-    for r in rows:
+    for r in rows:      # wrapped, not cut: the reason ends with what to change
         if r["status"] != "ok":
-            lines.append(f"{r.get('label') or r['name']}: {r['status']}: {r.get('reason') or ''}".strip()
-                         [:width])
+            lines += textwrap.wrap(f"{r.get('label') or r['name']}: {r['status']}: {r.get('reason') or ''}",
+                                   width, subsequent_indent="  ", max_lines=4, placeholder=" …")
     lines.append(f"Every column, per-link matrices and figures: {report}")
     return "\n".join(lines)
