@@ -58,6 +58,17 @@ def test_bad_input_is_rejected_with_the_fix(what, kw, world, words):
         assert w in str(err.value), f"{what}: {w!r} not in {err.value!r}"
 
 
+def test_schedule_csv_names_the_pp_and_microbatches_it_was_written_for(tmp_path):
+    # a 2-rank, 2-micro-batch CSV; training defaults to 2*pp = 4 micro-batches
+    path = tmp_path / "mine.csv"
+    path.write_text("0F0,0F1,0B0,0B1\n1F0,1B0,1F1,1B1\n")
+    with pytest.raises(ValueError, match="runs 2 micro-batches, training has 4; give --microbatches 2"):
+        cfg(pp=2, schedule=str(path)).resolve(2)
+    with pytest.raises(ValueError, match="is for pp=2, layout has pp=4; use --pp 2"):
+        cfg(pp=4, microbatches=2, schedule=str(path)).resolve(4)
+    assert cfg(pp=2, microbatches=2, schedule=str(path)).resolve(2).program().microbatches == 2
+
+
 def test_bad_degree_values():
     with pytest.raises(ValueError, match="tp=0 must be a positive integer"):
         ParallelDims(tp=0)

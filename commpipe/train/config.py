@@ -222,10 +222,11 @@ class TrainConfig:
                              "selective (or none)")
         if prog.pp != self.dims.pp:
             raise ValueError(f"schedule {self.schedule} is for pp={prog.pp}, layout has "
-                             f"pp={self.dims.pp}")
+                             f"pp={self.dims.pp}; use --pp {prog.pp}")
         if prog.microbatches != self.microbatches:
             raise ValueError(f"schedule {self.schedule} runs {prog.microbatches} micro-batches, "
-                             f"training has {self.microbatches}")
+                             f"training has {self.microbatches}; give --microbatches "
+                             f"{prog.microbatches} (the default is 2*pp)")
         return prog
 
     def set_balanced_split(self, costs: list[float], stages: int, source: str) -> None:
