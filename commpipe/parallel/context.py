@@ -23,7 +23,7 @@ from torch import nn
 
 from commpipe.models.llama import Transformer
 from commpipe.parallel.comm import Comm
-from commpipe.parallel.functional import gather_seq
+from commpipe.parallel.functional import all_gather_seq, gather_seq, reduce_scatter_seq
 
 
 def cp_positions(seq_len: int, cp_size: int, cp_rank: int) -> torch.Tensor:
@@ -82,10 +82,9 @@ class _OverlappedCPAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, positions, all_positions, comm: Comm):
         n, me, s = comm.size("cp"), comm.local_rank("cp"), k.shape[1]
-        handles = [comm.all_gather(t.transpose(0, 1).contiguous(), "cp", async_op=True)
-                   for t in (k, v)]                                   # [n * s, b, nkv, d]
+        handles = [all_gather_seq(t, comm, "cp", async_op=True) for t in (k, v)]
         out_l, lse_l = _attend(q, k, v, positions, positions)        # own chunk meanwhile
-        kg, vg = (h.wait().transpose(0, 1) for h in handles)         # [b, n * s, nkv, d]
+        kg, vg = (h.wait() for h in handles)                         # [b, n * s, nkv, d]
         others = torch.cat([torch.arange(r * s, (r + 1) * s) for r in range(n) if r != me])
         others = others.to(q.device)
         out_r, lse_r = _attend(q, kg[:, others], vg[:, others], positions, all_positions[others])
@@ -108,9 +107,8 @@ class _OverlappedCPAttention(torch.autograd.Function):
             out = out.transpose(1, 2).reshape(grad.shape)
             gq, gk, gv = torch.autograd.grad(out, (q_, kg_, vg_), grad)
         comm = ctx.comm
-        handles = [comm.reduce_scatter(g.transpose(0, 1).contiguous(), "cp", async_op=True)
-                   for g in (gk, gv)]
-        gk, gv = (h.wait().transpose(0, 1) for h in handles)
+        handles = [reduce_scatter_seq(g, comm, "cp", async_op=True) for g in (gk, gv)]
+        gk, gv = (h.wait() for h in handles)
         return gq, gk, gv, None, None, None
 
 

@@ -47,6 +47,38 @@ def _overlapped(handle, region: TPRegion | None):
     return handle.wait()
 
 
+class _BatchFirst:
+    """A sequence collective in flight (`all_gather_seq` or `reduce_scatter_seq` with
+    async_op): `wait()` returns its result batch-first again."""
+
+    def __init__(self, handle):
+        self.handle = handle
+
+    def wait(self) -> torch.Tensor:
+        return self.handle.wait().transpose(0, 1)
+
+
+def _along_seq(collective, x, dim: str, async_op: bool):
+    # Comm gathers and scatters along dim 0: the sequence goes first ([s, b, ...]) and the
+    # result comes back batch-first ([b, s', ...])
+    out = collective(x.transpose(0, 1).contiguous(), dim, async_op=async_op)
+    return _BatchFirst(out) if async_op else out.transpose(0, 1)
+
+
+def all_gather_seq(x, comm: Comm, dim: str, async_op: bool = False):
+    """All-gather along dim 1, the sequence: [b, s, ...] -> [b, n * s, ...], or with async_op a
+    handle whose `wait()` returns that. The collective alone, no autograd (GatherSeq's
+    forward, ScatterSeq's backward)."""
+    return _along_seq(comm.all_gather, x, dim, async_op)
+
+
+def reduce_scatter_seq(x, comm: Comm, dim: str, async_op: bool = False):
+    """Sum over the group, each rank keeping its shard of dim 1: [b, s, ...] -> [b, s / n, ...],
+    or with async_op a handle whose `wait()` returns that. No autograd (ScatterSeq's forward,
+    GatherSeq's backward)."""
+    return _along_seq(comm.reduce_scatter, x, dim, async_op)
+
+
 class CopyToParallelRegion(torch.autograd.Function):
     """Megatron's `f`: identity forward, all-reduce of the gradient backward."""
 
@@ -82,14 +114,12 @@ class GatherSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm: Comm, dim: str, region: TPRegion | None = None):
         ctx.comm, ctx.dim, ctx.region = comm, dim, region
-        xt = x.transpose(0, 1).contiguous()                 # [s_local, b, ...]
-        return comm.all_gather(xt, dim).transpose(0, 1)     # [b, n * s_local, ...]
+        return all_gather_seq(x, comm, dim)                 # [b, n * s_local, ...]
 
     @staticmethod
     def backward(ctx, grad):
-        gt = grad.transpose(0, 1).contiguous()
-        out = _overlapped(ctx.comm.reduce_scatter(gt, ctx.dim, async_op=True), ctx.region)
-        return out.transpose(0, 1), None, None, None
+        out = _overlapped(reduce_scatter_seq(grad, ctx.comm, ctx.dim, async_op=True), ctx.region)
+        return out, None, None, None
 
 
 class GatherSeqColumns(torch.autograd.Function):
@@ -163,9 +193,8 @@ class GatherSeqColumns(torch.autograd.Function):
                 param_grads.append(go2.sum(0).to(b.dtype))
         if grad_in is None:
             grad_in = xs.new_zeros(xs.shape, dtype=ctx.x_dtype)
-        gt = grad_in.transpose(0, 1).contiguous()
-        out = _overlapped(ctx.comm.reduce_scatter(gt, ctx.dim, async_op=True), ctx.region)
-        return (out.transpose(0, 1), None, None, None, None, *param_grads)
+        out = _overlapped(reduce_scatter_seq(grad_in, ctx.comm, ctx.dim, async_op=True), ctx.region)
+        return (out, None, None, None, None, *param_grads)
 
 
 class ScatterSeq(torch.autograd.Function):
@@ -175,13 +204,11 @@ class ScatterSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, comm: Comm, dim: str):
         ctx.comm, ctx.dim = comm, dim
-        xt = x.transpose(0, 1).contiguous()                 # [s, b, ...]
-        return comm.reduce_scatter(xt, dim).transpose(0, 1)  # [b, s / n, ...]
+        return reduce_scatter_seq(x, comm, dim)             # [b, s / n, ...]
 
     @staticmethod
     def backward(ctx, grad):
-        gt = grad.transpose(0, 1).contiguous()
-        return ctx.comm.all_gather(gt, ctx.dim).transpose(0, 1), None, None
+        return all_gather_seq(grad, ctx.comm, ctx.dim), None, None
 
 
 def copy_to(x, comm: Comm, dim: str, region: TPRegion | None = None):

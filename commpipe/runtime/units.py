@@ -30,18 +30,20 @@ from dataclasses import dataclass, field
 
 import torch
 
+from commpipe.parallel.functional import all_gather_seq, reduce_scatter_seq
+
 ENTER, EXIT = "enter", "exit"
 
 
 class _InFlight:
     """A collective issued on an edge; `value()` waits for it."""
 
-    def __init__(self, handle, finish):
-        self.handle, self.finish = handle, finish
+    def __init__(self, handle):
+        self.handle = handle
         self.root = None        # the producer's output, kept only as its backward's root
 
     def value(self) -> torch.Tensor:
-        out = self.finish(self.handle.wait())
+        out = self.handle.wait()
         if self.root is not None:
             _release(self.root)
         return out
@@ -55,22 +57,18 @@ def _release(root: torch.Tensor) -> None:
     root.data = torch.empty(1, dtype=root.dtype, device=root.device).expand(root.shape)
 
 
-def _seq_first(t: torch.Tensor) -> torch.Tensor:
-    return t.transpose(0, 1).contiguous()          # [b, s, h] -> [s, b, h]: gathered on dim 0
-
-
 def _issue(tp, kind: str, backward: bool, t: torch.Tensor):
     """The collective of one edge (table above), issued asynchronously; a tensor when the edge
     moves nothing."""
     comm, sp = tp.comm, tp.sequence_parallel
     gather = (kind == ENTER) != backward           # enter forward / exit backward gather
-    if sp:
-        op = comm.all_gather if gather else comm.reduce_scatter
-        return _InFlight(op(_seq_first(t), "tp", async_op=True), lambda r: r.transpose(0, 1))
+    if sp:                                         # along the sequence, as GatherSeq / ScatterSeq
+        op = all_gather_seq if gather else reduce_scatter_seq
+        return _InFlight(op(t, comm, "tp", async_op=True))
     if gather:                                     # identity without sequence parallelism
         return t
     buf = t.detach().contiguous().clone()
-    return _InFlight(comm.all_reduce(buf, "tp", async_op=True), lambda r: r)
+    return _InFlight(comm.all_reduce(buf, "tp", async_op=True))
 
 
 def _resolve(v):
