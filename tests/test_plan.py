@@ -327,7 +327,7 @@ def test_calibrate_from_run_folders(tmp_path):
         run.mkdir()
         TrainConfig(model="tiny", dims=dims, global_batch=8, seq_len=64).resolve(4).save(run / "config.json")
         # warm-up steps are slow and skipped; the median of the rest is the measurement
-        steps = [{"step": s, "step_time_s": (1.0 if s < 2 else t)} for s in range(6)]
+        steps = [{"step": s, "loss": 5.0, "step_time_s": (1.0 if s < 2 else t)} for s in range(6)]
         (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in steps))
     defaults = {"recompute": "none", "sequence_parallel": True, "dp_overlap": True,
                 "flash_attention": None, "precision": "bf16", "zero1": False, "vocab": 51200}
@@ -336,6 +336,14 @@ def test_calibrate_from_run_folders(tmp_path):
     assert len(pts) == 3 == len(sources)
     assert sorted(p.measured_s for p in pts) == [0.012, 0.020, 0.030]
     assert {(p.layout.tp, p.layout.pp, p.layout.dp) for p in pts} == {(1, 2, 2), (2, 2, 1), (1, 1, 4)}
+    # `commpipe report` on the same folder writes results.csv and .json beside the runs: a summary of
+    # them, skipped (the CSV was read as runs with other columns and failed)
+    from commpipe.report.cli import write_report
+
+    write_report(tmp_path)
+    assert (tmp_path / "results.csv").exists() and (tmp_path / "results.json").exists()
+    again, _, sources_again = load_sources(tmp_path, defaults, c)
+    assert sources_again == sources and sorted(p.measured_s for p in again) == [0.012, 0.020, 0.030]
     # three runs support at most three parameters (fit refuses more)
     with pytest.raises(ValueError, match="cannot determine 4 parameters"):
         fit(pts, Efficiency(), c, fit_links=False)

@@ -180,6 +180,12 @@ def _node_of(run: Path, layout: Layout) -> tuple[int, ...] | None:
     return None if nodes == [r // rpn for r in range(layout.gpus)] else tuple(nodes)
 
 
+def _is_report_output(f: Path) -> bool:
+    """`commpipe report`'s results.csv / results.json in a sweep folder (beside its report.md): a
+    summary of the run folders there, which are read as runs already."""
+    return f.name in ("results.csv", "results.json") and (f.parent / "report.md").exists()
+
+
 def load_sources(path: str | Path, defaults: dict,
                  cluster: Cluster) -> tuple[list[Point], Cluster, list[str]]:
     """Points and the cluster with any probe's links applied; plus the list of sources read."""
@@ -190,6 +196,8 @@ def load_sources(path: str | Path, defaults: dict,
     points: list[Point] = []
     sources: list[str] = []
     for f in files:
+        if f is not root and _is_report_output(f):
+            continue
         if f.is_dir() and (f / "config.json").exists() and (f / "metrics.jsonl").exists():
             p = point_from_run(f, defaults)
             if p:
