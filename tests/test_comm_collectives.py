@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 
 import pytest
 import torch
@@ -53,9 +54,15 @@ def _worker(rank, port, out):
             x = _data(rank, 8)
             sync = comm.reduce_scatter(x, "tp")
             handle = comm.reduce_scatter(x * 2, "tp", async_op=True)
-            got[name] = {"sync": sync.tolist(), "async": handle.wait().tolist(),
+            async_out = handle.wait().tolist()
+            booked = list(seen)                 # the two reduce-scatters, before the gather
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                gathered = comm.all_gather(x, "tp")
+            got[name] = {"sync": sync.tolist(), "async": async_out,
                          "group": list(comm.groups["tp"]), "coord": comm.coords["tp"],
-                         "input_unchanged": bool(torch.equal(x, _data(rank, 8))), "seen": seen}
+                         "input_unchanged": bool(torch.equal(x, _data(rank, 8))), "seen": booked,
+                         "gathered": gathered.tolist(), "warnings": [str(w.message) for w in caught]}
         (out / f"rank{rank}.json").write_text(json.dumps(got))
     finally:
         dist.destroy_process_group()
@@ -87,3 +94,12 @@ def test_reduce_scatter_is_booked_as_one(results):
             r = res[name]
             nbytes = 8 * 3 * 5 * 4
             assert r["seen"] == [["reduce_scatter", nbytes, r["group"]]] * 2
+
+
+def test_all_gather_concatenates_in_group_order_without_deprecation_warnings(results):
+    for res in results:
+        for name in ("tp4", "tp2"):
+            r = res[name]
+            want = torch.cat([_data(g, 8) for g in r["group"]])
+            assert torch.equal(torch.tensor(r["gathered"]), want)
+            assert not [w for w in r["warnings"] if "deprecated" in w], r["warnings"]

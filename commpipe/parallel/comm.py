@@ -30,6 +30,8 @@ from commpipe.parallel.completion import watch
 from commpipe.parallel.dims import ParallelDims
 
 GROUP_DIMS = ("tp", "cp", "dp", "pp", "dp_cp")
+# torch 2.13 renamed all_gather_into_tensor, which became an alias warning once in every process
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass
@@ -203,7 +205,7 @@ class Comm:
         out = torch.empty((n * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype,
                           device=tensor.device)
         call, ctxs = self._start(dim, "all_gather", tensor, group=self._group_ranks(dim))
-        work = dist.all_gather_into_tensor(out, tensor, group=self._pg_of(dim), async_op=True)
+        work = _all_gather_single(out, tensor, group=self._pg_of(dim), async_op=True)
         handle = Handle(self, work, call, ctxs, lambda: out)
         return handle if async_op else handle.wait()
 
