@@ -323,7 +323,7 @@ def run_demo_sweep(out_dir, nodes: int = 4, ranks_per_node: int = 2, inter_node_
                    timeout_s: float = 240.0, log=print) -> tuple[str, Path]:
     """The demo8 grid with a tiny model on an emulated 4-node x 2-rank cluster with 50 Mbit/s
     inter-node links (loopback when namespaces are unavailable), then the report. Returns
-    (markdown table, report.html path). About 2.5 minutes on 2 cores."""
+    (markdown table, report.html path). About 4-5 minutes on 2 cores (`commpipe demo`)."""
     from commpipe.cluster.grids import demo8
     from commpipe.report.cli import write_report
 
