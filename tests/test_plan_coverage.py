@@ -224,9 +224,9 @@ def test_plan_explains_an_infeasible_request(capsys):
     assert main(args) == 1
     out = capsys.readouterr().out
     assert "no layout fits in 80 GB" in out and "what would make it fit" in out
-    # a fixed dimension no layout can take: still one JSON object, non-zero exit
+    # a fixed dimension no layout can take: still one JSON object, and exit 2 as without --json
     assert main(["plan", "--model", "llama3-8b", "--gpus", "8", "--global-batch", "8", "--seq-len",
-                 "4096", "--tp", "3", "--json"]) == 1
+                 "4096", "--tp", "3", "--json"]) == 2
     why = json.loads(capsys.readouterr().out)
     assert why["feasible"] is False and "tp=3" in why["reason"]
 

@@ -221,10 +221,11 @@ def run(args) -> int:
     except ValueError as e:
         if not args.json:
             raise
-        # a fixed dimension no layout can take: still one JSON object on stdout
+        # a fixed dimension no layout can take: still one JSON object on stdout, and the exit
+        # status of any other invalid argument (2), as without --json
         json.dump({"feasible": False, "reason": str(e), "fixes": []}, sys.stdout, indent=2)
         sys.stdout.write("\n")
-        return 1
+        return 2
     if args.json:
         out = [e.to_dict() for e in result.top] if result.top else result.explanation
         json.dump(out, sys.stdout, indent=2)
