@@ -96,8 +96,9 @@ def _run(args) -> int:
         text = args.inter_node_mbit
         if text is None:
             raise ValueError("give the new rate: --inter-node-mbit R (Mbit/s) or --inter-node-mbit off")
-        c.set_rate(args.node, None if str(text).lower() == "off" else float(text))
-        print(f"node {args.node} link: {text} Mbit/s")
+        off = str(text).lower() == "off"
+        c.set_rate(args.node, None if off else float(text))
+        print(f"node {args.node} link: " + ("unthrottled" if off else f"{float(text):g} Mbit/s"))
         return 0
     if not args.cmd:
         raise ValueError("give the command after --, e.g. commpipe cluster run --node 1 -- ip addr")
