@@ -43,7 +43,7 @@ def run_pp4(tmp_path_factory):
         cmds = plan_commands(Layout(pp=4), train, out.resolve(), nodes=2, ranks_per_node=2,
                              master_addr=c.node_ip(0), master_port=29400 + os.getpid() % 500,
                              ifname=c.ifname)
-        result = run_commands(cmds, out, cluster=c, timeout_s=150)
+        result = run_commands(cmds, out, cluster=c, timeout_s=300)   # measured: 25 s loaded
     assert result.ok, (result.reason, [Path(p).read_text()[-3000:] for p in result.logs])
     return out
 
@@ -72,7 +72,12 @@ def test_link_bandwidths_in_real_training(run_pp4):
         assert n >= 4, f"only {n} timed messages {src}->{dst}"
         assert {lk["link_class"] for lk in timed} == {"inter_node"}
         found[(src, dst)] = bw
-        assert abs(bw / shaped - 1) <= 0.10, (src, dst, bw, shaped)
+        # the shaper lets no message through faster than the rate (10% for the bucket's burst
+        # and rounding); a busy host only lengthens what the monitor measures (stamps taken
+        # late: 4% below the rate with other tests and a busy loop on the two cores), so the
+        # bound below is wider; it still fails a transfer that counts the wait for the peer
+        # (2->1 measured at 0.59 of the rate with that bug planted)
+        assert 0.8 <= bw / shaped <= 1.10, (src, dst, bw, shaped)
     for src, dst in ((0, 1), (1, 0), (2, 3), (3, 2)):  # loopback inside a node
         bw, n, timed = _bandwidth(links, src, dst)
         assert n >= 4, f"only {n} timed messages {src}->{dst}"
