@@ -84,7 +84,7 @@ def test_sigterm_on_one_rank_stops_all_saves_and_exits_zero(tmp_path):
     wait_for_step(proc, out, 1)
     # a preemption notice that reaches only rank 0: the flag all-reduce stops rank 1 as well
     os.kill(worker_pid(proc.pid, 0), signal.SIGTERM)
-    code, stdout, stderr = finish(proc, 60)
+    code, stdout, stderr = finish(proc, 150)       # measured: 9 s on a loaded host
     assert code == 0, stderr
     steps = [r["step"] for r in metric_lines(out)]
     last = steps[-1]
@@ -100,9 +100,14 @@ def test_sigterm_on_one_rank_stops_all_saves_and_exits_zero(tmp_path):
 
 
 def test_rank_that_raises_fails_the_job_and_is_named_once(tmp_path):
+    out = tmp_path / "run"
+    proc = launch(out, "--steps", "5000", "--fail-at", "1:2")
+    # timed from step 1, not from the launch (start-up is what a loaded host slows most): the
+    # job ends within a minute of the fault (measured: 2 s), not at the 300 s process-group
+    # timeout of a peer left waiting
+    wait_for_step(proc, out, 1)
     t0 = time.monotonic()
-    proc = launch(tmp_path / "run", "--steps", "5000", "--fail-at", "1:2")
-    code, _, stderr = finish(proc, 90)
+    code, _, stderr = finish(proc, 150)
     assert time.monotonic() - t0 < 60
     assert code != 0
     assert stderr.count("commpipe: rank 1 failed: RuntimeError: fault drill: --fail-at 1:2") == 1
@@ -117,8 +122,8 @@ def test_killed_rank_ends_the_job_within_a_minute(tmp_path):
     wait_for_step(proc, out, 1)
     os.kill(worker_pid(proc.pid, 1), signal.SIGKILL)
     t0 = time.monotonic()
-    code, _, stderr = finish(proc, 90)
-    assert time.monotonic() - t0 < 60
+    code, _, stderr = finish(proc, 150)
+    assert time.monotonic() - t0 < 60              # measured: 2 s on a loaded host
     assert code != 0
     assert re.search(r"Root Cause[^\n]*\n(?:.*\n){0,3}\s*rank\s*: 1 ", stderr), stderr[-2000:]
     assert "SIGKILL" in stderr
