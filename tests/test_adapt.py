@@ -179,14 +179,16 @@ def test_slow_rank_drill_moves_layers_off_the_slow_stage(four_ranks):
     layouts = [m["layout"] for m in metrics]
     assert layouts[0].endswith("m4x1") and "layers 3,1" in layouts[-1]
     # the switch was confirmed by measurement: each trialled candidate ran its warm-up and 3
-    # measured steps (the metrics say which layout ran them), then the fastest measured won
+    # measured steps (the metrics say which layout ran them), then the fastest measured won.
+    # A trial step's time is the slowest rank's, so never below the logging rank's own time of
+    # that step in the metrics (the same measurement, one of those maximized over)
     trials = [d for d in decisions if d["action"] == "trial" and d["step"] > first["step"]]
     settle = next(d for d in decisions if d["action"] == "settle")
     assert [t["plan"] for t in trials] == [t["plan"] for t in first["trials"]]
     for t in trials:
         assert len(t["steps_ms"]) == 3 and len(t["warmup_ms"]) == 1
-        assert t["steps_ms"] == pytest.approx([m["step_time_s"] * 1e3 for m in metrics
-                                               if t["step"] - 3 < m["step"] <= t["step"]], rel=0.5)
+        logged = [m["step_time_s"] * 1e3 for m in metrics if t["step"] - 3 < m["step"] <= t["step"]]
+        assert len(logged) == 3 and all(a >= b for a, b in zip(t["steps_ms"], logged)), (t, logged)
         assert all(m["layout"] == t["plan"] for m in metrics if t["step"] - 4 < m["step"] <= t["step"])
     fastest = min(settle["measured"], key=lambda x: x["measured_ms"])
     assert settle["to"]["name"] == fastest["plan"] and settle["measured_ms"] == fastest["measured_ms"]
