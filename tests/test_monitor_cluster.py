@@ -83,7 +83,9 @@ def test_link_bandwidths_in_real_training(run_pp4):
         assert n >= 4, f"only {n} timed messages {src}->{dst}"
         assert {lk["link_class"] for lk in timed} == {"intra_node"}
         found[(src, dst)] = bw
-        assert bw >= 5 * shaped, (src, dst, bw, shaped)
+        # not throttled (a shaped link reads at most 1.1x the rate); loopback medians measured
+        # 0.03-0.35 GB/s on a loaded host, 26x-280x the rate
+        assert bw >= 2 * shaped, (src, dst, bw, shaped)
     # bytes over time of all timed messages, for the record (CPU contention on a shared host can
     # stall a sender's I/O thread now and then, which a mean weighs and a median does not)
     total = {f"{s}->{d}": round(MSG * _bandwidth(links, s, d)[1] / 1e9
