@@ -285,6 +285,28 @@ def test_calibrate_cli_reports_cross_validation(tmp_path, capsys):
     assert rep["cv_method"] == "5-fold" and rep["cv_mape"] >= 0 and len(rep["fitted"]) == 2
 
 
+def test_calibrate_says_when_the_log_fit_raises_mape(tmp_path, capsys):
+    # three runs: two predicted exactly, one measured 2.5x slower (predicted at 0.4 of it). The
+    # log-space fit of e_max slows every prediction to meet the outlier halfway, so in-sample
+    # MAPE rises from (0.6 + 0 + 0) / 3 = 20%; the CLI must say so
+    c = default_cluster(resolve_gpu("a100-80gb"), 8, 8)
+    spec = resolve_model("arch=gpt,layers=4,hidden=1024,heads=8,vocab=51200")
+    pts = [Point(spec, Layout(tp=tp, dp=8 // tp), Job(32, 1024), 0.0, "synthetic") for tp in (1, 2, 4)]
+    times = [t * (2.5 if p.layout.tp == 1 else 1.0) for p, t in zip(pts, predict(pts, Efficiency(), c))]
+    rows = ["layers,hidden,heads,vocab,tp,pp,dp,micro_batch_size,global_batch,seq_len,step_time_s"]
+    rows += [f"4,1024,8,51200,{p.layout.tp},1,{p.layout.dp},1,32,1024,{t}" for p, t in zip(pts, times)]
+    (tmp_path / "runs.csv").write_text("\n".join(rows) + "\n")
+    args = ["plan", "--calibrate", str(tmp_path), "--gpu", "a100-80gb", "--gpus-per-node", "8"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "fit error (MAPE): 20.0% with defaults" in out and "rose" in out
+    # the same runs measured as predicted: nothing to say
+    rows[1] = rows[1].rsplit(",", 1)[0] + f",{times[0] / 2.5}"
+    (tmp_path / "runs.csv").write_text("\n".join(rows) + "\n")
+    assert main(args) == 0
+    assert "rose" not in capsys.readouterr().out
+
+
 def test_tp_overlap_hides_collectives_behind_gemms():
     # TP8 inside a node, SP: per layer and pass 2 collectives of an all-reduce's traffic on
     # [T, h] bf16 = 2048 * 1024 * 2 B: 2 * 7/8 * 4,194,304 / 360e9 + 2 * 3 * 5e-6 each; with TE's

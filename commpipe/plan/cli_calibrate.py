@@ -68,6 +68,10 @@ def run_calibration(args) -> int:
                   "the rest keep their defaults")
         print(f"fit error (MAPE): {result.mape_before:.1%} with defaults -> {result.mape_after:.1%} fitted "
               "(in-sample)")
+        if result.mape_after > result.mape_before:
+            print("note: the fit minimises the squared log error, which weighs a prediction too fast "
+                  "and one too slow alike; MAPE weighs too slow more, and rose. With few or noisy runs, "
+                  "check the cross-validated error (or measure more runs) before using this profile")
         if cv:
             print(f"cross-validated error ({cv.method}, {len(cv.folds)} folds): {cv.mape:.1%} "
                   "on held-out runs")
