@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import time
 from pathlib import Path
@@ -108,9 +107,9 @@ def main() -> None:
     p.add_argument("--micro-batch-size", type=int, default=8)
     p.add_argument("--out", default="/tmp/blip_balance_pp")
     args = p.parse_args()
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    from commpipe.cluster.ports import free_port
+
+    port = free_port()
     load_before = os.getloadavg()
     mp.start_processes(worker, args=(port, args, args.out), nprocs=2, start_method="spawn")
     load_after = os.getloadavg()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -157,10 +156,9 @@ def main(argv=None) -> int:
         return 0
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_spawned, args=(args.nproc, port, sys.argv[1:] if argv is None else argv),
+    from commpipe.cluster.ports import free_port
+
+    mp.spawn(_spawned, args=(args.nproc, free_port(), sys.argv[1:] if argv is None else argv),
              nprocs=args.nproc, join=True)
     return 0
 

@@ -7,8 +7,6 @@ each with its own process groups, to keep the suite fast on a 2-core machine.
 from __future__ import annotations
 
 import os
-import random
-import socket
 import tempfile
 from pathlib import Path
 
@@ -16,28 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    """A port for one launch's rendezvous: free now, and below the kernel's ephemeral range, so
-    that until rank 0 binds it (seconds later on a loaded host) no outgoing connection can be
-    given it: not another process's (gloo pairs of a concurrent run), nor a rank's own connect
-    attempt to it (a TCP self-connect), as a port from bind(0) could be."""
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 0
-    pick = random.Random()                    # seeded from os.urandom: concurrent runs differ
-    for _ in range(200 if low > 12000 else 0):
-        port = pick.randrange(10000, low)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:                 # no such range here: any free port
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from commpipe.cluster.ports import free_port  # the rendezvous port of every launch here
 
 
 def _worker(rank: int, world: int, port: int, jobs: list, outdir: str) -> None:

@@ -39,3 +39,20 @@ def test_probe_cli_writes_schema(tmp_path, capfd):
     big = ar["sizes"][1]
     assert ar["group_size"] == 2 and big["busbw_gbps"] == pytest.approx(big["algbw_gbps"])  # 2(n-1)/n = 1
     assert "inter_node" in capfd.readouterr().out
+
+
+def test_rendezvous_port_is_free_and_below_the_ephemeral_range():
+    """probe and the test harness rendezvous on `free_port`: a port no outgoing connection can be
+    handed (below the kernel's ephemeral range) and free, so rank 0 can bind it."""
+    import socket
+
+    from commpipe.cluster.ports import ephemeral_low, free_port
+
+    low = ephemeral_low()
+    if low <= 12000:
+        pytest.skip(f"ephemeral range starts at {low}: no room below it")
+    ports = {free_port() for _ in range(5)}
+    assert all(10000 <= p < low for p in ports)
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))

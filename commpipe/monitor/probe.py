@@ -104,14 +104,11 @@ def run(args) -> int:
         _probe(args)
         return 0
     _check(args, args.nproc)
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_spawned, args=(args.nproc, port, vars(args)), nprocs=args.nproc, join=True)
+    from commpipe.cluster.ports import free_port
+
+    mp.spawn(_spawned, args=(args.nproc, free_port(), vars(args)), nprocs=args.nproc, join=True)
     return 0
 
 
