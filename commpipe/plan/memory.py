@@ -232,13 +232,14 @@ def state_bytes(spec: ModelSpec, layout: Layout, job: Job, layers: int, params: 
     return w, g, o
 
 
-def persistent_state_bytes(spec: ModelSpec, layout: Layout, job: Job, layers: int, params: float) -> float:
-    """The part of `state_bytes` allocated once and kept all run (no fragmentation share; module
-    docstring): everything below ZeRO-3; under ZeRO-3 only each rank's shards, since the gathered
-    weights and the unsharded gradients (and their FP8 copies) are allocated and freed every step
-    (per layer without a pipeline, per stage and step with one)."""
+def persistent_state_bytes(layout: Layout, job: Job, params: float, states: float) -> float:
+    """Of a rank's `states` bytes (the sum of its `state_bytes` for `params` parameters), the part
+    allocated once and kept all run (no fragmentation share; module docstring): all of them below
+    ZeRO-3; under ZeRO-3 only each rank's shards, since the gathered weights and the unsharded
+    gradients (and their FP8 copies) are allocated and freed every step (per layer without a
+    pipeline, per stage and step with one)."""
     if zero_stage(layout, job) < 3:
-        return sum(state_bytes(spec, layout, job, layers, params))
+        return states
     return params * sum(_bytes_per_param(job)) / layout.shard_size
 
 
@@ -275,11 +276,10 @@ def stage_memory(spec: ModelSpec, layout: Layout, job: Job, inflight: list[float
             logits = (4 * last_inflight + 2) * tokens * spec.vocab / layout.tp
             act += last_inflight * 4 * tokens * spec.hidden / layout.tp     # norm and head inputs
         if (layers, params) not in states:
-            states[layers, params] = (state_bytes(spec, layout, job, layers, params),
-                                      persistent_state_bytes(spec, layout, job, layers, params))
-        (w, g, o), kept = states[layers, params]
+            states[layers, params] = state_bytes(spec, layout, job, layers, params)
+        w, g, o = states[layers, params]
         tensors = w + g + o + act + logits
-        reserve = _reserve_bytes(tensors, kept)
+        reserve = _reserve_bytes(tensors, persistent_state_bytes(layout, job, params, w + g + o))
         out.append(StageMemory(rank, layers, params, w / GIB, g / GIB, o / GIB, act / GIB,
                                logits / GIB, reserve / GIB, inflight[rank]))
     return out
@@ -290,7 +290,7 @@ def static_memory_gb(spec: ModelSpec, layout: Layout, job: Job) -> float:
     bound on its memory that needs no schedule walk (the search prunes with it first)."""
     def bound(n, p):
         states = sum(state_bytes(spec, layout, job, n, p))
-        return states + _reserve_bytes(states, persistent_state_bytes(spec, layout, job, n, p))
+        return states + _reserve_bytes(states, persistent_state_bytes(layout, job, p, states))
     return max(bound(n, p) for n, p in set(stage_params(spec, layout, job))) / GIB
 
 
