@@ -44,6 +44,11 @@ from commpipe.plan.layout import Job, Layout
 HBM_EFFICIENCY = 0.8   # STREAM-like kernels reach ~80-90% of datasheet HBM bandwidth (timing.py)
 
 
+def hbm_rate(gpu) -> float:
+    """Bytes/s an HBM-bound kernel reaches on `gpu`: HBM_EFFICIENCY of the datasheet bandwidth."""
+    return gpu.hbm_gbps * 1e9 * HBM_EFFICIENCY
+
+
 def layer_gemms(spec: ModelSpec, layout: Layout, job: Job, fused: bool = True) -> list[tuple]:
     """(M, K, N) of one layer's weight GEMMs after TP/CP sharding, in forward order. `fused`:
     QKV as one GEMM and the SwiGLU gate and up as one (Megatron/TE); else one per matrix, as
@@ -184,4 +189,4 @@ def fp8_cast_time(spec: ModelSpec, layout: Layout, job: Job, gpu) -> float:
     # inputs of QKV and fc1 (gathered [T, h] under SP), of the output projection [T, h/t] and of
     # fc2 [T, f/t]
     elements = tokens * (2 * h + h / t + f_in / 2 / t)
-    return FP8_CAST_BYTES * elements / (gpu.hbm_gbps * 1e9 * HBM_EFFICIENCY)
+    return FP8_CAST_BYTES * elements / hbm_rate(gpu)

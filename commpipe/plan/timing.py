@@ -55,11 +55,11 @@ from commpipe.models.spec import ModelSpec
 from commpipe.plan.cluster import Cluster
 from commpipe.plan.kernels import (
     FP8_CAST_BYTES,
-    HBM_EFFICIENCY,
     cp_ring_merge_bytes,
     eager_elementwise_bytes,
     fp8_cast_time,
     fp8_gemm_time,
+    hbm_rate,
     layer_gemms,
     op_sac_recomputed,
     ub_margin_gemms,
@@ -178,7 +178,7 @@ def layer_compute(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
         attn = 0.5 * attn_flops / (peak * eff.e_max * eff.attn_rel)
     else:
         attn = 2 * heads * gemm_time(2 * q_len * d * s, q_len, d, s, peak, eff, ridge)
-    hbm = gpu.hbm_gbps * 1e9 * HBM_EFFICIENCY
+    hbm = hbm_rate(gpu)
     eager = eager_elementwise_bytes(spec, layout, job) if job.eager_ops else None
     if eager:
         # counted kernel by kernel (kernels.py), no fitted factor
@@ -208,7 +208,7 @@ def head_compute(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
     g = gemm_time(2 * tokens * spec.hidden * v, tokens, spec.hidden, v, gpu.achievable_tflops("bf16") * 1e12,
                   eff, gpu.ridge_flop_per_byte)
     # loss: read bf16 logits, write and re-read the fp32 softmax (~10 bytes per logit)
-    loss = 10 * tokens * v / (gpu.hbm_gbps * 1e9 * HBM_EFFICIENCY)
+    loss = 10 * tokens * v / hbm_rate(gpu)
     return g, loss
 
 
@@ -257,7 +257,7 @@ def stage_costs(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
         cp_f = (cp_size - 1) * max(step - lc["attn"] / cp_size, 0.0)
         cp_b = (cp_size - 1) * max(2 * step - 2 * lc["attn"] / cp_size, 0.0)
         # the per-step merges of partial outputs and gradients (kernels.py), HBM-bound compute
-        hbm = cluster.gpu.hbm_gbps * 1e9 * HBM_EFFICIENCY
+        hbm = hbm_rate(cluster.gpu)
         merge_f, merge_b = (x / hbm for x in cp_ring_merge_bytes(spec, layout, job))
         comp_f += merge_f
     elif cp_size > 1:
@@ -351,7 +351,7 @@ def _dp_and_optimizer(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluste
     group, stride = groups["dp_cp"]
     shard = layout.shard_size if z >= 1 else 1
     bytes_per_param_opt = 28 if job.mixed else 24
-    hbm = cluster.gpu.hbm_gbps * 1e9 * HBM_EFFICIENCY
+    hbm = hbm_rate(cluster.gpu)
     stages = layout.pp * layout.vpp
     chunks = rank_chunks(layout.schedule, layout.pp, layout.vpp)
     call = eff.coll_overhead_s
