@@ -246,3 +246,27 @@ def test_layouts_that_differ_only_in_schedule_are_told_apart(tmp_path):
                _metrics([1.0, 0.5, 0.5], [0.1, 1.0, 1.0], [5, 4, 3], schedule=schedule, vpp=1))
     labels = {r["name"]: r["label"] for r in collect(root)}
     assert labels == {"s": "TP2/CP1/PP2 stp", "z": "TP2/CP1/PP2 zbv", "o": "TP1/CP1/PP4"}
+
+
+def test_pp_raw_is_wait_plus_transfer_over_the_same_calls(tmp_path):
+    """Three receivers per step: one waited 30 ms for its single timed call, two did not wait.
+    Per call over the 3 matched calls: wait 30/3 = 10 ms, transfer 1 ms, raw 11 ms (a median of
+    the records' raw_ms, 1 ms, would read below the wait)."""
+    from commpipe.report.tables import collect
+
+    root = tmp_path / "sw"
+    _jsonl(root / "sweep.jsonl", [{"name": "p", "label": "TP1/CP1/PP4", "tp": 1, "cp": 1, "pp": 4, "dp": 1,
+                                   "status": "ok", "reason": ""}])
+    _jsonl(root / "p" / "metrics.jsonl", _metrics([1.0, 0.5, 0.5, 0.5], [0.1, 1, 1, 1], [5, 4, 3.5, 3]))
+    recs = []
+    for step in range(4):
+        for rank, wait in ((1, 30.0), (2, 0.0), (3, 0.0)):
+            r = _p2p(step, rank, "recv", rank - 1, 1.0, 1.0, wait)
+            r.update(matched=1, sampled=1, raw_ms=1.0 + wait)
+            recs.append(r)
+    _jsonl(root / "p" / "monitor" / "rank1.jsonl", recs)
+    rows = collect(root)
+    for r in rows:
+        assert r["pp_raw_ms"] >= r["pp_wait_ms"] and r["pp_raw_ms"] >= r["pp_latency_ms"]
+    (p,) = rows
+    assert (p["pp_wait_ms"], p["pp_latency_ms"], p["pp_raw_ms"]) == pytest.approx((10.0, 1.0, 11.0))

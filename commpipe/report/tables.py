@@ -9,10 +9,11 @@ Per dimension and step, from the monitor's records (commpipe/monitor/records.py)
               records: a recv completes when the data is there, an isend only when waited on), of the
               nccl-tests bus bandwidth busbw_gbps for collectives (tp, cp, dp), so group sizes
               compare;
-  latency     median of transfer_ms: time per call once every peer had posted (wait excluded);
-  wait        sum of wait_ms_total / sum of matched calls: time per call blocked on the peer
-              (pipeline bubbles show up here, not in latency);
-  raw         the study's "latency": post-to-done time per call, wait included;
+  latency     transfer time per call once every peer had posted (wait excluded);
+  wait        time per call blocked on the peer (pipeline bubbles show up here, not in latency);
+  raw         the study's "latency": post-to-done time per call, wait + latency;
+              all three are means over the step's matched calls (timed on both sides), so
+              raw >= wait and raw >= latency in every step and in their medians over steps;
   calls       pp: pipeline messages per step (sends summed over ranks); others: per rank.
   {dim}_intra_gbps, {dim}_inter_gbps: bandwidth of the dimension's intra- and inter-node links
               (bytes over transfer time of all timed calls, commpipe.report.links).
@@ -93,14 +94,30 @@ def dim_step_stats(records: list[dict], dim: str) -> dict[int, dict]:
         else:
             ranks = {r.get("rank") for r in recs}
             calls = sum(r.get("calls") or 0 for r in recs) / max(len(ranks), 1)
-        matched = sum(r.get("matched") or 0 for r in recs)
-        wait_total = sum(r.get("wait_ms_total") or 0.0 for r in recs)
+        # wait, transfer and raw are means per call over the same calls (those timed on both
+        # sides), so raw = wait + transfer holds in every step and in the medians over steps
+        timed = [r for r in recs if r.get("matched") and r.get("wait_ms_total") is not None
+                 and _transfer_total(r) is not None]
+        matched = sum(r["matched"] for r in timed)
+        if matched:
+            wait = sum(r["wait_ms_total"] for r in timed) / matched
+            latency = sum(_transfer_total(r) for r in timed) / matched
+            raw = wait + latency
+        else:
+            wait = _median(r.get("wait_ms") for r in recs)
+            latency = _median(r.get("transfer_ms", r.get("latency_ms")) for r in recs)
+            raw = _median(r.get("raw_ms") for r in recs)
         out[step] = {"bw": _median(r.get(bw_key, r.get("bandwidth_gbps")) for r in recs),
-                     "latency": _median(r.get("transfer_ms", r.get("latency_ms")) for r in recs),
-                     "wait": wait_total / matched if matched else _median(r.get("wait_ms") for r in recs),
-                     "raw": _median(r.get("raw_ms") for r in recs),
-                     "calls": calls}
+                     "latency": latency, "wait": wait, "raw": raw, "calls": calls}
     return out
+
+
+def _transfer_total(rec: dict) -> float | None:
+    """Transfer ms summed over a record's matched calls (older records carry the mean only)."""
+    if rec.get("transfer_ms_total") is not None:
+        return rec["transfer_ms_total"]
+    per_call = rec.get("transfer_ms", rec.get("latency_ms"))
+    return None if per_call is None else per_call * rec["matched"]
 
 
 def summarize_run(run_dir: Path, warmup: int = 1) -> dict:
