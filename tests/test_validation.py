@@ -95,3 +95,23 @@ def test_only_comm_calls_torch_distributed_communication():
                          text=True, cwd=root)
     offenders = sorted(set(out.stdout.split()) - {"commpipe/parallel/comm.py"})
     assert offenders == [], f"torch.distributed communication outside the chokepoint: {offenders}"
+
+
+def test_schedule_csv_is_proven_before_training(tmp_path, capsys):
+    # rank 1 runs micro-batch 1 first while rank 0 waits for micro-batch 0's gradient: the
+    # same rank x step grid `commpipe simulate` prints, before any process group starts
+    dead = tmp_path / "dead.csv"
+    dead.write_text("0F0,0B0,0F1,0B1\n1F1,1B1,1F0,1B0\n")
+    with pytest.raises(ValueError, match="deadlocks") as err:
+        cfg(pp=2, microbatches=2, schedule=str(dead)).resolve(2)
+    assert "[0RECV_B0]" in str(err.value) and "[1RECV_F1]" in str(err.value)
+    assert "cycle: rank 0 -> rank 1 -> rank 0" in str(err.value)
+    assert main(["simulate", "--schedule", str(dead)]) == 2
+    simulated = capsys.readouterr().err.split("error: ", 1)[1]
+    assert main(["train", "--pp", "2", "--microbatches", "2", "--schedule", str(dead)]) == 2
+    assert capsys.readouterr().err.split("error: ", 1)[1] == simulated
+    # a missing forward: named, instead of a KeyError inside the executor
+    bad = tmp_path / "bad.csv"
+    bad.write_text("0F0,0F1,0B0,0B1\n1F0,1B0,1B1\n")
+    with pytest.raises(ValueError, match=r"stage 1 micro-batch 1 \(rank 1\) has no forward 1F1"):
+        cfg(pp=2, microbatches=2, schedule=str(bad)).resolve(2)
