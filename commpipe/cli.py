@@ -53,7 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(importlib.import_module(args._module).run(args) or 0)
     except (ValueError, FileNotFoundError) as e:
-        print(f"commpipe {args.verb}: error: {e}", file=sys.stderr)
+        # under torchrun every rank meets the same bad input: one of them reports it
+        from commpipe.errors import report_shared
+
+        report_shared(f"commpipe {args.verb}: error: {e}")
         return 2
 
 

@@ -5,13 +5,15 @@ the training loop finishes the current step, and every rank learns whether *any*
 signalled through one all-reduce of the flag per step (through Comm), so all ranks stop after
 the same step, save one checkpoint and exit 0. A second signal of the same kind kills at once.
 
-Failures: a rank whose code raises prints one line, `commpipe: rank R failed: <error>` (after
-its traceback) and leaves at once with a non-zero code. Its peers then see their connection to
-it closed inside a collective; that error is a consequence, not a cause, so they leave with
-code 1 without printing, 2 s later, so that torchrun sees the failed rank exit first. torchrun
-terminates the remaining workers (SIGTERM, then SIGKILL after 30 s) and names the first failed
-rank as the root cause in its summary, which is also the only report for a rank that was
-killed outright (SIGKILL, out of memory).
+Failures: a rank whose code raises reports one line, `commpipe: rank R failed: <error>` (after
+its traceback, none for commpipe's own ValueError messages) and leaves at once with a non-zero
+code. Under torchrun the line goes into the worker's error file (commpipe.errors), which
+torchrun prints in its failure summary, the last thing the job prints; else to stderr.
+Its peers then see their connection to it closed inside a collective; that error is a
+consequence, not a cause, so they leave with code 1 without printing, 2 s later, so that
+torchrun sees the failed rank exit first. torchrun terminates the remaining workers (SIGTERM,
+then SIGKILL after 30 s) and names the first failed rank as the root cause in its summary,
+which is also the only report for a rank that was killed outright (SIGKILL, out of memory).
 A rank that hangs without dying is caught by the process-group timeout (`--timeout-s`): its
 peers' waits raise, and they report the timeout like any other error.
 """
@@ -102,10 +104,13 @@ def peer_lost(exc: BaseException) -> bool:
 def exit_code_for(rank: int, world: int, exc: BaseException, err=None) -> int:
     """Report `exc` as this rank's failure (or stay quiet when a peer's death caused it) and
     return the process exit code."""
+    from commpipe.errors import report
+
+    say = report if err is None else (lambda text: print(text, file=err, flush=True))
     err = err or sys.stderr
     if isinstance(exc, TrainingDiverged):
         if rank == 0:
-            print(f"commpipe train: error: {exc}", file=err, flush=True)
+            say(f"commpipe train: error: {exc}")
         return 3
     if getattr(exc, "relaunch", False):   # --adapt-relaunch: the job is to be run again
         if rank == 0:
@@ -119,9 +124,12 @@ def exit_code_for(rank: int, world: int, exc: BaseException, err=None) -> int:
         # alone as the first failure and names it as the root cause in its summary
         time.sleep(PEER_LOST_EXIT_DELAY_S)
         return 1
+    if isinstance(exc, (ValueError, FileNotFoundError)):   # commpipe's own message says it all
+        say(f"commpipe: rank {rank} failed: {exc}")
+        return 2
     traceback.print_exception(exc, file=err)
     hint = " (a peer stopped answering within --timeout-s)" if "Timed out" in str(exc) else ""
-    print(f"commpipe: rank {rank} failed: {type(exc).__name__}: {exc}{hint}", file=err, flush=True)
+    say(f"commpipe: rank {rank} failed: {type(exc).__name__}: {exc}{hint}")
     return 1
 
 
