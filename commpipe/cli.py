@@ -27,6 +27,7 @@ VERBS = {
 def build_parser(verbs: dict | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="commpipe", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
+    parser.verb_parsers = sub.choices   # verb -> its parser (a --config file sets its defaults)
     for verb, (module, help_text) in (verbs or VERBS).items():
         p = sub.add_parser(verb, help=help_text, description=help_text)
         p.set_defaults(_module=module)
@@ -51,6 +52,10 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "_missing", None):
         parser.error(f"{args.verb} is not available in this build ({args._missing})")
     try:
+        if getattr(args, "config", None):   # a job config file: the verb's defaults, flags win
+            from commpipe.train.jobconfig import parse_known_args
+
+            args, _ = parse_known_args(parser, argv, parser.verb_parsers[args.verb])
         return int(importlib.import_module(args._module).run(args) or 0)
     except (ValueError, FileNotFoundError) as e:
         # under torchrun every rank meets the same bad input: one of them reports it
