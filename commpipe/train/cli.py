@@ -36,6 +36,11 @@ def add_layout_arguments(p) -> None:
 
 
 def add_arguments(p) -> None:
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="job config: a TOML file with [model], [parallelism], [schedule], "
+                        "[training], [data], [checkpoint], [monitor], [job] and [adapt] tables "
+                        "of these flags, or a run folder's config.json; flags given here "
+                        "override it (commpipe.train.jobconfig)")
     p.add_argument("--preset", "--model", dest="model", default="tiny",
                    help="model preset (tiny, small, llama3-8b, blip-tiny, blip-base, ...) or fields "
                         "arch=llama,layers=..,hidden=..,heads=..,vocab=..")
@@ -75,6 +80,9 @@ def add_arguments(p) -> None:
     g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
                    help="continue from the latest checkpoint in OUT/checkpoints (a fresh start "
                         "if there is none), or from PATH; any layout may load it")
+    g.add_argument("--overwrite", action="store_true",
+                   help="replace the run OUT already holds (its metrics, config and checkpoints); "
+                        "without it a folder holding a run is only continued, with --resume")
     g.add_argument("--timeout-s", type=float, default=300.0,
                    help="process-group timeout: a rank that stops answering fails the job "
                         "after this long (default 300)")
@@ -90,6 +98,10 @@ def add_arguments(p) -> None:
     g.add_argument("--trace", action="store_true",
                    help="record a timeline (compute and every communication call; "
                         "torch.profiler on GPU) into OUT/trace/rank{r}.json for HTA and Perfetto")
+    g.add_argument("--tensorboard", action="store_true",
+                   help="TensorBoard scalars (loss, LR, step time, TFLOP/s, bandwidth per "
+                        "dimension and link class with --comm-monitor) and adaptive events into "
+                        "OUT/tensorboard (pip install tensorboard)")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
     g.add_argument("--precision", default=None, choices=("fp32", "bf16"),
                    help="bf16: autocast with fp32 master weights, gradients, optimizer and loss "
@@ -141,9 +153,11 @@ def config_from_args(args) -> TrainConfig:
                        seed=args.seed, stage_layers=stage_layers, optim=optim, data=args.data,
                        tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                        eval_every=args.eval_every, eval_batches=args.eval_batches,
-                       save_every=args.save_every, resume=args.resume, timeout_s=args.timeout_s,
+                       save_every=args.save_every, resume=args.resume,
+                       overwrite=getattr(args, "overwrite", False), timeout_s=args.timeout_s,
                        fail_at=parse_fail_at(args.fail_at), out=args.out, monitor=monitor,
-                       trace=args.trace, log_every=args.log_every, device=args.device,
+                       trace=args.trace, tensorboard=args.tensorboard, log_every=args.log_every,
+                       device=args.device,
                        precision=args.precision, strict_order=args.strict_order,
                        recompute=args.recompute, sequence_parallel=args.sequence_parallel,
                        overlap=args.overlap, dp_bucket_mb=args.dp_bucket_mb,
@@ -167,6 +181,9 @@ def run(args) -> int:
     cfg = apply_pending(cfg, world)   # --adapt-relaunch: continue under the requested layout
 
     resolve_resume(cfg, source)
+    from commpipe.train.run_folder import prepare_run_folder
+
+    prepare_run_folder(cfg, rank)   # a writable --out, holding no other run
     from commpipe.parallel.comm import shutdown_distributed
     from commpipe.train.loop import train
 

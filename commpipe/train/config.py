@@ -11,6 +11,8 @@ from commpipe.models.blip_spec import is_blip
 from commpipe.models.spec import ModelSpec, resolve_model, with_vocab
 from commpipe.parallel.dims import ParallelDims
 
+MAX_STEP_PASSES = 65536   # micro-batches x pipeline stages per step (TrainConfig.resolve_batch)
+
 
 @dataclass
 class OptimConfig:
@@ -46,11 +48,13 @@ class TrainConfig:
     eval_batches: int = 4             # global batches of the valid split per evaluation
     save_every: int = 0               # checkpoint every N steps into OUT/checkpoints (0: never)
     resume: str | None = None         # "latest" (OUT/checkpoints) or a checkpoint path
+    overwrite: bool = False           # replace the run OUT holds (commpipe.train.run_folder)
     timeout_s: float = 300.0          # process-group timeout: a rank that stops answering
     fail_at: tuple[int, int] | None = None  # fault drill: (rank, step) raises at that step
     out: str | None = None
     monitor: float | None = None
     trace: bool = False
+    tensorboard: bool = False         # scalars and adapt events into OUT/tensorboard
     log_every: int = 1
     device: str = "auto"
     precision: str | None = None      # fp32 | bf16 (autocast); default bf16 on CUDA, fp32 on CPU
@@ -112,6 +116,10 @@ class TrainConfig:
         """Micro-batches per pipeline m = B / (b * dp) and the global batch B, from whichever
         was given (m defaults to 2*pp); the step count."""
         d, b = self.dims, self.micro_batch_size
+        for flag, value in (("--microbatches", self.microbatches), ("--micro-batch-size", b),
+                            ("--global-batch", self.global_batch), ("--seq-len", self.seq_len)):
+            if value is not None and value < 1:
+                raise ValueError(f"{flag} {value} must be >= 1")
         if self.microbatches is None and self.global_batch is None:
             self.microbatches = max(2 * d.pp, 2)
         if self.global_batch is None:
@@ -122,6 +130,14 @@ class TrainConfig:
                              f"{self.global_batch} / (micro-batch-size {b} * dp {d.dp}) = {m}; "
                              "give one of them")
         self.microbatches = m
+        # the runtime builds the step's program action by action (about 0.1 kB and 40 us each)
+        passes = m * d.pp * self.vpp
+        if passes > MAX_STEP_PASSES:
+            raise ValueError(f"{m} micro-batches per step through {d.pp * self.vpp} pipeline "
+                             f"stages make {passes} forward passes, more than {MAX_STEP_PASSES} a "
+                             f"step's program holds; use --microbatches <= "
+                             f"{max(1, MAX_STEP_PASSES // (d.pp * self.vpp))} (a larger "
+                             "--micro-batch-size keeps the global batch)")
         if self.steps < 1:
             raise ValueError(f"--steps {self.steps} must be >= 1")
 
@@ -133,8 +149,25 @@ class TrainConfig:
             raise ValueError(f"--eval-batches {self.eval_batches} must be >= 1")
         if self.timeout_s <= 0:
             raise ValueError(f"--timeout-s {self.timeout_s} must be positive")
+        o = self.optim
+        for flag, value, ok, rule in (
+                ("--lr", o.lr, o.lr > 0, "must be > 0"),
+                ("--min-lr", o.min_lr, 0 <= o.min_lr <= o.lr, f"must be in [0, --lr {o.lr}]"),
+                ("--warmup", o.warmup_steps, o.warmup_steps >= 0, "must be >= 0 (0: no warm-up)"),
+                ("--clip", o.clip, o.clip >= 0, "must be >= 0 (0 turns clipping off)"),
+                ("--log-every", self.log_every, self.log_every >= 1, "must be >= 1")):
+            if not ok:
+                raise ValueError(f"{flag} {value} {rule}")
+        if self.fail_at is not None and not 0 <= self.fail_at[1] < self.steps:
+            raise ValueError(f"--fail-at {self.fail_at[0]}:{self.fail_at[1]}: the run has steps "
+                             f"0..{self.steps - 1}; use a STEP in that range")
+        self._check_device()
         if self.save_every and not self.out:
             raise ValueError("--save-every writes into OUT/checkpoints; give --out DIR")
+        if self.tensorboard:
+            from commpipe.train.tensorboard import check_available
+
+            check_available(self.out)
         if self.resume == "latest" and not self.out:
             raise ValueError("--resume without a path reads OUT/checkpoints; give --out DIR or "
                              "--resume PATH")
@@ -159,9 +192,22 @@ class TrainConfig:
                 raise ValueError(f"--adapt re-splits stages of one-chunk schedules "
                                  f"({', '.join(ONE_CHUNK)}); --schedule {self.schedule} is not "
                                  "one of them")
+        if self.fail_at is not None and not 0 <= self.fail_at[0] < world:
+            raise ValueError(f"--fail-at {self.fail_at[0]}:{self.fail_at[1]}: there are only "
+                             f"{world} ranks (0..{world - 1})")
         if self.slow_rank is not None and self.slow_rank.rank >= world:
             raise ValueError(f"--slow-rank {self.slow_rank.rank}: there are only {world} ranks "
                              f"(0..{world - 1})")
+
+    def _check_device(self) -> None:
+        import torch
+
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            raise ValueError(f"--device {self.device!r}: use auto, cpu or cuda")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"--device {self.device}: PyTorch sees no CUDA GPU here "
+                             f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); use "
+                             "--device cpu or auto")
 
     def _check_precision(self) -> None:
         """bf16: autocast on the device (CPU too), with fp32 master parameters, gradients,

@@ -38,6 +38,7 @@ from commpipe.train.evaluate import evaluate, forward_program
 from commpipe.train.failures import StopSignals, TrainingDiverged, check_finite_params, is_finite
 from commpipe.train.run_files import TRACE_STEPS, format_record, kineto_trace, open_metrics
 from commpipe.train.source import check_vocab, make_source
+from commpipe.train.tensorboard import TensorBoardLog
 
 
 def step_flops(cfg: TrainConfig) -> float:
@@ -328,6 +329,7 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
         out.mkdir(parents=True, exist_ok=True)
         cfg.save(out / "config.json")
         metrics_file = open_metrics(out / "metrics.jsonl", trainer.step)
+    board = TensorBoardLog(out) if cfg.tensorboard else None   # the logging rank writes
     controller = None
     if cfg.adapt is not None:
         from commpipe.adapt.controller import Controller
@@ -359,6 +361,8 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
                     metrics_file.flush()
                 if log and (rec["step"] % cfg.log_every == 0 or done or not finite):
                     log(format_record(rec))
+            if board is not None:
+                board.log_step(trainer, rec, controller.decisions if controller else ())
             if not finite:
                 raise TrainingDiverged(_diverged(rec, ckpt_root))
             if controller is not None:   # may switch to another plan, in memory
@@ -401,6 +405,9 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
                 trainer.monitor.close()
             else:
                 trainer.monitor.detach()
+        if board is not None:   # after the monitor's last records (read with a barrier)
+            board.close(trainer.comm if together and trainer.monitor is not None else None,
+                        controller.decisions if controller else ())
     return trainer.history
 
 
