@@ -173,25 +173,37 @@ def param_count(spec: ModelSpec, seq_len: int = 2048) -> int:
     return body + 2 * v * h + h
 
 
-def flops_per_token(spec: ModelSpec, seq_len: int, recompute: bool = False) -> float:
-    """Training FLOPs per token (forward + backward), Megatron-style matmul accounting.
-
-    Counts 2 FLOPs per multiply-add of every matmul: Q/K/V projections (GQA-aware: K and V are
-    kv_heads * head_dim wide), attention scores and values, the output projection, the MLP
-    (SwiGLU has three matrices, GPT two) and the vocabulary head. Backward is twice the forward.
-    Causal attention is counted as the full s x s product, as in Narayanan et al. (2021) eq. 3,
-    so numbers compare with Megatron-LM's reported model TFLOP/s; norms, softmax and rotary
-    embeddings are ignored. With recompute=True the forward of the layers is counted again
-    (hardware FLOPs, as Megatron-LM's papers report them).
-
-    For GPT shapes this is exactly 72 L h^2 (1 + s/(6h) + V/(12 L h)) per token.
-    """
+def layer_flops_per_token(spec: ModelSpec, seq_len: int) -> float:
+    """Forward FLOPs per token of one transformer block: 2 per multiply-add of the Q/K/V
+    projections (GQA-aware: K and V are kv_heads * head_dim wide), the attention scores and
+    values (the full s x s product, causal or not), the output projection and the MLP (SwiGLU
+    has three matrices, GPT two). The one definition every consumer prices work with: the
+    planner, stage balancing (commpipe.parallel.balance) and the adaptive controller."""
     h = spec.hidden
     qkv = 2 * h * (h + 2 * spec.kv_dim)
     attn = 2 * 2 * seq_len * h
     out = 2 * h * h
     mlp = 2 * (3 if spec.arch == "llama" else 2) * h * spec.ffn_hidden
-    layer_fwd = qkv + attn + out + mlp
-    head_fwd = 2 * h * spec.vocab
+    return float(qkv + attn + out + mlp)
+
+
+def head_flops_per_token(spec: ModelSpec) -> float:
+    """Forward FLOPs per token of the vocabulary head."""
+    return float(2 * spec.hidden * spec.vocab)
+
+
+def flops_per_token(spec: ModelSpec, seq_len: int, recompute: bool = False) -> float:
+    """Training FLOPs per token (forward + backward), Megatron-style matmul accounting.
+
+    Every block's `layer_flops_per_token` plus the vocabulary head; backward is twice the
+    forward (input- and weight-gradient GEMMs). Causal attention is counted as the full s x s
+    product, as in Narayanan et al. (2021) eq. 3, so numbers compare with Megatron-LM's reported
+    model TFLOP/s; norms, softmax and rotary embeddings are ignored. With recompute=True the
+    forward of the layers is counted again (hardware FLOPs, as Megatron-LM's papers report them).
+    `torch.utils.flop_counter.FlopCounterMode` counts exactly this on a training step
+    (tests/test_plan_flops.py).
+
+    For GPT shapes this is exactly 72 L h^2 (1 + s/(6h) + V/(12 L h)) per token.
+    """
     passes = 4 if recompute else 3
-    return spec.layers * layer_fwd * passes + head_fwd * 3
+    return spec.layers * layer_flops_per_token(spec, seq_len) * passes + head_flops_per_token(spec) * 3

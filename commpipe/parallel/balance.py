@@ -19,6 +19,8 @@ import time
 from collections.abc import Callable, Sequence
 from itertools import accumulate
 
+from commpipe.models.spec import head_flops_per_token, layer_flops_per_token
+
 
 def stage_costs(costs: Sequence[float], counts: Sequence[int]) -> list[float]:
     """Total cost of each stage of a split given as layer counts."""
@@ -165,9 +167,6 @@ def llama_layer_costs(spec, seq_len: int) -> list[float]:
     """Forward FLOPs per token of each LLaMA layer, the vocabulary head charged to the last
     layer (whose stage runs it): the layers are identical, so balancing only moves the head's
     share (commpipe.models.spec.flops_per_token's accounting)."""
-    h = spec.hidden
-    layer = 2 * h * (h + 2 * spec.kv_dim) + 2 * 2 * seq_len * h + 2 * h * h \
-        + 2 * 3 * h * spec.ffn_hidden
-    costs = [float(layer)] * spec.layers
-    costs[-1] += 2 * h * spec.vocab
+    costs = [layer_flops_per_token(spec, seq_len)] * spec.layers
+    costs[-1] += head_flops_per_token(spec)
     return costs
