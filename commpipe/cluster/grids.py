@@ -1,9 +1,11 @@
 """Layout grids for `commpipe sweep`: a TOML file or a named preset.
 
 A grid file has one `[[layout]]` table per layout and an optional `[train]` table of training
-flags every layout shares (command-line flags override it):
+flags every layout shares (command-line flags override it); its `config` names a job config
+file (`commpipe train --config`, relative to the grid file) that the [train] keys override:
 
     [train]
+    config = "job.toml"
     preset = "tiny"
     seq_len = 64
     steps = 10
@@ -26,6 +28,7 @@ the nodes; the default "tp-cp-dp-pp" is commpipe's rank grid itself (TP partners
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import tomllib
 from dataclasses import dataclass, field
@@ -111,8 +114,34 @@ def load_grid(text_or_path: str) -> Grid:
     unknown = set(data) - {"layout", "train"}
     if unknown:
         raise ValueError(f"{path}: unknown top-level keys {sorted(unknown)}; use [[layout]] and [train]")
-    return Grid(layouts_from_dicts(list(data.get("layout", [])), str(path)),
-                _renamed(dict(data.get("train", {}))), str(path))
+    entries = [_config_path(dict(e), path, f"{path} layout #{i + 1}")
+               for i, e in enumerate(data.get("layout", []))]
+    return Grid(layouts_from_dicts(entries, str(path)),
+                _config_path(_renamed(dict(data.get("train", {}))), path, f"{path} [train]"),
+                str(path))
+
+
+def _config_path(flags: dict, grid_path: Path, where: str) -> dict:
+    """`config = "job.toml"` (a `commpipe train --config` file, in [train] or in one layout)
+    names a file relative to the grid file; it becomes an absolute path, checked now."""
+    if "config" not in flags:
+        return flags
+    value = flags["config"]
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: config = {value!r} must be the path of a job TOML file or "
+                         "a run's config.json")
+    config = (grid_path.parent / value).resolve()
+    if not config.is_file():
+        raise ValueError(f"{where}: config = {value!r}: no such file {config}")
+    try:
+        from commpipe.train import cli as train_cli
+        from commpipe.train.jobconfig import load_defaults
+    except ModuleNotFoundError:     # a build without the trainer: the layouts' runs will say
+        return {**flags, "config": str(config)}
+    parser = argparse.ArgumentParser()
+    train_cli.add_arguments(parser)
+    load_defaults(config, parser)   # a wrong key fails here, naming file, section and key
+    return {**flags, "config": str(config)}
 
 
 # training keys of older grid files -> the `commpipe train` flag each became

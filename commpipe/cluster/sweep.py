@@ -44,23 +44,29 @@ def validate_layout(layout: Layout, train: dict) -> str | None:
     """Why `commpipe train` would reject this layout, checked in-process (no launch), or None."""
     try:
         from commpipe.train import cli as train_cli
+        from commpipe.train.jobconfig import parse_known_args
     except ModuleNotFoundError:
         return None
     parser = argparse.ArgumentParser(exit_on_error=False)
     train_cli.add_arguments(parser)
     try:
-        args, unknown = parser.parse_known_args(train_flags(layout, train, "unused"))
+        args, unknown = parse_known_args(parser, train_flags(layout, train, "unused"))
         if unknown:
             return f"`commpipe train` does not know {' '.join(unknown)}; drop it from the grid or flags"
         train_cli.config_from_args(args).resolve(layout.world_size)
-    except (ValueError, argparse.ArgumentError) as e:
+    except (ValueError, FileNotFoundError, argparse.ArgumentError) as e:
         return str(e)
     return None
 
 
 def fingerprint(layout: Layout, train: dict) -> str:
-    blob = json.dumps({"layout": layout.grid_dict(), "train": {**train, **layout.extra}}, sort_keys=True,
-                      default=str)
+    flags = {**train, **layout.extra}
+    if flags.get("config"):     # a job config file: its content, not only its name
+        try:
+            flags["config_sha1"] = hashlib.sha1(Path(flags["config"]).read_bytes()).hexdigest()
+        except OSError:
+            pass
+    blob = json.dumps({"layout": layout.grid_dict(), "train": flags}, sort_keys=True, default=str)
     return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
 

@@ -51,7 +51,7 @@ SECTIONS = {
     "data": ("data", "tokenizer", "vocab_size", "eval_every", "eval_batches"),
     "checkpoint": ("save_every", "resume", "fail_at"),
     "monitor": ("comm_monitor", "trace", "tensorboard", "log_every"),
-    "job": ("out", "device", "timeout_s"),
+    "job": ("out", "overwrite", "device", "timeout_s"),
     "adapt": ("adapt", "adapt_min_steps", "adapt_min_shift", "adapt_horizon", "adapt_margin",
               "adapt_trials", "adapt_switch_cost", "adapt_resplit_only", "adapt_relaunch",
               "slow_rank"),
@@ -84,8 +84,12 @@ def load_defaults(path, parser: argparse.ArgumentParser) -> dict:
             data = json.loads(path.read_text())
         except ValueError as e:
             raise ValueError(f"{path}: malformed JSON ({e})") from None
-        return {dest: _convert(flags[dest], value, f"{path}: {field}", False)
-                for dest, (field, value) in _from_run_config(data, path).items()}
+        out = {}
+        for dest, (field, value) in _from_run_config(data, path).items():
+            if dest not in flags:
+                raise ValueError(f"{path}: {field} is not a flag of this commpipe train")
+            out[dest] = _convert(flags[dest], value, f"{path}: {field}", False)
+        return out
     try:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
@@ -190,9 +194,9 @@ def _convert(action, value, where: str, negate: bool):
 # TrainConfig fields that are the flag of the same name
 SAME = ("model", "schedule", "vpp", "micro_batch_size", "global_batch", "seq_len", "steps",
         "seed", "data", "tokenizer", "vocab_size", "eval_every", "eval_batches", "save_every",
-        "resume", "timeout_s", "out", "trace", "log_every", "device", "precision", "strict_order",
-        "recompute", "sequence_parallel", "overlap", "dp_bucket_mb", "tp_forward_overlap",
-        "tensorboard")
+        "resume", "overwrite", "timeout_s", "out", "trace", "log_every", "device", "precision",
+        "strict_order", "recompute", "sequence_parallel", "overlap", "dp_bucket_mb",
+        "tp_forward_overlap", "tensorboard")
 # derived when the config resolves (the model's shape, the vocabulary of --data, the balanced
 # split's costs) or fixed without a flag (AdamW's decay, betas, eps): not read back.
 # microbatches: the global batch is kept and the micro-batch count follows from it, so that
