@@ -59,3 +59,204 @@ def test_error_goes_to_torchruns_error_file_from_one_rank(tmp_path, monkeypatch,
     monkeypatch.setenv("LOCAL_RANK", "0")
     assert main(["train", "--tp", "3", "--pp", "2"]) == 2
     assert capsys.readouterr().err.count("tp=3 does not divide") == 1
+
+
+# -- the start banner, the step lines and the end summary ----------------------------------------
+
+def _metrics(out: Path) -> list[dict]:
+    import json
+
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_run_opens_with_its_layout_and_model_and_closes_with_a_summary(tmp_path, capsys):
+    import statistics
+
+    from commpipe.cli import main
+    from commpipe.models.llama import build_model
+    from commpipe.models.spec import resolve_model
+
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "4", "--out", str(out), "--seq-len", "64",
+                 "--global-batch", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    # tiny: 4 layers, hidden 64, 4 heads (2 KV heads of 16), SwiGLU 128, vocab 256. Forward
+    # FLOPs per token of a layer: QKV 2*64*(64+2*32) + scores and values 4*64*64 + output
+    # 2*64*64 + MLP 2*3*64*128 = 90112; head 2*64*256 = 32768; x3 for forward and backward
+    flops = 3 * (4 * 90112 + 32768)
+    assert flops == 1_179_648
+    params = sum(p.numel() for p in build_model(resolve_model("tiny")).parameters())
+    assert lines[0] == ("commpipe: tp1-cp1-pp1-dp1 1f1b m2x1 on 1 rank (1 per node), "
+                        "single process, cpu")
+    assert lines[1] == (f"commpipe: model tiny: {params / 1e3:.3g}k parameters, 1.18 MFLOP per "
+                        "token (forward + backward), fp32, global batch 2 x 64 tokens")
+    assert lines[2] == "commpipe: no pipeline (pp 1), 2 micro-batches of 1"
+    # the end: the median of the steps after the first, from the metrics file
+    recs = _metrics(out)
+    med = statistics.median(r["step_time_s"] for r in recs[1:])
+    tok_s = 2 * 64 / med
+    summary = [x for x in lines if x.startswith("commpipe: 4 steps")]
+    assert len(summary) == 1 and f"median {med * 1e3:#.3g}".rstrip(".") in summary[0]
+    assert f"{tok_s:,.0f} tok/s" in summary[0] and "(steps 1-3)" in summary[0]
+    assert f"final loss {recs[-1]['loss']:.4f}" in summary[0]
+    gflops = flops * 2 * 64 / med / 1e9
+    assert f"{gflops:#.3g}".rstrip(".") + " GFLOP/s/GPU" in summary[0]
+    assert lines[-1] == f"commpipe: files in {out}: metrics.jsonl, config.json"
+
+
+def test_banner_gives_the_schedules_bubble():
+    from types import SimpleNamespace
+
+    import torch
+
+    from commpipe.parallel.dims import ParallelDims
+    from commpipe.train.config import TrainConfig
+    from commpipe.train.console import banner
+
+    cfg = TrainConfig(model="tiny", dims=ParallelDims(pp=2), schedule="1f1b", microbatches=4,
+                      seq_len=32).resolve(2)
+    lines = banner(cfg, SimpleNamespace(backend="gloo"), torch.device("cpu"))
+    # 1F1B and GPipe idle (p-1)/(m+p-1) of the step: 1/5 with p=2, m=4
+    assert lines[2] == ("commpipe: schedule 1f1b, pp 2 x 4 micro-batches of 1: bubble 20% "
+                        "(simulated with f=1, b=2 per stage)")
+    assert lines[0].endswith("on 2 ranks (2 per node), gloo, cpu")
+
+
+def test_rates_and_times_keep_three_significant_digits():
+    from commpipe.train.console import format_flops, format_ms, format_rate, format_step
+
+    assert format_flops(0.0001e12) == "0.100 GFLOP/s"        # never 0.0001 TFLOP/s
+    assert format_flops(0.6e9) == "0.600 GFLOP/s"
+    assert format_flops(668.6e12) == "669 TFLOP/s"
+    assert format_flops(12e6) == "0.0120 GFLOP/s"
+    assert [format_ms(x) for x in (0.2266, 31.04, 5906.0, 23590.2)] == \
+        ["0.227 ms", "31.0 ms", "5906 ms", "23,590 ms"]
+    assert format_rate(0.00172) == "1.72 MB/s" and format_rate(12.46) == "12.5 GB/s"
+    rec = {"step": 7, "loss": 5.25, "step_time_s": 0.031, "tokens_per_s": 4129.0,
+           "tflops_per_gpu": 4.87e-3, "lr": 3e-3, "layout": "tp1-cp1-pp2-dp1 zbh1 m2x2"}
+    line = format_step(rec, start_layout="tp1-cp1-pp2-dp1 1f1b m4x1")
+    assert "| 4.87 GFLOP/s/GPU |" in line and line.endswith("| tp1-cp1-pp2-dp1 zbh1 m2x2")
+    assert not format_step(rec, start_layout=rec["layout"]).endswith("m2x2")
+
+
+def test_validation_losses_are_printed_when_eval_and_log_steps_differ(tmp_path, capsys):
+    from commpipe.cli import main
+
+    out = tmp_path / "run"
+    assert main(["train", "--steps", "6", "--eval-every", "2", "--log-every", "4",
+                 "--eval-batches", "1", "--out", str(out), "--seq-len", "16",
+                 "--global-batch", "2"]) == 0
+    printed = capsys.readouterr().out
+    vals = [(r["step"], r["val_loss"]) for r in _metrics(out) if "val_loss" in r]
+    assert [s for s, _ in vals] == [1, 3, 5]        # after steps 2, 4 and 6 (the last)
+    for step, val in vals:                          # 1 and 3 fall between the logged steps
+        assert any(x.startswith(f"step {step:>5} |") and f"| val {val:.4f}" in x
+                   for x in printed.splitlines()), (step, printed)
+
+
+# -- the adaptive controller's lines ----------------------------------------------------------------
+
+A = {"name": "tp1-cp1-pp2-dp1 1f1b m4x1 layers 2,2"}
+B = {"name": "tp1-cp1-pp2-dp1 zbh1 m4x1 layers 3,1"}
+
+
+def test_each_decision_log_record_becomes_console_lines():
+    from commpipe.adapt.describe import record_lines
+
+    det = {"kind": "link", "key": "dp [0, 2]", "baseline": 20.0, "current": 80.0, "shift": 3.0,
+           "onset_step": 10, "step": 14, "nodes": [0, 1], "link_class": "inter_node"}
+    switch = {"step": 14, "action": "switch", "detections": [det], "from": A, "to": B,
+              "kind": "resplit", "predicted_current_ms": 400.0, "predicted_best_ms": 300.0,
+              "reason": "saving 4.50 s over 45 steps >= 2 x switch cost 0.30 s (gain 25.0%)",
+              "switch_time_s": 0.21}
+    lines = record_lines(switch)
+    assert lines[0] == ("adapt: step 14: detected link dp [0, 2] (inter-node, nodes 0-1): "
+                        "20 ms -> 80 ms (+300%) since step 10")
+    # (400 - 300) / 400 = 25% less per step
+    assert lines[1] == ("adapt: step 14: switch to " + B["name"] + " (resplit): predicted "
+                        "400 ms -> 300 ms per step (25% less); " + switch["reason"]
+                        + "; took 0.21 s")
+    stay = switch | {"action": "stay", "reason": "predicted gain 2.0% is below the minimum 5%",
+                     "predicted_best_ms": 392.0, "detections": []}
+    stay.pop("switch_time_s")
+    assert record_lines(stay) == [
+        "adapt: step 14: stay on " + A["name"] + ": predicted gain 2.0% is below the minimum 5%; "
+        "best candidate " + B["name"] + ", predicted 400 ms -> 392 ms per step (2% less)"]
+    trial = {"step": 18, "action": "trial", "plan": B["name"], "predicted_ms": 300.0,
+             "measured_ms": 416.4, "to": A}
+    assert record_lines(trial) == [f"adapt: step 18: trial of {B['name']}: predicted 300 ms, "
+                                   f"measured 416 ms; next {A['name']}"]
+    settle = {"step": 22, "action": "settle", "to": A, "measured_ms": 232.0, "kind": "resplit",
+              "reason": "fastest measured (the plan before the trials)", "trial_cost_s": 2.74}
+    assert record_lines(settle) == [f"adapt: step 22: settled on {A['name']} at 232 ms, fastest "
+                                    "measured (the plan before the trials), switched (resplit); "
+                                    "the trials cost 2.74 s"]
+
+
+def test_adaptive_run_prints_its_decisions_and_the_new_layout(tmp_path):
+    """The slow-rank drill under torchrun: every adapt.jsonl record is on the console, printed
+    once, and after a switch the step lines name the layout that ran them."""
+    import json
+
+    from commpipe.adapt.describe import record_lines
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "--", "commpipe", "train", "--pp", "2", "--steps", "40", "--seq-len", "32",
+           "--out", str(out), "--adapt", "--slow-rank", "1:4@6", "--adapt-min-steps", "3"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    records = [json.loads(x) for x in (out / "adapt.jsonl").read_text().splitlines()]
+    assert records, "the drill produced no decision"
+    expected = [x for r in records for x in record_lines(r)]
+    assert [x for x in lines if x.startswith("adapt:")] == expected
+    metrics = {r["step"]: r["layout"] for r in _metrics(out)}
+    start = metrics[0]
+    for x in lines:
+        if x.startswith("step "):
+            layout = metrics[int(x.split("|")[0].split()[1])]
+            assert x.endswith(f" | {layout}") if layout != start else "tp1-" not in x, x
+    assert any(metrics[s] != start for s in metrics), "no switch: nothing to show"
+
+
+# -- --help, `plan` ---------------------------------------------------------------------------------
+
+def test_train_help_shows_the_defaults(capsys):
+    import pytest
+
+    from commpipe.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())       # argparse wraps lines
+    for flag, default in (("--steps STEPS", "10"), ("--seq-len SEQ_LEN", "64"),
+                          ("--lr LR", "0.003"), ("--micro-batch-size MICRO_BATCH_SIZE", "1"),
+                          ("--seed SEED", "0")):
+        assert f"{flag} (default: {default})" in text, flag
+    assert "(default 1) (default" not in text              # said once where help said it
+
+
+def test_plan_prints_milliseconds_plainly_and_no_schedule_without_a_pipeline(capsys):
+    import re
+
+    from commpipe.cli import main
+
+    assert main(["plan", "--model", "llama3-70b", "--gpus", "64", "--global-batch", "256",
+                 "--seq-len", "8192", "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert not re.search(r"\de[+-]\d", out), out             # no exponents
+    assert re.search(r"compute \d{2},\d{3} ms per step", out)
+    for line in out.splitlines():                             # pp=1 layouts name no schedule
+        if "PP1 " in line:
+            assert not re.search(r"PP1 DP\d+ mbs\d+ (1f1b|gpipe|zbh1)", line), line
+    assert main(["plan", "--model", "tiny", "--gpu", "a100-80gb", "--gpus", "4",
+                 "--global-batch", "8", "--seq-len", "64"]) == 0
+    rows = [x.split() for x in capsys.readouterr().out.splitlines() if re.match(r"\s*\d+\s+\d", x)]
+    assert rows and all((r[7] == "-") == (r[3] == "1") for r in rows)   # pp column, schedule column
+    assert main(["plan", "--model", "blip-tiny", "--gpus", "4", "--global-batch", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "GiB" not in out and " GB" in out
+    pp1 = [x for x in out.splitlines() if " pp1 " in x]
+    assert pp1 and all(re.search(r" x\d+ -\s+split", x) for x in pp1), pp1

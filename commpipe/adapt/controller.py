@@ -22,6 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from commpipe.adapt.candidates import candidates
+from commpipe.adapt.describe import record_lines
 from commpipe.adapt.detect import Detector
 from commpipe.adapt.model import CostModel, Measured
 from commpipe.adapt.plan import Plan, moved_bytes, payback
@@ -78,7 +79,7 @@ def ranks_per_node(world: int) -> int:
 
 
 class Controller:
-    def __init__(self, trainer, out):
+    def __init__(self, trainer, out, log=None):
         self.acfg = trainer.cfg.adapt.validate()
         self.out = Path(out)
         self.world = trainer.comm.dims.world_size
@@ -93,6 +94,8 @@ class Controller:
         self.measured_cost: dict[str, float] = {}
         self.decisions: list[dict] = []
         self.log = None
+        self.say = log                      # console lines of each record (logging rank only)
+        self.is_logger = False
         self.timer = CollectiveTimer()
         self.trials: Trials | None = None   # the running trial phase, if any
         if trainer.comm.rank == 0:
@@ -107,6 +110,7 @@ class Controller:
                          "reason": f"resumed from {req['checkpoint']} under the new plan"})
 
     def prepare(self, trainer) -> None:
+        self.is_logger = trainer.is_logger        # the rank that prints step lines, per plan
         trainer.runtime.events = []               # the step's timeline (cleared every step)
         if self.timer not in trainer.comm.observers:
             trainer.comm.observers.append(self.timer)
@@ -364,6 +368,9 @@ class Controller:
         if self.log is not None:
             self.log.write(json.dumps(decision, default=str) + "\n")
             self.log.flush()
+        if self.say and self.is_logger:
+            for line in record_lines(decision):
+                self.say(line)
 
 
 def _plan(d: dict) -> Plan:

@@ -34,9 +34,10 @@ from commpipe.runtime.executor import PipelineRuntime
 from commpipe.runtime.recompute import ActivationMeter, apply_recompute
 from commpipe.train import checkpoint
 from commpipe.train.config import TrainConfig
+from commpipe.train.console import banner, format_balance, format_step, summary
 from commpipe.train.evaluate import evaluate, forward_program
 from commpipe.train.failures import StopSignals, TrainingDiverged, check_finite_params, is_finite
-from commpipe.train.run_files import TRACE_STEPS, format_record, kineto_trace, open_metrics
+from commpipe.train.run_files import TRACE_STEPS, kineto_trace, open_metrics
 from commpipe.train.source import check_vocab, make_source
 from commpipe.train.tensorboard import TensorBoardLog
 
@@ -54,19 +55,6 @@ def stage_counts(cfg: TrainConfig) -> list[int]:
     """Layers per virtual stage of the run's split."""
     return [len(r) for r in split_layers(cfg.spec.layers, cfg.program().num_stages,
                                          cfg.stage_layers)]
-
-
-def format_balance(b: dict) -> str:
-    """--stage-layers auto: the chosen split and the predicted stage costs, beside the even
-    split's (costs in b["unit"], shares of the total in brackets)."""
-    total = sum(b["predicted_stage_costs"]) or 1.0
-
-    def costs(xs):
-        return ", ".join(f"{x:.3g} ({x / total:.0%})" for x in xs)
-
-    return (f"stage layers auto (by {b['from']}): split {b['split']}, predicted stage costs "
-            f"[{costs(b['predicted_stage_costs'])}] {b['unit']}; even split {b['even_split']}: "
-            f"[{costs(b['even_stage_costs'])}]")
 
 
 def pick_device(name: str) -> torch.device:
@@ -308,6 +296,8 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
     trainer = Trainer.build(cfg, comm, source)
     comm = trainer.comm
     say = log if (log and comm.rank == 0) else (lambda *_: None)
+    for line in banner(cfg, comm, trainer.device):
+        say(line)
     if cfg.stage_balance:
         say(format_balance(cfg.stage_balance))
     out = Path(cfg.out) if cfg.out else None
@@ -334,7 +324,7 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
     if cfg.adapt is not None:
         from commpipe.adapt.controller import Controller
 
-        controller = Controller(trainer, out)
+        controller = Controller(trainer, out, log=log)
     signals = StopSignals().install()
     together = False  # did every rank leave the loop together (collective clean-up is safe)?
     profiler = kineto_trace(trainer)  # None unless --trace on CUDA
@@ -359,8 +349,8 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
                 if metrics_file:
                     metrics_file.write(json.dumps(rec) + "\n")
                     metrics_file.flush()
-                if log and (rec["step"] % cfg.log_every == 0 or done or not finite):
-                    log(format_record(rec))
+                if log and (rec["step"] % cfg.log_every == 0 or done or not finite or "val_loss" in rec):
+                    log(format_step(rec, start_layout=trainer.history[0]["layout"]))
             if board is not None:
                 board.log_step(trainer, rec, controller.decisions if controller else ())
             if not finite:
@@ -408,6 +398,8 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
         if board is not None:   # after the monitor's last records (read with a barrier)
             board.close(trainer.comm if together and trainer.monitor is not None else None,
                         controller.decisions if controller else ())
+    for line in summary(trainer.cfg, trainer.history, out):
+        say(line)
     return trainer.history
 
 

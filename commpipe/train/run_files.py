@@ -1,6 +1,6 @@
 """What a training run writes into its folder besides checkpoints: the metrics file (continued
-without repeated steps after a resume), the console line per step, and on GPU the profiler
-timeline (commpipe.train.loop calls these)."""
+without repeated steps after a resume) and on GPU the profiler timeline (commpipe.train.loop
+calls these; the console lines are commpipe.train.console's)."""
 
 from __future__ import annotations
 
@@ -29,14 +29,6 @@ def open_metrics(path: Path, step: int):
             tmp.write_text("".join(keep))
             tmp.replace(path)
     return open(path, "a")
-
-
-def format_record(rec: dict) -> str:
-    """The console line of one step's metrics record."""
-    line = (f"step {rec['step']:>5} | loss {rec['loss']:.4f} | {rec['step_time_s'] * 1e3:8.1f} ms"
-            f" | {rec['tokens_per_s']:9.0f} tok/s | {rec['tflops_per_gpu']:.4f} TFLOP/s/GPU"
-            f" | lr {rec['lr']:.2e}")
-    return line + (f" | val {rec['val_loss']:.4f}" if "val_loss" in rec else "")
 
 
 def kineto_trace(trainer):

@@ -1,0 +1,75 @@
+"""The controller's decision log (OUT/adapt.jsonl) in words: the console lines `train --adapt`
+prints as it decides, and the plain account `demo --adaptive` gives of a whole run.
+
+One record, one or more lines: each detection it acted on, then the decision. Records:
+  stay / switch  an evaluation after a detection (`detections`, `candidates`, `reason`, ...)
+  trial          a plan measured during the trial phase (`plan`, `predicted_ms`, `measured_ms`)
+  settle         the end of a trial phase (`to`, `measured`, `reason`)
+  relaunched     a switch finished by checkpoint and relaunch
+"""
+
+from __future__ import annotations
+
+PREFIX = "adapt:"
+
+
+def _ms(x) -> str:
+    return "?" if x is None else f"{x:.0f} ms" if abs(x) >= 10 else f"{x:.3g} ms"
+
+
+def _plan(d) -> str:
+    return d.get("name", "?") if isinstance(d, dict) else str(d)
+
+
+def detection_line(step: int, d: dict) -> str:
+    where = ""
+    if d.get("link_class"):
+        nodes = d.get("nodes") or []
+        span = f"node {nodes[0]}" if len(nodes) == 1 else "nodes " + "-".join(map(str, nodes))
+        where = f" ({d['link_class'].replace('_', '-')}, {span})"
+    return (f"{PREFIX} step {step}: detected {d['kind']} {d['key']}{where}: "
+            f"{_ms(d['baseline'])} -> {_ms(d['current'])} ({d['shift']:+.0%}) since step "
+            f"{d['onset_step']}")
+
+
+def gain(rec: dict) -> float | None:
+    """Predicted relative gain of the evaluated best plan over the running one."""
+    cur, best = rec.get("predicted_current_ms"), rec.get("predicted_best_ms")
+    return (cur - best) / cur if cur and best is not None else None
+
+
+def decision_line(rec: dict) -> str:
+    step, action = rec["step"], rec["action"]
+    if action in ("stay", "switch"):
+        g = gain(rec)
+        predicted = (f"predicted {_ms(rec.get('predicted_current_ms'))} -> "
+                     f"{_ms(rec.get('predicted_best_ms'))} per step ({g:.0%} less)"
+                     if g is not None else "")
+        if action == "stay":
+            best = f"; best candidate {_plan(rec['to'])}, {predicted}" if rec.get("to") else ""
+            return f"{PREFIX} step {step}: stay on {_plan(rec['from'])}: {rec['reason']}{best}"
+        trials = rec.get("trials")
+        what = (f"trial {len(trials)} plan{'s' if len(trials) > 1 else ''}, first "
+                f"{_plan(rec['to'])}" if trials else f"switch to {_plan(rec['to'])}")
+        took = f"; took {rec['switch_time_s']:.2f} s" if "switch_time_s" in rec else ""
+        return (f"{PREFIX} step {step}: {what} ({rec.get('kind')}): {predicted}; "
+                f"{rec['reason']}{took}")
+    if action == "trial":
+        nxt = f"; next {_plan(rec['to'])}" if rec.get("to") else ""
+        return (f"{PREFIX} step {step}: trial of {rec['plan']}: predicted "
+                f"{_ms(rec['predicted_ms'])}, measured {_ms(rec['measured_ms'])}{nxt}")
+    if action == "settle":
+        moved = f", switched ({rec['kind']})" if rec.get("kind") else ""
+        cost = f"; the trials cost {rec['trial_cost_s']:.2f} s" if "trial_cost_s" in rec else ""
+        return (f"{PREFIX} step {step}: settled on {_plan(rec['to'])} at "
+                f"{_ms(rec['measured_ms'])}, {rec.get('reason', 'fastest measured')}{moved}{cost}")
+    if action == "relaunched":
+        return (f"{PREFIX} step {step}: relaunched under {_plan(rec['to'])} "
+                f"({rec['switch_time_s']:.1f} s after the request)")
+    return f"{PREFIX} step {step}: {action}"
+
+
+def record_lines(rec: dict) -> list[str]:
+    """The console lines of one decision-log record: its detections, then the decision."""
+    return [detection_line(rec["step"], d) for d in rec.get("detections", ())] + \
+        [decision_line(rec)]
