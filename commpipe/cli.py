@@ -37,7 +37,17 @@ def build_parser(verbs: dict | None = None) -> argparse.ArgumentParser:
             if not e.name or not e.name.startswith("commpipe"):
                 raise
             p.set_defaults(_missing=str(e))
+        show_defaults(p)
     return parser
+
+
+def show_defaults(parser: argparse.ArgumentParser) -> None:
+    """Every option with a default says it in --help, unless its help text already does."""
+    for action in parser._actions:
+        if (action.option_strings and action.help is not argparse.SUPPRESS
+                and not any(action.default is x for x in (None, False, argparse.SUPPRESS))
+                and "default" not in (action.help or "")):
+            action.help = ((action.help or "").rstrip() + " (default: %(default)s)").lstrip()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -114,7 +114,8 @@ class Layout:
         s = f"TP{self.tp} CP{self.cp} PP{self.pp} DP{self.dp}"
         if self.vpp > 1:
             s += f" VPP{self.vpp}"
-        s = f"{s} mbs{self.micro_batch_size} {self.schedule} rc={self.recompute}"
+        schedule = f" {self.schedule}" if self.pp > 1 else ""   # no pipeline, no schedule
+        s = f"{s} mbs{self.micro_batch_size}{schedule} rc={self.recompute}"
         if self.zero:
             s += f" zero{self.zero}"
             if self.dp_shard and self.dp_shard != self.dp * self.cp:

@@ -158,8 +158,9 @@ def print_blip_plan(spec: BlipSpec, cluster, global_batch: int, plans: list[Blip
         print("no layout fits in memory; the least memory-hungry:")
     for p in plans:
         print(f"  tp{p.tp} pp{p.pp} dp{p.dp} mbs{p.micro_batch_size} x{p.microbatches} "
-              f"{p.schedule:<5} split {p.split}: step {p.step_ms:8.1f} ms, stage fwd+bwd "
-              f"{p.stage_ms} ms, memory {p.memory_gib:.1f} GiB{'' if p.fits else ' (does not fit)'}")
+              f"{p.schedule if p.pp > 1 else '-':<5} split {p.split}: step {p.step_ms:8.1f} ms, "
+              f"stage fwd+bwd {p.stage_ms} ms, memory {p.memory_gib:.1f} GB"
+              f"{'' if p.fits else ' (does not fit)'}")
 
 
 def run_blip_cli(args) -> int:

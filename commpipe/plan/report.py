@@ -14,7 +14,8 @@ def row(n: int | str, e: Estimate) -> str:
     lay = e.layout
     b = e.breakdown.get("pp_bubble", 0.0) / e.step_time_s if e.breakdown else float("nan")
     return (f"{n:>2}  {lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.dp:>5} {lay.vpp:>3} "
-            f"{lay.micro_batch_size:>3} {lay.schedule:<11} {lay.recompute:<9} {_zero(lay):>4} "
+            f"{lay.micro_batch_size:>3} {lay.schedule if lay.pp > 1 else '-':<11} "
+            f"{lay.recompute:<9} {_zero(lay):>4} "
             f"{e.step_time_s:>8.4g} "
             f"{e.tflops_per_gpu:>8.1f} {e.mfu:>6.1%} {e.memory_gb_per_gpu:>7.1f} {b:>7.1%} "
             f"{e.exposed_comm_fraction:>6.1%}")

@@ -236,7 +236,9 @@ def explain_loss(alt: Estimate, best: Estimate, cluster: Cluster) -> str:
 
 
 def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3g}"
+    """Milliseconds, three significant digits below 100, whole above: never an exponent."""
+    ms = seconds * 1e3
+    return f"{ms:,.0f}" if abs(ms) >= 100 else f"{ms:#.3g}".rstrip(".")
 
 
 def describe(e: Estimate, cluster: Cluster) -> str:
