@@ -260,3 +260,35 @@ def test_plan_prints_milliseconds_plainly_and_no_schedule_without_a_pipeline(cap
     assert "GiB" not in out and " GB" in out
     pp1 = [x for x in out.splitlines() if " pp1 " in x]
     assert pp1 and all(re.search(r" x\d+ -\s+split", x) for x in pp1), pp1
+
+
+def test_cluster_status_is_a_table_per_node(capsys):
+    import json
+
+    import pytest
+
+    from commpipe.cli import main
+    from commpipe.cluster import netns
+
+    ok, why = netns.available()
+    if not ok:
+        pytest.skip(why)
+    prefix = "cst"
+    try:
+        assert main(["cluster", "up", "--nodes", "2", "--ranks-per-node", "1",
+                     "--inter-node-mbit", "100", "--prefix", prefix]) == 0
+        assert main(["cluster", "rate", "--node", "1", "--inter-node-mbit", "20",
+                     "--prefix", prefix]) == 0
+        capsys.readouterr()
+        assert main(["cluster", "status", "--prefix", prefix]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[0].startswith(f"cluster {prefix}: 2 nodes x 1 ranks per node")
+        assert lines[1].split() == ["node", "namespace", "address", "link", "rate", "sent",
+                                    "received", "state"]
+        rows = [x.split() for x in lines[2:]]
+        assert [(r[0], r[1], r[3] + " " + r[4], r[-1]) for r in rows] == [
+            ("0", f"{prefix}n0", "100 Mbit/s", "up"), ("1", f"{prefix}n1", "20 Mbit/s", "up")]
+        assert main(["cluster", "status", "--prefix", prefix, "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["rates_mbit"] == [100.0, 20.0]
+    finally:
+        main(["cluster", "down", "--prefix", prefix])

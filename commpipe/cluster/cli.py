@@ -35,6 +35,7 @@ def add_options(p) -> None:
                    help="Mbit/s, one value or one per node; with `rate`: the new rate ('off' removes it)")
     p.add_argument("--node", type=int, default=0, help="node for `rate` and `run`")
     p.add_argument("--prefix", default="cpn", help="name prefix of namespaces and links (default cpn)")
+    p.add_argument("--json", action="store_true", help="`status`: print the raw JSON")
 
 
 def split_rest(args) -> None:
@@ -49,6 +50,31 @@ def split_rest(args) -> None:
             setattr(args, key, value)
     if args.cmd and args.action != "run":
         raise ValueError(f"`cluster {args.action}` takes no command; did you mean `cluster run`?")
+
+
+def _bytes(n: int) -> str:
+    for div, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{n} B"
+
+
+def format_status(d: dict) -> str:
+    """`cluster status` as a table: one row per node (namespace, address, link rate, bytes over
+    its link, whether its namespace exists)."""
+    present = set(d["present"]["namespaces"])
+    lines = [f"cluster {d['prefix']}: {d['nodes']} nodes x {d['ranks_per_node']} ranks per node, subnet "
+             f"{d['subnet']}, interface {d['ifname']} (GLOO_SOCKET_IFNAME)",
+             f"{'node':>4}  {'namespace':<12} {'address':<15} {'link rate':<14} {'sent':>10} "
+             f"{'received':>10}  state"]
+    for i in range(d["nodes"]):
+        rate = d["rates_mbit"][i]
+        lb = d["link_bytes"][i]
+        lines.append(f"{i:>4}  {d['namespaces'][i]:<12} {d['ips'][i]:<15} "
+                     f"{'unthrottled' if rate is None else f'{rate:g} Mbit/s':<14} "
+                     f"{_bytes(lb['sent']):>10} {_bytes(lb['received']):>10}  "
+                     f"{'up' if d['namespaces'][i] in present else 'missing'}")
+    return "\n".join(lines)
 
 
 def _rates(text):
@@ -90,7 +116,7 @@ def _run(args) -> int:
         d = c.describe()
         d["present"] = netns.list_resources(args.prefix)
         d["link_bytes"] = [c.link_bytes(i) for i in range(c.nodes)]
-        print(json.dumps(d, indent=1))
+        print(json.dumps(d, indent=1) if args.json else format_status(d))
         return 0
     if args.action == "rate":
         text = args.inter_node_mbit
