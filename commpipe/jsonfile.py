@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from commpipe.files import read_text
+
 
 def read_json_object(path: str | Path, what: str, example: str = "") -> dict:
     """The JSON object in `path`; `what` names the file in errors ("probe", "cost")."""
@@ -12,7 +14,7 @@ def read_json_object(path: str | Path, what: str, example: str = "") -> dict:
     if not p.exists():
         raise FileNotFoundError(f"{what} file {p} does not exist")
     try:
-        data = json.loads(p.read_text())
+        data = json.loads(read_text(p, what))
     except json.JSONDecodeError as e:
         raise ValueError(f"{what} file {p} is not valid JSON: {e}") from None
     if not isinstance(data, dict):

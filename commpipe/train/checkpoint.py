@@ -36,9 +36,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 
+from commpipe.files import StorageError
 from commpipe.models.spec import ModelSpec
+from commpipe.train.checkpoint_io import SafeReader, damaged, load_failure, read_metadata, save_failure
 
 FORMAT = 1
 META = "commpipe.json"
@@ -63,8 +65,9 @@ def latest_in(root: Path) -> Path | None:
     """The newest complete checkpoint under `root` (the `latest` marker, else a scan)."""
     marker = root / LATEST
     if marker.is_file():
-        named = root / marker.read_text().strip()
-        if named.name and is_complete(named):
+        name = marker.read_text(errors="replace").strip()
+        named = root / name
+        if name and named.name == name and is_complete(named):   # a plain name inside root
             return named
     found = sorted((p for p in root.glob("step_*") if is_complete(p)), key=lambda p: p.name)
     return found[-1] if found else None
@@ -100,6 +103,7 @@ def resolve_resume(cfg, source=None) -> Path | None:
                                 f"with {META} and .metadata, or a run folder holding checkpoints/)")
     meta = read_meta(found)
     check_compatible(meta, cfg, found)
+    read_metadata(found)   # refused or damaged: said now, before any process group starts
     if source is None and not cfg.data and cfg.spec.arch == "blip":
         from commpipe.train.multimodal import SyntheticCaptions
 
@@ -117,7 +121,15 @@ def resolve_resume(cfg, source=None) -> Path | None:
 
 
 def read_meta(path: Path) -> dict:
-    meta = json.loads((path / META).read_text())
+    try:
+        meta = json.loads((path / META).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise damaged(path, META, f"cannot be read ({type(e).__name__}: {e})") from None
+    if not isinstance(meta, dict):
+        raise damaged(path, META, "holds no JSON object")
+    missing = [k for k in ("format", "step", "model", "data", "world_size") if k not in meta]
+    if missing and meta.get("format") == FORMAT:
+        raise damaged(path, META, f"lacks {', '.join(missing)}")
     if meta.get("format") != FORMAT:
         raise ValueError(f"{path} has checkpoint format {meta.get('format')}, this commpipe "
                          f"reads format {FORMAT}")
@@ -229,15 +241,24 @@ def save(trainer, root) -> Path:
     comm.barrier()
     state = {k: v.reshape(1) if k.endswith(".step") else v for k, v in full_state_here(trainer).items()}
     state.update(_rng_keys(comm.rank))
-    with _quiet_single_process():
-        dcp.save(state, storage_writer=FileSystemWriter(tmp), no_dist=comm.dims.world_size == 1)
-    comm.barrier()                                      # every rank's files are on disk
-    if comm.rank == 0:
-        _write_json(tmp / META, _meta(trainer))
-        if final.exists():                              # a rerun reached this step again
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _write_text(root / LATEST, final.name + "\n")
+    try:
+        with _quiet_single_process():
+            dcp.save(state, storage_writer=FileSystemWriter(tmp),
+                     no_dist=comm.dims.world_size == 1)
+        comm.barrier()                                  # every rank's files are on disk
+        if comm.rank == 0:
+            _write_json(tmp / META, _meta(trainer))
+            if final.exists():                          # a rerun reached this step again
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _write_text(root / LATEST, final.name + "\n")
+    except BaseException as e:   # noqa: BLE001 - DCP wraps a disk-full error in a BaseException
+        error = save_failure(e, tmp, latest_in(root) if root.is_dir() else None)
+        if error is None:
+            raise
+        if comm.rank == 0:       # every rank's writes have ended: free the space they took
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise error from None
     comm.barrier()
     return final
 
@@ -287,7 +308,7 @@ def load(trainer, path) -> dict:
     comm, cfg = trainer.comm, trainer.cfg
     meta = read_meta(path)
     check_compatible(meta, cfg, path)
-    stored = FileSystemReader(path).read_metadata().state_dict_metadata
+    stored = read_metadata(path).state_dict_metadata
     adam, holds = adam_and_holder(trainer)
     want: dict[str, torch.Tensor] = {}
     for name, p in trainer.named_params:
@@ -306,8 +327,15 @@ def load(trainer, path) -> dict:
     if same_world:  # RNG streams are per rank: restored when the ranks are the same ones
         want.update({k: torch.empty_like(v) for k, v in _rng_keys(comm.rank).items()
                      if k in stored})
-    with _quiet_single_process():
-        dcp.load(want, storage_reader=FileSystemReader(path), no_dist=comm.dims.world_size == 1)
+    try:
+        with _quiet_single_process():
+            dcp.load(want, storage_reader=SafeReader(path), no_dist=comm.dims.world_size == 1)
+    except StorageError:
+        raise
+    except BaseException as e:   # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        raise load_failure(e, path) from None
     with torch.no_grad():
         for name, p in trainer.named_params:
             tp_dim = getattr(p, "_tp_dim", None)
