@@ -12,9 +12,10 @@ TRACE_STEPS = 5   # --trace keeps the timeline of the last five steps (bounded i
 
 def open_metrics(path: Path, step: int):
     """metrics.jsonl opened to append from `step` on. Records of steps >= `step` (written after
-    the checkpoint a resumed run starts from, or a torn last line) move to
-    metrics.replaced.jsonl, so the file holds each step once and nothing is thrown away."""
-    if step > 0 and path.exists():
+    the checkpoint a resumed run starts from, or a torn last line; all of them when a requeued
+    `--resume` finds no checkpoint and starts at 0) move to metrics.replaced.jsonl, so the file
+    holds each step once and nothing is thrown away."""
+    if path.exists():
         keep, moved = [], []
         for line in path.read_text().splitlines(keepends=True):
             try:
