@@ -58,13 +58,23 @@ def apply_pending(cfg, world: int):
     path = Path(cfg.out) / RELAUNCH
     if not path.exists():
         return cfg
-    req = json.loads(path.read_text())
+    from commpipe.jsonfile import read_json_object
+
+    req = read_json_object(path, "relaunch request")
+    fix = f"; delete {path} to start under this command's own layout"
+    if not isinstance(req.get("checkpoint"), str) or not isinstance(req.get("to"), dict):
+        raise ValueError(f"relaunch request {path}: expected \"checkpoint\" (a path) and \"to\" "
+                         f"(the plan) keys{fix}")
     ckpt = Path(req["checkpoint"])
     if checkpoint.latest_in(checkpoint.checkpoints_dir(cfg.out)) != ckpt:
         return cfg                     # superseded by a later checkpoint
     to = req["to"]
-    plan = Plan(**{k: v for k, v in to.items() if k != "name"} |
-                {"stage_layers": tuple(to["stage_layers"])})
+    try:
+        plan = Plan(**{k: v for k, v in to.items() if k != "name"} |
+                    {"stage_layers": tuple(to["stage_layers"])})
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"relaunch request {path}: \"to\" is not a plan ({type(e).__name__}: "
+                         f"{e}){fix}") from None
     new = plan.apply(cfg)
     new.resume = str(ckpt)
     new.adapt = dataclasses.replace(cfg.adapt, resumed_from=req)

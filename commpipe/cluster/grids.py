@@ -34,6 +34,7 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from commpipe.files import read_text
 from commpipe.layout import DEFAULT_ORDER, Layout, parse_order
 from commpipe.schedules.registry import SCHEDULES
 
@@ -108,12 +109,15 @@ def load_grid(text_or_path: str) -> Grid:
         raise FileNotFoundError(f"grid {text_or_path!r} is neither a preset ({', '.join(PRESETS)}) "
                                 "nor an existing TOML file")
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(read_text(path, "grid"))
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{path}: malformed TOML ({e})") from None
     unknown = set(data) - {"layout", "train"}
     if unknown:
         raise ValueError(f"{path}: unknown top-level keys {sorted(unknown)}; use [[layout]] and [train]")
+    if not isinstance(data.get("train", {}), dict) or not isinstance(data.get("layout", []), list):
+        raise ValueError(f"{path}: write [train] as one table and each layout as a [[layout]] "
+                         "table")
     entries = [_config_path(dict(e), path, f"{path} layout #{i + 1}")
                for i, e in enumerate(data.get("layout", []))]
     return Grid(layouts_from_dicts(entries, str(path)),
@@ -142,6 +146,43 @@ def _config_path(flags: dict, grid_path: Path, where: str) -> dict:
     train_cli.add_arguments(parser)
     load_defaults(config, parser)   # a wrong key fails here, naming file, section and key
     return {**flags, "config": str(config)}
+
+
+def check_train_values(flags: dict, where: str) -> None:
+    """Each value must read as its `commpipe train` flag does (`steps = "two"` is refused here,
+    naming the file and key, not by the first layout's launch). Unknown keys are left to the
+    layout check, which names them."""
+    try:
+        from commpipe.train import cli as train_cli
+    except ModuleNotFoundError:
+        return
+    parser = argparse.ArgumentParser(add_help=False)
+    train_cli.add_arguments(parser)
+    by_key = {opt.lstrip("-").replace("-", "_"): a for a in parser._actions
+              for opt in a.option_strings}
+    for key, value in flags.items():
+        action = by_key.get(key)
+        if action is None or value is None:
+            continue
+        flag = "--" + key.replace("_", "-")
+        if action.nargs == 0:          # an on/off flag
+            if not isinstance(value, bool):
+                raise ValueError(f"{where}: {key} = {value!r}: expected true or false "
+                                 f"(the {flag} switch of commpipe train)")
+            continue
+        if isinstance(value, (dict, list)):
+            raise ValueError(f"{where}: {key} = {value!r}: expected one value for {flag}")
+        kind = {int: "an integer", float: "a number"}.get(action.type)
+        if kind is not None:
+            if isinstance(value, bool) or (action.type is int and isinstance(value, float)):
+                raise ValueError(f"{where}: {key} = {value!r}: expected {kind} ({flag})")
+            try:
+                action.type(str(value))
+            except ValueError:
+                raise ValueError(f"{where}: {key} = {value!r}: expected {kind} ({flag})") from None
+        if action.choices and str(value) not in action.choices:
+            raise ValueError(f"{where}: {key} = {value!r}: expected one of "
+                             f"{', '.join(map(str, action.choices))} ({flag})")
 
 
 # training keys of older grid files -> the `commpipe train` flag each became

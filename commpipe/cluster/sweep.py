@@ -10,7 +10,9 @@
 Each layout trains in OUT/<layout-name>/ (a `commpipe train` run folder, plus logs/) and, once it
 finishes, appends one status line to OUT/sweep.jsonl: ok, or failed / invalid / timeout with
 the reason. A failing layout never stops the sweep. Re-running the same command skips layouts
-already recorded with the same settings (--retry-failed reruns failures, --force everything).
+already recorded with the same settings (--retry-failed reruns failures, --force everything); a
+torn last line of sweep.jsonl (a sweep killed while writing it) is dropped with a warning and
+its layout runs again.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from commpipe.cluster.grids import Grid, Layout, load_grid
+from commpipe.cluster.grids import Grid, Layout, check_train_values, load_grid
 from commpipe.cluster.launch import (
     RunResult,
     nodes_used,
@@ -33,6 +35,7 @@ from commpipe.cluster.launch import (
     run_commands,
     train_flags,
 )
+from commpipe.files import check_out_dir, read_text
 
 STATUS_FILE = "sweep.jsonl"
 TRAIN_FLAGS = ("model", "steps", "seq_len", "global_batch", "micro_batch_size", "microbatches", "seed",
@@ -70,16 +73,54 @@ def fingerprint(layout: Layout, train: dict) -> str:
     return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
 
-def read_status(out_dir) -> dict[str, dict]:
-    """Latest status line per layout name."""
+def read_status(out_dir, warn=None) -> dict[str, dict]:
+    """Latest status line per layout name. A torn last line (a sweep killed while writing it)
+    is skipped with a warning, so its layout runs again; any other unreadable line is an error
+    naming it."""
     path = Path(out_dir) / STATUS_FILE
     latest = {}
-    if path.exists():
-        for line in path.read_text().splitlines():
-            if line.strip():
-                rec = json.loads(line)
-                latest[rec["name"]] = rec
+    if not path.exists():
+        return latest
+    lines = read_text(path, "sweep status").splitlines()
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict) or not isinstance(rec.get("name"), str):
+                raise ValueError("no layout name")
+        except ValueError as e:
+            if i == len(lines):
+                (warn or _warn)(f"warning: {path}:{i}: ignoring a torn last line (a sweep was "
+                                "stopped while writing it); its layout runs again")
+                continue
+            raise ValueError(f"{path}:{i}: not a status record ({e}); each line must be one "
+                             "JSON object with the layout's name: fix or delete that line") from None
+        latest[rec["name"]] = rec
     return latest
+
+
+def _drop_torn_tail(path: Path) -> None:
+    """Appends must start on a line of their own: a last line without its newline is cut off
+    when it is not a record (a torn write), else completed."""
+    if not path.is_file():
+        return
+    data = path.read_bytes()
+    if not data or data.endswith(b"\n"):
+        return
+    cut = data.rfind(b"\n") + 1
+    try:
+        json.loads(data[cut:])
+    except ValueError:
+        with open(path, "r+b") as f:
+            f.truncate(cut)
+        return
+    with open(path, "ab") as f:
+        f.write(b"\n")
+
+
+def _warn(text: str) -> None:
+    print(text, file=sys.stderr)
 
 
 def last_step(run_dir: Path) -> int | None:
@@ -149,7 +190,8 @@ def run_sweep(grid: Grid, out_dir, runner, train: dict | None = None, *, retry_f
     out.mkdir(parents=True, exist_ok=True)
     train = {**grid.train, **(train or {})}
     steps = int(train.get("steps", 10))
-    done = read_status(out)
+    done = read_status(out, warn=log)
+    _drop_torn_tail(out / STATUS_FILE)
     records = []
     bar = _progress(len(grid.layouts), progress)
     if progress and log is print:
@@ -293,7 +335,14 @@ DEFAULT_MONITOR = "sample=0.1"   # time one call in ten, as the study did; count
 
 def run(args) -> int:
     grid = load_grid(args.grid)
-    train = {"comm_monitor": DEFAULT_MONITOR, **grid.train, **train_overrides(args)}
+    check_train_values(grid.train, f"{grid.source} [train]")
+    for layout in grid.layouts:
+        check_train_values(layout.extra, f"{grid.source} layout {layout.name}")
+    overrides = train_overrides(args)
+    check_train_values({k: v for k, v in overrides.items() if k not in TRAIN_FLAGS}, "--train-arg")
+    train = {"comm_monitor": DEFAULT_MONITOR, **grid.train, **overrides}
+    check_out_dir(args.out, "--out")     # before namespaces are built or any layout runs
+    read_status(args.out, warn=lambda _: None)   # an unreadable status file: said now
     rates = parse_rates(args.inter_node_mbit)
     if args.cluster == "slurm":
         from commpipe.cluster.slurm import SlurmOptions, write_scripts

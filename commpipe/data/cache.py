@@ -25,6 +25,7 @@ import numpy as np
 
 from commpipe.data.corpus import Corpus
 from commpipe.data.tokenizer import Tokenizer
+from commpipe.files import check_out_dir
 
 CACHE_VERSION = 1
 BATCH_CHARS = 4_000_000  # text per encode_batch call: bounds memory, keeps all cores busy
@@ -105,10 +106,12 @@ def _staleness(index: dict | None, expected: dict, bin_path: Path) -> str:
 
 
 def _read_index(path: Path) -> dict | None:
+    """The cache index, or None when there is none or it cannot be read (the cache is rebuilt)."""
     try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        index = json.loads(path.read_text())
+    except (FileNotFoundError, UnicodeDecodeError, json.JSONDecodeError):
         return None
+    return index if isinstance(index, dict) else None
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -172,7 +175,7 @@ def ensure_cache(corpus: Corpus, split: str, tokenizer: Tokenizer, cache_dir: st
         raise FileNotFoundError(
             f"token cache {bin_path} is not usable ({reason}); run `commpipe tokenize --data "
             f"{corpus.root} --tokenizer {tokenizer.path}` first")
-    bin_path.parent.mkdir(parents=True, exist_ok=True)
+    check_out_dir(bin_path.parent, "the token cache folder (--cache-dir)")   # before tokenizing
     dtype = token_dtype(tokenizer.vocab_size)
     total_bytes = sum(s["size"] for s in expected["sources"])
     tmp = bin_path.with_name(f"{bin_path.name}.tmp-{os.getpid()}")

@@ -67,16 +67,26 @@ class Corpus:
     def documents(self, split: str) -> Iterator[str]:
         """Yield the non-empty documents of `split` in file order."""
         for src in self._split_files(split):
-            if src.layout == "wikitext":
-                yield from _wikitext_documents(src.path)
-            elif src.layout == "blocks":
-                yield from _block_documents(src.path)
-            elif src.layout == "file":
-                text = src.path.read_text(encoding="utf-8").strip()
-                if text:
-                    yield text
-            else:
-                yield from _jsonl_documents(src.path, self.text_field)
+            try:
+                yield from self._file_documents(src)
+            except UnicodeDecodeError:
+                from commpipe.files import StorageError, first_bad_utf8
+
+                raise StorageError(f"corpus file {src.path} is not UTF-8 text: "
+                                   f"{first_bad_utf8(src.path)}; convert it (e.g. iconv -f "
+                                   "latin1 -t utf-8) or move it out of the corpus") from None
+
+    def _file_documents(self, src: SourceFile) -> Iterator[str]:
+        if src.layout == "wikitext":
+            yield from _wikitext_documents(src.path)
+        elif src.layout == "blocks":
+            yield from _block_documents(src.path)
+        elif src.layout == "file":
+            text = src.path.read_text(encoding="utf-8").strip()
+            if text:
+                yield text
+        else:
+            yield from _jsonl_documents(src.path, self.text_field)
 
     def describe(self) -> str:
         kind = f"wikitext {self.variant}" if self.format == "wikitext" else self.format

@@ -98,6 +98,9 @@ def train_byte_level_bpe(texts, vocab_size: int, special_tokens: list[str], out_
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
+    from commpipe.files import check_out_dir
+
+    check_out_dir(Path(out_path).parent, "the tokenizer's folder (--cache-dir)")   # before training
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     hf.decoder = decoders.ByteLevel()

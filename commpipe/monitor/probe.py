@@ -99,6 +99,10 @@ def _check(args, world: int) -> int:
 
 def run(args) -> int:
     parse_sizes(args.sizes)
+    if args.out:    # checked now, not after the whole measurement
+        from commpipe.files import check_out_file
+
+        check_out_file(args.out, "--out")
     if "WORLD_SIZE" in os.environ:
         _check(args, int(os.environ["WORLD_SIZE"]))
         _probe(args)
@@ -218,8 +222,7 @@ def _probe(args) -> None:
     if rank == 0:
         print(format_table(result))
         if args.out:
-            with open(args.out, "w") as fh:
-                json.dump(result, fh, indent=2)
+            _write_result(args.out, result)
             print(f"wrote {args.out}")
     comm.barrier()
     # tear the process group down on every rank before the interpreter exits, so no backend
@@ -227,6 +230,17 @@ def _probe(args) -> None:
     import torch.distributed as dist
 
     dist.destroy_process_group()
+
+
+def _write_result(path: str, result: dict) -> None:
+    from commpipe.files import StorageError, os_reason
+
+    try:
+        with open(path, "w") as fh:
+            json.dump(result, fh, indent=2)
+    except OSError as e:   # the measurement is printed above: it is not lost
+        raise StorageError(f"--out {path}: cannot write the results: {os_reason(e)}; the table "
+                           "above holds them") from None
 
 
 def format_table(result: dict) -> str:

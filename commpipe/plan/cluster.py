@@ -37,6 +37,7 @@ Bandwidths are decimal GB/s everywhere (bandwidth_gbps), as in the probe and mon
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -193,7 +194,10 @@ def apply_probe(cluster: Cluster, path: str | Path) -> Cluster:
         intra = _link_from(pairs["intra_node"], f"probe {path} pairs.intra_node")
     if pairs.get("inter_node"):
         inter = _link_from(pairs["inter_node"], f"probe {path} pairs.inter_node")
-    gpn = int(data.get("ranks_per_node") or cluster.gpus_per_node)
+    gpn = data.get("ranks_per_node") or cluster.gpus_per_node
+    if isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1:
+        raise ValueError(f"probe file {path}: ranks_per_node = {json.dumps(gpn)}: expected a "
+                         "positive integer (the ranks per node the probe ran with)")
     backend = data.get("backend") if data.get("backend") in BACKENDS else cluster.backend
     return replace(cluster, intra=intra, inter=inter, gpus_per_node=gpn, backend=backend,
                    source=f"probe:{path}")

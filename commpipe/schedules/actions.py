@@ -239,7 +239,9 @@ def load_csv(text_or_path) -> Program:
         path = Path(text_or_path)
         if not path.exists():
             raise FileNotFoundError(f"schedule file {path} does not exist")
-        text = path.read_text()
+        from commpipe.files import read_text
+
+        text = read_text(path, "schedule")
     else:
         text = text_or_path
     rows = [r for r in csv.reader(io.StringIO(text)) if any(c.strip() for c in r)]
