@@ -12,6 +12,7 @@ loopback where network namespaces cannot be built: no root or no iproute2), then
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from commpipe.report.tables import terminal_table
@@ -36,7 +37,11 @@ def run(args) -> int:
 
         out = Path(args.out if args.out != "runs/demo" else "runs/demo-adaptive")
         print(f"commpipe demo --adaptive -> {out}")
-        summary = run_adaptive_demo(out)
+        try:
+            summary = run_adaptive_demo(out)
+        except RuntimeError as e:     # a run failed, or no emulated cluster: the demo failed
+            print(f"commpipe demo: error: {e}", file=sys.stderr)
+            return 1
         print()
         print(format_summary(summary))
         print(f"report: {summary['report']}")

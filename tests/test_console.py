@@ -292,3 +292,82 @@ def test_cluster_status_is_a_table_per_node(capsys):
         assert json.loads(capsys.readouterr().out)["rates_mbit"] == [100.0, 20.0]
     finally:
         main(["cluster", "down", "--prefix", prefix])
+
+
+# -- the adaptive demo's account --------------------------------------------------------------------
+
+CP2 = {"tp": 1, "cp": 2, "pp": 2, "dp": 1, "stage_layers": [2, 2],
+       "name": "tp1-cp2-pp2-dp1 1f1b m8x1 layers 2,2"}
+DP2 = {"tp": 1, "cp": 1, "pp": 2, "dp": 2, "stage_layers": [2, 2],
+       "name": "tp1-cp1-pp2-dp2 1f1b m4x1 layers 2,2"}
+CANDS = [{"plan": CP2["name"], "predicted_ms": 250.0}, {"plan": DP2["name"], "predicted_ms": 260.0},
+         {"plan": "tp2-cp1-pp2-dp1 1f1b m8x1 layers 2,2", "predicted_ms": 400.0}]
+
+
+def _demo_account(tmp_path, records):
+    """The demo's summary of synthetic runs (degrade at step 10; the oracle's best is pp2 x dp2
+    at 200 ms, cp2 x pp2 300 ms) with `records` as the adaptive run's decision log."""
+    import json
+
+    from commpipe.adapt.demo import Scenario, format_summary, summarize
+    from tests.test_adapt_logic import _summary_inputs
+
+    oracle = _summary_inputs(tmp_path, after_ms=300.0, static_ms=1000.0, chosen=(2, 1))
+    (tmp_path / "adaptive" / "adapt.jsonl").write_text(
+        "".join(json.dumps(r) + "\n" for r in records))
+    s = summarize(tmp_path, Scenario(steps=30, blip=(4, 5), degrade_step=10),
+                  [(4, 20.0), (5, 1000.0), (10, 20.0)], oracle)
+    s["elapsed_s"] = 300.0
+    text = format_summary(s)
+    for word in ("PASS", "FAIL", "criteria", "issue"):
+        assert word not in text
+    return s, text
+
+
+DETECTED = {"detections": [{"kind": "link", "key": "pp 0->2", "onset_step": 10}]}
+
+
+def test_demo_says_why_the_model_missed_the_best_layout(tmp_path):
+    switch = DETECTED | {"step": 12, "action": "switch", "to": CP2, "switch_time_s": 0.1,
+                         "candidates": CANDS, "predicted_best_ms": 250.0}
+    s, text = _demo_account(tmp_path, [switch])
+    assert ("the controller did not reach the best static layout, pp2-dp2 (200 ms): it ended on "
+            f"{CP2['name']} (300 ms in the oracle sweep); after the switch its steps took 300 ms "
+            "(+50%); without the controller 1000 ms (+400%)") in text
+    assert text.splitlines()[-2] == (
+        f"why: the cost model predicted pp2-dp2 at 260 ms per step, number 2 of 3 candidates, "
+        f"and chose {CP2['name']} 250 ms")
+
+
+def test_demo_says_when_a_trial_measured_the_best_layout_slower(tmp_path):
+    switch = DETECTED | {"step": 12, "action": "switch", "to": CP2, "switch_time_s": 0.1,
+                         "candidates": CANDS, "trials": CANDS[:2]}
+    records = [switch,
+               {"step": 16, "action": "trial", "plan": CP2["name"], "predicted_ms": 250.0,
+                "measured_ms": 240.0, "to": DP2},
+               {"step": 20, "action": "trial", "plan": DP2["name"], "predicted_ms": 260.0,
+                "measured_ms": 330.0},
+               {"step": 20, "action": "settle", "to": CP2, "measured_ms": 240.0}]
+    s, text = _demo_account(tmp_path, records)
+    assert s["settle_step"] == 20 and not s["controller_choice_is_best"]
+    assert ("why: its trial measured 330 ms against 240 ms for " + CP2["name"] + ", so the trials "
+            "settled elsewhere (the oracle measured it at 200 ms)") in text
+
+
+def test_demo_says_when_nothing_was_detected(tmp_path):
+    s, text = _demo_account(tmp_path, [{"step": 3, "action": "stay", "detections": []}])
+    assert s["controller_choice_is_best"] is None
+    assert "the controller did not switch to another layout; without the controller 1000 ms" in text
+    assert text.splitlines()[-2] == ("why: nothing was detected after the degrade, so the "
+                                     "controller never re-planned")
+
+
+def test_demo_fails_with_its_reason_and_a_non_zero_code(tmp_path, monkeypatch, capsys):
+    from commpipe.cli import main
+    from commpipe.cluster import netns
+
+    monkeypatch.setattr(netns, "available", lambda: (False, "needs root and iproute2"))
+    assert main(["demo", "--adaptive", "--out", str(tmp_path / "d")]) == 1
+    assert capsys.readouterr().err.strip() == (
+        "commpipe demo: error: the adaptive demo needs the emulated cluster: needs root and "
+        "iproute2")
