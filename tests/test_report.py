@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import csv
 import json
-import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -129,16 +128,26 @@ def test_timeline_reads_the_last_step_of_chrome_traces(sweep):
     assert send and send[0]["end_ms"] - send[0]["start_ms"] == pytest.approx(1.0)
 
 
-def test_report_needs_a_sweep(tmp_path):
+def test_report_needs_a_sweep_or_a_run(tmp_path):
     with pytest.raises(FileNotFoundError, match="holds no sweep.jsonl"):
         write_report(tmp_path)
-    # a run folder itself (not its parent) is named as such, with the folder to pass instead
-    run = tmp_path / "one"
-    run.mkdir()
-    (run / "metrics.jsonl").write_text('{"step": 0, "loss": 5.0}\n')
-    expected = "is one run folder.*pass its parent " + re.escape(f"({tmp_path.resolve()})")
-    with pytest.raises(FileNotFoundError, match=expected):
-        write_report(run)
+
+
+def test_report_of_one_run_folder(sweep):
+    """A run folder itself is summarised alone: its row, links, timeline and findings, the
+    files written inside it."""
+    run = sweep / "a"
+    out = write_report(run)
+    (row,) = out["rows"]
+    assert row["name"] == "a" and row["status"] == "ok"
+    assert row["step_time_ms"] == pytest.approx(300.0) and row["pp_bw_gbps"] == pytest.approx(4.0)
+    names = {Path(p).name for p in out["figures"]}
+    assert {"timeline_a.png", "links_a.png", "loss.png"} <= names
+    assert "throughput.png" not in names           # nothing to compare one layout with
+    html = (run / "report.html").read_text()
+    assert "<title>commpipe run: a</title>" in html
+    assert out["findings"][0].startswith("TP2/CP1/PP2: 300 ms per step")
+    assert (run / "results.csv").exists() and (run / "report.md").exists()
 
 
 def test_spearman():

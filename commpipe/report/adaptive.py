@@ -16,7 +16,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from commpipe.report.tables import read_jsonl  # noqa: E402
+from commpipe.report.tables import read_jsonl, run_path  # noqa: E402
 
 SHADES = ("#f2f2f2", "#dfeaf5", "#fbe9d7", "#e3f1e0", "#efe3f3")
 
@@ -89,7 +89,7 @@ def step_time_figure(run, out_png, title: str | None = None):
 
 def adaptive_figure(sweep_dir, row: dict, out: Path):
     """make_figures hook: the figure of one run of a report folder, if it is adaptive."""
-    run = Path(sweep_dir) / row["name"]
+    run = run_path(sweep_dir, row)
     return step_time_figure(run, Path(out) / f"adapt_{row['name']}.png")
 
 
@@ -139,6 +139,48 @@ def _read_json(path: Path):
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def plan_key(plan: dict) -> tuple:
+    return tuple(plan[k] for k in ("tp", "cp", "pp", "dp")) + (tuple(plan["stage_layers"]),)
+
+
+def settled_layout(decisions: list[dict]) -> dict | None:
+    """The plan the decision log ends on: the `to` of the last `settle`, or of the last switch
+    that started no trial phase (a trial target is not a choice; a trial phase the run's end cut
+    short leaves the plan before it). None when the controller never switched."""
+    settled = None
+    for d in decisions:
+        if d.get("action") == "settle" or (d.get("action") == "switch" and not d.get("trial_plans")):
+            settled = d.get("to") or settled
+    return settled
+
+
+CHOSEN, ORACLE, OTHER = "#2ca02c", "#7f7f7f", "#9ecae1"
+
+
+def candidate_colors(cands: list[dict], chosen: dict | None) -> list[str]:
+    """Bar colours of the oracle figure: the settled layout green, the oracle (first) grey."""
+    key = plan_key(chosen) if chosen else None
+    return [CHOSEN if key is not None and plan_key(c) == key else ORACLE if i == 0 else OTHER
+            for i, c in enumerate(cands)]
+
+
+def plan_label(plan: dict) -> str:
+    """TP1/CP1/PP2/DP2 [2,2]: a plan as the report's tables name layouts, with its layer split."""
+    text = f"TP{plan['tp']}/CP{plan['cp']}/PP{plan['pp']}" + (f"/DP{plan['dp']}" if plan["dp"] > 1 else "")
+    layers = plan.get("stage_layers")
+    return text + (f" [{','.join(map(str, layers))}]" if layers and plan["pp"] > 1 else "")
+
+
+def adaptive_label(run: Path, name: str) -> str | None:
+    """The row label of an adaptive run: the layout it started with and the one it settled on."""
+    decisions = read_jsonl(run / "adapt.jsonl")
+    first = next((d["from"] for d in decisions if d.get("from")), None)
+    settled = settled_layout(decisions)
+    if first is None or settled is None:
+        return None if first is None else f"{name}: {plan_label(first)}, no switch"
+    return f"{name}: {plan_label(first)} → {plan_label(settled)}"
+
+
 def oracle_figure(out_dir, out_png=None):
     """Median step time of every static layout the oracle sweep measured (candidates.json),
     the controller's choice marked; returns (path, caption) or None."""
@@ -147,17 +189,10 @@ def oracle_figure(out_dir, out_png=None):
     if not rec or not rec.get("candidates"):
         return None
     cands = rec["candidates"]
-    chosen = next((d["to"] for d in read_jsonl(out_dir / "adaptive" / "adapt.jsonl")
-                   if d.get("action") == "switch"), None)
-
-    def is_chosen(c):
-        return chosen is not None and all(c[k] == chosen[k] for k in ("tp", "cp", "pp", "dp")) \
-            and list(c["stage_layers"]) == list(chosen["stage_layers"])
-
+    chosen = settled_layout(read_jsonl(out_dir / "adaptive" / "adapt.jsonl"))
     fig, ax = plt.subplots(figsize=(9, 0.45 * len(cands) + 1.2))
     names = [f"{c['name']} [{','.join(map(str, c['stage_layers']))}]" for c in cands]
-    colors = ["#2ca02c" if is_chosen(c) else "#7f7f7f" if i == 0 else "#9ecae1"
-              for i, c in enumerate(cands)]
+    colors = candidate_colors(cands, chosen)
     ax.barh(names, [c["median_ms"] for c in cands], color=colors)
     for i, c in enumerate(cands):
         note = " (stopped early)" if c.get("stopped_early") else ""
@@ -174,6 +209,6 @@ def oracle_figure(out_dir, out_png=None):
     plt.close(fig)
     return out_png, (f"Oracle sweep: median step time of each static layout ({rec['steps']} steps "
                      f"from step 0, the first {rec['warmup']} left out) under the degraded link; "
-                     "the fastest (top, grey) is the oracle; green: the controller's choice. A "
+                     "the fastest (top, grey) is the oracle; green: the layout the controller settled on. A "
                      "layout clearly slower than the best so far stopped after "
                      f"{rec['min_steps']} steps.")

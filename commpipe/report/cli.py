@@ -4,8 +4,10 @@
     commpipe report runs/demo                 # -> runs/demo/report.html
     commpipe report runs/study --study shared/data/study_perlmutter_llama8b.csv
 
-DIR is a sweep folder (sweep.jsonl + one run folder per layout) or any folder of `commpipe
-train --out` run folders. Times are medians over the steps after --warmup.
+DIR is a sweep folder (sweep.jsonl + one run folder per layout), any folder of `commpipe
+train --out` run folders, or one run folder (its monitor, links and timeline summarised alone).
+Times are medians over the steps after --warmup. The report opens with findings written from
+the measurements (commpipe.report.findings), then the tables, figures and every column.
 """
 
 from __future__ import annotations
@@ -15,11 +17,21 @@ import json
 from pathlib import Path
 
 from commpipe.report.links import CLASS_HEADER, class_table
-from commpipe.report.tables import collect, fmt, markdown_table, read_jsonl, terminal_table, write_csv
+from commpipe.report.tables import (
+    collect,
+    flops_unit,
+    fmt,
+    main_cells,
+    main_header,
+    markdown_table,
+    read_jsonl,
+    terminal_table,
+    write_csv,
+)
 
 
 def add_arguments(p) -> None:
-    p.add_argument("dir", help="sweep folder")
+    p.add_argument("dir", help="sweep folder, folder of run folders, or one run folder")
     p.add_argument("--warmup", type=int, default=1, help="steps left out of the medians (default 1)")
     p.add_argument("--study", default=None, help="the study's CSV: adds its TFLOP/s beside layouts "
                    "of the same degrees and compares the rankings")
@@ -87,44 +99,85 @@ def describe_sweep(root: Path) -> list[str]:
     return [text + ".", "Training: " + ", ".join(f"{k}={v}" for k, v in train.items()) + "."]
 
 
+BREAKDOWN_HEADER = ["Layout", "Traced step (ms)", "Compute", "Bubble: wait for stage", "Bubble: idle",
+                    "PP exposed", "TP exposed", "CP exposed", "DP exposed", "Other exposed"]
+
+
+def breakdown_table(rows: list[dict]) -> list[list[str]]:
+    """ms per traced step of each part (commpipe.report.breakdown), with its share."""
+    out = []
+    for r in rows:
+        b = r.get("breakdown")
+        if r["status"] != "ok" or not b:
+            continue
+        w = b["window_ms"] or 1.0
+        out.append([r.get("label") or r["name"], fmt(b["window_ms"]),
+                    *(f"{fmt(b[k])} ({b[k] / w:.0%})"
+                      for k in ("compute", "pp_wait", "idle", "pp", "tp", "cp", "dp", "other"))])
+    return out
+
+
+DEFINITIONS = [
+    "Times are medians over the steps after the first {warmup}; efficiency is throughput relative to the "
+    "best layout. PP lat. is transfer time per pipeline call (waiting for the peer excluded), PP wait the "
+    "time blocked on the neighbour stage, PP raw their sum, as a timer around the whole call sees it (all "
+    "three per call over the same timed calls). Collective bandwidth is nccl-tests bus bandwidth.",
+    "Where the time goes: each rank's traced step cut at every event boundary; a piece is compute when an "
+    "action runs, exposed communication of a dimension when only that dimension's calls move data or wait "
+    "for a late member, bubble when a pipeline call waits for its neighbour stage or nothing runs; mean "
+    "over ranks and over the traced steps after the first.",
+]
+
+
 def write_report(sweep_dir, warmup: int = 1, study: str | None = None, title: str | None = None) -> dict:
     """Write every report file; returns their paths and the markdown table."""
+    from commpipe.report.adaptive_findings import adaptive_findings
     from commpipe.report.figures import make_figures
+    from commpipe.report.findings import findings, loss_finding
     from commpipe.report.html import write_html
 
     root = Path(sweep_dir)
     rows = collect(root, warmup)
-    notes = describe_sweep(root)
-    notes.append(f"Times are medians over the steps after the first {warmup}; efficiency is TFLOP/s relative "
-                 "to the best layout. PP lat. is transfer time per pipeline call (waiting for the peer "
-                 "excluded), PP wait the time blocked on the neighbour stage, PP raw their sum as a timer "
-                 "around the whole call sees it. Collective bandwidth is nccl-tests bus bandwidth.")
-    if study:
-        notes += compare_study(rows, study)
+    single = len(rows) == 1 and rows[0].get("dir")
+    meta = describe_sweep(root)
+    notes = compare_study(rows, study) if study else []
     failed = [r for r in rows if r["status"] != "ok"]
     csv_path = write_csv(rows, root / "results.csv")
     table = markdown_table(rows)
     figures = make_figures(root, rows)
-    title = title or f"commpipe sweep: {root.resolve().name}"
-    md = [f"# {title}", "", *[n + "\n" for n in notes], table, ""]
-    classes = class_table(root, rows, warmup)
+    title = title or f"commpipe {'run' if single else 'sweep'}: {root.resolve().name}"
+    found = adaptive_findings(root, rows) + findings(root, rows, warmup)
+    loss = loss_finding(root, rows)
+    found += [loss] if loss else []
+    definitions = [d.format(warmup=warmup) for d in DEFINITIONS]
     sections = []
+    spent = breakdown_table(rows)
+    if spent:
+        sections.append(("Where the time goes", BREAKDOWN_HEADER, spent))
+    classes = class_table(root, rows, warmup)
     if classes:
-        heading = "Bandwidth by link class"
-        sections.append((heading, CLASS_HEADER, classes))
-        md += [f"## {heading}", "", "| " + " | ".join(CLASS_HEADER) + " |",
-               "|" + "|".join("---" for _ in CLASS_HEADER) + "|"]
-        md += ["| " + " | ".join(c) + " |" for c in classes] + [""]
+        sections.append(("Bandwidth by link class", CLASS_HEADER, classes))
+    scale, _ = flops_unit(rows)
+    md = [f"# {title}", "", *[m + "\n" for m in meta], "## Findings", "", *[f"- {f}" for f in found], "",
+          "## Layouts", "", markdown_table(rows, main_header(rows), lambda r: main_cells(r, scale)), ""]
+    for heading, header, cells in sections:
+        md += [f"## {heading}", "", "| " + " | ".join(header) + " |",
+               "|" + "|".join("---" for _ in header) + "|"]
+        md += ["| " + " | ".join(c) + " |" for c in cells] + [""]
+    if notes:
+        md += ["## Notes", "", *notes, ""]
     if failed:
         md += ["## Failed layouts", ""]
         md += [f"- {r.get('label') or r['name']}: {r['status']}: {r.get('reason')}" for r in failed] + [""]
-    md += ["## Figures", ""] + [f"![{cap}](figures/{Path(p).name})" for p, cap in figures]
+    md += ["## Figures", ""] + [f"![{cap}](figures/{Path(p).name})" for p, cap in figures] + [""]
+    md += ["## Every column", "", table, "", *[d + "\n" for d in definitions]]
     md_path = root / "report.md"
     md_path.write_text("\n".join(md) + "\n")
-    html_path = write_html(root / "report.html", title, rows, figures, notes, sections)
+    html_path = write_html(root / "report.html", title, rows, figures, notes, sections, findings=found,
+                           meta=meta, definitions=definitions)
     (root / "results.json").write_text(json.dumps(rows, indent=1, default=str))
     return {"csv": str(csv_path), "markdown_path": str(md_path), "html": str(html_path),
-            "figures": [str(p) for p, _ in figures], "markdown": table, "rows": rows,
+            "figures": [str(p) for p, _ in figures], "markdown": table, "rows": rows, "findings": found,
             "terminal": terminal_table(rows, report=str(html_path))}
 
 

@@ -1,4 +1,4 @@
-"""Sweep folder -> one summary row per layout, results.csv and a markdown table.
+"""Sweep folder (or one run folder) -> one summary row per layout, results.csv and a markdown table.
 
 Reads, for each layout: the sweep's status line (OUT/sweep.jsonl), the run's metrics.jsonl and
 the monitor's per-rank records (OUT/<layout>/monitor/rank*.jsonl). Times are medians over the
@@ -63,6 +63,12 @@ def _median(values):
 def after_warmup(steps: list, warmup: int) -> list:
     """Steps after the warm-up; all of them when the run is too short to drop any."""
     return steps[warmup:] if len(steps) > warmup else steps
+
+
+def run_path(sweep_dir, row: dict) -> Path:
+    """The run folder of a report row: its own `dir` (a single-run report), else the sweep's
+    sub-folder of its name."""
+    return Path(row["dir"]) if row.get("dir") else Path(sweep_dir) / row["name"]
 
 
 def monitor_records(run_dir: Path) -> list[dict]:
@@ -135,6 +141,9 @@ def summarize_run(run_dir: Path, warmup: int = 1) -> dict:
             if key in metrics[-1]:
                 row[key] = metrics[-1][key]
     row["bubble"] = _traced_bubble(run_dir)
+    from commpipe.report.breakdown import run_breakdown
+
+    row["breakdown"] = run_breakdown(run_dir, warmup)
     from commpipe.report.links import class_columns
 
     row.update(class_columns(run_dir, warmup))    # {dim}_{intra,inter}_gbps
@@ -161,6 +170,10 @@ def _traced_bubble(run_dir: Path) -> float | None:
         return None
 
 
+def is_run_folder(path: Path) -> bool:
+    return (path / "metrics.jsonl").exists() or (path / "config.json").exists()
+
+
 def discover(sweep_dir) -> list[dict]:
     """The layouts of a sweep folder: status lines first (latest per name, in order), then any
     run folder (has metrics.jsonl or config.json) the status file does not mention."""
@@ -172,13 +185,11 @@ def discover(sweep_dir) -> list[dict]:
         entries.pop(rec["name"], None)
         entries[rec["name"]] = dict(rec)
     for sub in sorted(p for p in root.iterdir() if p.is_dir()):
-        if sub.name not in entries and ((sub / "metrics.jsonl").exists() or (sub / "config.json").exists()):
+        if sub.name not in entries and is_run_folder(sub):
             entries[sub.name] = {"name": sub.name, "status": "unknown"}
     if not entries:
-        if (root / "metrics.jsonl").exists() or (root / "config.json").exists():
-            raise FileNotFoundError(
-                f"{root} is one run folder; report reads a folder of run folders: pass its parent "
-                f"({root.resolve().parent})")
+        if is_run_folder(root):      # a single `commpipe train --out` folder: a one-row report
+            return [{"name": root.resolve().name, "status": "unknown", "dir": str(root)}]
         raise FileNotFoundError(f"{root} holds no sweep.jsonl and no run folders; run `commpipe sweep` first")
     return list(entries.values())
 
@@ -189,8 +200,8 @@ def collect(sweep_dir, warmup: int = 1) -> list[dict]:
     rows = []
     for entry in discover(root):
         row = {k: entry.get(k) for k in ("name", "label", "tp", "cp", "pp", "dp", "schedule", "placement",
-                                         "status", "reason")}
-        summary = summarize_run(root / entry["name"], warmup)
+                                         "status", "reason", "dir")}
+        summary = summarize_run(run_path(root, row), warmup)
         for key, value in summary.items():
             if row.get(key) is None:
                 row[key] = value
@@ -198,6 +209,10 @@ def collect(sweep_dir, warmup: int = 1) -> list[dict]:
             row["status"] = "ok" if summary.get("steps") else "failed"
         if row["status"] == "ok" and not summary.get("steps"):
             row["status"], row["reason"] = "failed", "finished without writing metrics.jsonl"
+        if (run_path(root, row) / "adapt.jsonl").exists():     # its layout changed during the run
+            from commpipe.report.adaptive import adaptive_label
+
+            row["label"] = adaptive_label(run_path(root, row), row["name"]) or row.get("label")
         if not row.get("label") and row.get("tp") is not None:
             row["label"] = f"TP{row['tp']}/CP{row['cp']}/PP{row['pp']}" + (
                 f"/DP{row['dp']}" if (row.get("dp") or 1) > 1 else "")
@@ -237,6 +252,38 @@ def fmt(value, digits: int = 3) -> str:
     return str(value)
 
 
+def flops_unit(rows: list[dict]) -> tuple[float, str]:
+    """(factor from TFLOP/s, unit) that writes the best layout's throughput with a few digits
+    before the point: GFLOP/s below 1 TFLOP/s (a CPU run's ~1e-4 TFLOP/s reads 0.1 GFLOP/s)."""
+    best = max((r.get("tflops_per_gpu") or 0.0 for r in rows), default=0.0)
+    return (1.0, "TFLOP/s") if best >= 1 else (1e3, "GFLOP/s") if best >= 1e-3 else (1e6, "MFLOP/s")
+
+
+def share(part, whole) -> str:
+    return "–" if part is None or not whole else f"{part / whole:.0%}"
+
+
+def main_header(rows: list[dict]) -> list[str]:
+    return ["Layout", "TP", "CP", "PP", "DP", "m", "Step (ms)", "Tokens/s", f"{flops_unit(rows)[1]}/GPU",
+            "Compute", "Bubble", "Exposed comm", "Final loss", "Status"]
+
+
+def main_cells(r: dict, scale: float) -> list[str]:
+    """The short table: throughput and where the traced step went (shares of it)."""
+    b = r.get("breakdown") or {}
+    status = "ok" if r["status"] == "ok" else f"{r['status']}: {r.get('reason') or ''}".strip()
+    tf = r.get("tflops_per_gpu")
+    comm = ", ".join(f"{d.upper() if d != 'other' else d} {share(b[d], b['window_ms'])}"
+                     for d in ("pp", "tp", "cp", "dp", "other")
+                     if b.get(d) and b[d] / b["window_ms"] >= 0.005)
+    return [r.get("label") or r["name"], *(fmt(r.get(k)) for k in ("tp", "cp", "pp", "dp")),
+            fmt(r.get("microbatches")), fmt(r.get("step_time_ms")), fmt(r.get("tokens_per_s")),
+            fmt(None if tf is None else tf * scale), share(b.get("compute"), b.get("window_ms")),
+            share(b.get("bubble_ms"), b.get("window_ms")) if b else
+            ("–" if r.get("bubble") is None else f"{r['bubble']:.0%}"),
+            (comm or "0%") if b else "–", fmt(r.get("final_loss"), 4), status.replace("|", "/")]
+
+
 HEADER = ["Layout", "TP", "CP", "PP", "DP", "m", "TFLOP/s/GPU", "Step (ms)", "Bubble", "PP GB/s",
           "PP lat. (ms)",
           "PP calls/step", "PP wait (ms)", "PP raw (ms)", "TP GB/s", "TP lat. (ms)", "CP GB/s",
@@ -257,9 +304,10 @@ def table_cells(r: dict) -> list[str]:
             "–" if eff is None else f"{eff:.0%}", status.replace("|", "/")]
 
 
-def markdown_table(rows: list[dict]) -> str:
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "|".join("---" for _ in HEADER) + "|"]
-    lines += ["| " + " | ".join(table_cells(r)) + " |" for r in rows]
+def markdown_table(rows: list[dict], header: list[str] | None = None, cells=table_cells) -> str:
+    header = header or HEADER
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(cells(r)) + " |" for r in rows]
     return "\n".join(lines)
 
 

@@ -1,0 +1,114 @@
+"""The opening of an adaptive report (`commpipe train --adapt`, `commpipe demo --adaptive`): what
+the controller saw, what it decided and where it settled, from the decision log (adapt.jsonl)
+and the step times; against the oracle (oracle/candidates.json) and the static run when the
+folder has them."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from commpipe.report.adaptive import degrade_steps, plan_key, plan_label, settled_layout
+from commpipe.report.tables import fmt, read_jsonl
+
+
+def _median_ms(metrics: list[dict], lo: int, hi: int | None = None) -> float | None:
+    vals = [m["step_time_s"] * 1e3 for m in metrics if m["step"] >= lo and (hi is None or m["step"] < hi)]
+    return statistics.median(vals) if vals else None
+
+
+def run_story(run: Path) -> list[str]:
+    """Statements about one adaptive run folder."""
+    decisions = read_jsonl(run / "adapt.jsonl")
+    metrics = sorted(read_jsonl(run / "metrics.jsonl"), key=lambda m: m["step"])
+    if not metrics:
+        return []
+    out = []
+    marks = degrade_steps(run)
+    if marks:
+        out.append("Injected: " + ", ".join(f"{label} at step {step}" for step, label in sorted(marks)) + ".")
+    evals = [d for d in decisions if d.get("action") in ("stay", "switch")]
+    if not evals:
+        out.append(f"{run.name}: the controller saw no change worth re-planning in {len(metrics)} steps.")
+        return out
+    first = evals[0]
+    found = "; ".join(x.get("key", "?") for x in first.get("detections", [])) or "a change"
+    out.append(f"{run.name}: first detection at step {first['step']} ({found}); "
+               f"{len(evals)} evaluation{'s' if len(evals) > 1 else ''}, "
+               f"{sum(d['action'] == 'switch' for d in evals)} leading to a switch.")
+    switch = next((d for d in evals if d["action"] == "switch"), None)
+    settled = settled_layout(decisions)
+    if switch is None:
+        out.append(f"It stayed on {plan_label(first['from'])}: {evals[-1].get('reason', 'no gain')}.")
+        return out
+    text = (f"At step {switch['step']} it switched from {plan_label(switch['from'])} "
+            f"({fmt(switch.get('measured_step_ms'))} ms per step) to {plan_label(switch['to'])}, predicted "
+            f"{fmt(switch.get('predicted_best_ms'))} ms")
+    if switch.get("trial_plans"):
+        text += f", as the first of {len(switch['trial_plans'])} layouts to try"
+    out.append(text + ".")
+    trials = [d for d in decisions if d.get("action") == "trial"]
+    if trials:
+        out.append("Trials (predicted → measured ms per step): " + "; ".join(
+            f"{d['plan']} {fmt(d.get('predicted_ms'))} → {fmt(d.get('measured_ms'))}" for d in trials) + ".")
+    settle = [d for d in decisions if d.get("action") == "settle"]
+    at = settle[-1]["step"] if settle else switch["step"]
+    if settled is not None:
+        after = _median_ms(metrics, at + 2)
+        before = _median_ms(metrics, 1, first["step"] - 1) if first["step"] > 2 else None
+        out.append(f"Settled on {plan_label(settled)} at step {at}" +
+                   (f" ({settle[-1].get('reason')})" if settle else "") +
+                   (f": {fmt(after)} ms per step from step {at + 2} on" if after else "") +
+                   (f", against {fmt(before)} ms before the first detection." if before else "."))
+    else:
+        out.append("A trial phase was still running when the run ended: the controller settled on nothing.")
+    return out
+
+
+def oracle_story(out_dir: Path) -> list[str]:
+    """The settled layout against the oracle's every static layout and the static run."""
+    path = out_dir / "oracle" / "candidates.json"
+    if not path.exists():
+        return []
+    rec = json.loads(path.read_text())
+    best = rec["best"]
+    settled = settled_layout(read_jsonl(out_dir / "adaptive" / "adapt.jsonl"))
+    out = [f"The best static layout under the degraded network (the oracle, every layout measured from "
+           f"step 0) is {best['name']}: {fmt(best['median_ms'])} ms per step."]
+    if settled is not None:
+        mine = next((c for c in rec["candidates"] if plan_key(c) == plan_key(settled)), None)
+        if mine is None:
+            out.append(f"The controller's layout, {plan_label(settled)}, is not among the oracle's "
+                       "candidates.")
+        elif mine["name"] == best["name"]:
+            out.append(f"The controller settled on that same layout, {plan_label(settled)}.")
+        else:
+            order = sorted(rec["candidates"], key=lambda c: c["median_ms"])
+            rank = [c["name"] for c in order].index(mine["name"])
+            gap = mine["median_ms"] / best["median_ms"] - 1
+            out.append(f"The controller settled on {plan_label(settled)}, which measured "
+                       f"{fmt(mine['median_ms'])} ms in the oracle sweep, {gap:+.0%} against the best "
+                       f"(number {rank + 1} of {len(rec['candidates'])}).")
+    static = read_jsonl(out_dir / "static" / "metrics.jsonl")
+    marks = degrade_steps(out_dir / "static")
+    if static and marks:
+        step = max(s for s, label in marks if not label.startswith("blip")) if any(
+            not label.startswith("blip") for _, label in marks) else marks[0][0]
+        ms = _median_ms(static, step + 1)
+        if ms:
+            out.append(f"Without the controller (static run) the degraded steps took {fmt(ms)} ms "
+                       f"({ms / best['median_ms'] - 1:+.0%} against the oracle).")
+    return out
+
+
+def adaptive_findings(root, rows: list[dict]) -> list[str]:
+    from commpipe.report.tables import run_path
+
+    root = Path(root)
+    out = []
+    for r in rows:
+        run = run_path(root, r)
+        if (run / "adapt.jsonl").exists():
+            out += run_story(run)
+    return out + oracle_story(root)
