@@ -78,7 +78,8 @@ def _run(cluster, sc: Scenario, run_dir: Path, layout: dict, adapt: bool, change
     from commpipe.cluster.grids import Layout
     from commpipe.cluster.launch import plan_commands, run_commands
 
-    train = dict(sc.train, steps=sc.steps, adapt=adapt or None)
+    # a rerun of the demo replaces its earlier runs
+    train = dict(sc.train, steps=sc.steps, adapt=adapt or None, overwrite=True)
     lay = Layout(**layout)
     cmds = plan_commands(lay, train, run_dir.resolve(), nodes=cluster.nodes,
                          ranks_per_node=cluster.ranks_per_node, master_addr=cluster.node_ip(0),
