@@ -40,20 +40,24 @@ def texts(ea, tag: str) -> list[tuple[int, str]]:
 
 @pytest.mark.slow
 def test_scalars_equal_metrics_and_links(tmp_path):
-    """PP2 on two torchrun ranks with every call timed: rank 1 (the last stage) writes the
-    events, rank 0 the links; every step's loss, LR, step time and TFLOP/s equal metrics.jsonl
-    and bandwidth/pp/intra_node equals the median of that step's PP links in links.jsonl (all
-    written at close, so read after the closing barrier)."""
+    """PP2 on two torchrun ranks with every call timed (set in a job config file): rank 1 (the
+    last stage) writes the events, rank 0 the links; every step's loss, LR, step time and
+    TFLOP/s equal metrics.jsonl and bandwidth/pp/intra_node equals the median of that step's PP
+    links in links.jsonl (all written at close, so read after the closing barrier)."""
     pytest.importorskip("tensorboard")
     out = tmp_path / "run"
+    # the layout and the monitor from a job file that each rank reads, the rest as flags
+    job = tmp_path / "job.toml"
+    job.write_text('[parallelism]\npp = 2\n[training]\nsteps = 5\n[monitor]\n'
+                   'comm-monitor = "all"\ntensorboard = true\n')
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "--", "commpipe", "train", "--pp", "2", "--seq-len", "16", "--global-batch", "4",
-           "--steps", "3", "--comm-monitor", "all", "--tensorboard", "--out", str(out)]
+           "-m", "--", "commpipe", "train", "--config", str(job), "--seq-len", "16",
+           "--global-batch", "4", "--steps", "3", "--out", str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     metrics = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == [0, 1, 2]
+    assert [m["step"] for m in metrics] == [0, 1, 2] and metrics[0]["pp"] == 2
     ea = accumulator(out / "tensorboard")
     for key in ("loss", "lr", "step_time_s", "tflops_per_gpu", "tokens_per_s", "grad_norm"):
         got = scalars(ea, SCALARS[key])
