@@ -17,7 +17,8 @@ DIR may hold (any mix; DIR may also be a single file):
 Settings a source does not state (recompute, sequence parallelism, flash attention, DP overlap)
 come from the command-line flags.
 
-Fit: Levenberg-Marquardt on r_j = log(predicted_j / measured_j) over the parameters
+Fit: scipy.optimize.least_squares (trust-region reflective, e_max <= 1 as a bound) on
+r_j = log(predicted_j / measured_j) over the parameters
 e_max, ai_half_ridge, elementwise, overhead_s (timing.Efficiency; `fit(params=...)` picks any
 Efficiency fields, e.g. the host terms) and, when no probe gave them and the runs use such
 groups, the intra- and inter-node bandwidths; all in log space, with a weak pull (weight 0.01
@@ -35,6 +36,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
+from scipy.optimize import least_squares
 
 from commpipe.models.spec import ModelSpec, parse_model_fields, resolve_model
 from commpipe.plan.cluster import Cluster, Link, apply_probe, read_json
@@ -286,37 +288,39 @@ def fit(points: list[Point], eff: Efficiency, cluster: Cluster, fit_links: bool 
     theta0 = np.log([base[k] for k in names])
     meas = np.array([p.measured_s for p in points])
 
-    def residuals(theta):
-        theta = theta.copy()
-        if "e_max" in names:
-            theta[names.index("e_max")] = min(theta[names.index("e_max")], 0.0)     # e_max <= 1
-        e, c = apply_params(dict(zip(names, np.exp(theta))), eff, cluster)
-        r = np.log(predict(points, e, c) / meas)
-        return np.concatenate([r, PRIOR_WEIGHT * (theta - theta0)]), theta
+    # e_max <= 1 (the GPU's achievable matmul rate): a bound on its log
+    upper = np.array([0.0 if k == "e_max" else np.inf for k in names])
+    theta0 = np.minimum(theta0, upper)
 
-    r, theta = residuals(theta0)
-    before = mape(np.exp(r[:len(points)]) * meas, meas)
-    cost, mu = float(r @ r), 1e-2
-    for _ in range(iters):
+    seen: dict[bytes, np.ndarray] = {}      # the Jacobian starts from the last point priced
+
+    def residuals(theta):
+        key = np.asarray(theta, dtype=float).tobytes()
+        if key not in seen:
+            e, c = apply_params(dict(zip(names, np.exp(theta))), eff, cluster)
+            r = np.log(predict(points, e, c) / meas)
+            seen.clear()
+            seen[key] = np.concatenate([r, PRIOR_WEIGHT * (theta - theta0)])
+        return seen[key]
+
+    before = mape(np.exp(residuals(theta0)[:len(points)]) * meas, meas)
+
+    def jacobian(theta):
+        # backward differences of 0.02 e-folds: the step times come from a discrete-event
+        # simulation that a tiny step can miss (scipy's default step at theta = 0 is 1.5e-8),
+        # and e_max may sit on its bound, where a forward step would leave the domain
+        r = residuals(theta)
         jac = np.empty((len(r), len(names)))
         for j in range(len(names)):
-            # backward differences: e_max starts at its bound (1, the GPU's achievable matmul
-            # rate), where a forward step would be clamped away and show no slope
             t = theta.copy()
             t[j] -= 0.02
-            jac[:, j] = (r - residuals(t)[0]) / 0.02
-        jtj, g = jac.T @ jac, jac.T @ r
-        improved = False
-        for _ in range(6):
-            step = np.linalg.solve(jtj + mu * np.diag(np.diag(jtj) + 1e-9), -g)
-            r_new, t_new = residuals(theta + step)
-            if float(r_new @ r_new) < cost:
-                gain = cost - float(r_new @ r_new)
-                theta, r, cost, mu, improved = t_new, r_new, float(r_new @ r_new), mu / 3, True
-                break
-            mu *= 4
-        if not improved or gain < 1e-7:
-            break
+            jac[:, j] = (r - residuals(t)) / 0.02
+        return jac
+
+    # trust-region reflective least squares, with e_max's bound; `iters` bounds the iterations
+    sol = least_squares(residuals, theta0, jac=jacobian, bounds=(-np.inf, upper), method="trf",
+                        x_scale=1.0, ftol=1e-7, xtol=1e-7, max_nfev=2 * iters)
+    theta, r = sol.x, sol.fun
     values = dict(zip(names, np.exp(theta)))
     e, c = apply_params(values, eff, cluster)
     after = mape(np.exp(r[:len(points)]) * meas, meas)
