@@ -138,6 +138,7 @@ def test_every_train_flag_has_one_section():
     ("[parallelism]\nstage-layers = [3, \"x\"]\n", r"expected layer counts like \[3, 3, 2\]"),
     ("[model]\nmodel = \"tiny\"\npreset = \"small\"\n", r"\[model\] preset sets model a second time"),
     ("[training\n", r"job.toml: malformed TOML"),
+    ("[xyz]\n", r"job.toml: unknown section \[xyz\]; valid: \[adapt\], \[checkpoint\], \[data\]"),
 ])
 def test_errors_name_file_section_and_key(tmp_path, text, message):
     with pytest.raises(ValueError, match=message):

@@ -103,8 +103,8 @@ def load_defaults(path, parser: argparse.ArgumentParser) -> dict:
             raise ValueError(f"{path}: {section} = {table!r} is outside any section; put it "
                              f"{where} ([{'], ['.join(SECTIONS)}])")
         if section not in SECTIONS:
-            raise ValueError(f"{path}: unknown section [{section}]{_closest(section, SECTIONS, '[', ']')}"
-                             f"; sections are [{'], ['.join(SECTIONS)}]")
+            raise ValueError(f"{path}: unknown section [{section}]"
+                             f"{_closest(section, SECTIONS, '[', ']')}")
         for key, value in table.items():
             name = key.replace("-", "_")
             if name not in keys[section]:
@@ -154,7 +154,7 @@ def _home(key: str, keys: dict) -> str | None:
 def _closest(name: str, names, left: str = "", right: str = "") -> str:
     close = difflib.get_close_matches(name, list(names), n=1, cutoff=0.6)
     return f"; did you mean {left}{close[0].replace('_', '-')}{right}?" if close else \
-        f"; valid: {', '.join(sorted(n.replace('_', '-') for n in names))}"
+        f"; valid: {', '.join(left + n.replace('_', '-') + right for n in sorted(names))}"
 
 
 def _is_switch(action) -> bool:
