@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import subprocess
+import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from commpipe.cli import main
 from commpipe.models.spec import parse_model_fields, resolve_model
 from commpipe.parallel.dims import ParallelDims
-from commpipe.train.config import TrainConfig
+from commpipe.plan.fits import fit_problem, host_need_gb, train_fit_problem
+from commpipe.plan.layout import Job, Layout, runtime_job
+from commpipe.train.config import OptimConfig, TrainConfig
 
 
 def cfg(**kw) -> TrainConfig:
@@ -115,3 +120,76 @@ def test_schedule_csv_is_proven_before_training(tmp_path, capsys):
     bad.write_text("0F0,0F1,0B0,0B1\n1F0,1B0,1B1\n")
     with pytest.raises(ValueError, match=r"stage 1 micro-batch 1 \(rank 1\) has no forward 1F1"):
         cfg(pp=2, microbatches=2, schedule=str(bad)).resolve(2)
+
+
+# (what is wrong, config, words the message must contain): numbers a run cannot use, each named
+# with its flag and the range it takes, before any process group starts
+OUT_OF_RANGE = [
+    ("negative warm-up", dict(optim=OptimConfig(warmup_steps=-3)), ["--warmup -3", ">= 0"]),
+    ("negative clip", dict(optim=OptimConfig(clip=-1.0)), ["--clip -1.0", ">= 0"]),
+    ("min-lr above lr", dict(optim=OptimConfig(lr=1e-3, min_lr=1e-2)), ["--min-lr", "[0, --lr"]),
+    ("log-every 0", dict(log_every=0), ["--log-every 0", ">= 1"]),
+    ("zero micro-batches", dict(microbatches=0), ["--microbatches 0 must be >= 1"]),
+    ("zero micro-batch size", dict(micro_batch_size=0), ["--micro-batch-size 0 must be >= 1"]),
+    ("fail-at rank outside the layout", dict(pp=2, fail_at=(5, 1)), ["--fail-at 5:1", "2 ranks",
+                                                                     "(0..1)"]),
+    ("fail-at step after the run", dict(steps=3, fail_at=(0, 3)), ["steps 0..2"]),
+    ("a step's program too long", dict(microbatches=10**8), ["--microbatches <= 65536"]),
+    ("a global batch too long", dict(pp=2, global_batch=10**9),
+     ["--microbatches <= 32768", "--global-batch <= 32768"]),
+    ("unknown device", dict(device="tpu"), ["--device 'tpu'", "auto, cpu or cuda"]),
+]
+
+
+@pytest.mark.parametrize("what,kw,words", OUT_OF_RANGE, ids=[b[0] for b in OUT_OF_RANGE])
+def test_out_of_range_values_name_the_flag(what, kw, words):
+    c = cfg(**kw)
+    with pytest.raises(ValueError) as err:
+        c.resolve(c.dims.world_size)
+    for w in words:
+        assert w in str(err.value), f"{what}: {w!r} not in {err.value!r}"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without GPU")
+def test_cuda_without_gpu_says_so():
+    with pytest.raises(ValueError, match="--device cuda: PyTorch sees no CUDA GPU"):
+        cfg(device="cuda").resolve(1)
+
+
+def test_adapt_options_need_adapt(capsys):
+    assert main(["train", "--adapt-relaunch", "--steps", "1"]) == 2
+    assert "--adapt-relaunch" in capsys.readouterr().err
+
+
+def test_memory_is_estimated_before_training():
+    # llama3-70b: 70.55e9 parameters at 16 bytes (fp32 weights, gradients, Adam m and v)
+    # = 1051.3 GiB of states, whatever the layout on one host's shared memory
+    big = cfg(model="llama3-70b").resolve(1)
+    problem = train_fit_problem(big, 1, capacity_gb=24.0)
+    assert "1051.3 GiB" in problem and "is 24.0 GiB" in problem
+    assert "--model small would need" in problem
+    assert train_fit_problem(cfg().resolve(1), 1, capacity_gb=24.0) is None
+    # activations: what fits is named (a shorter sequence, here)
+    long = cfg(seq_len=2**22).resolve(1)
+    problem = train_fit_problem(long, 1, capacity_gb=24.0)
+    assert "seq_len 4194304" in problem and "--seq-len 1048576 would need" in problem
+    # on GPUs each rank has its own memory: more pipeline ranks fit llama3-8b (119.7 GiB of
+    # states: 8.03e9 parameters at 16 bytes) into 80 GB
+    job = Job(8, 2048, precision="bf16", **runtime_job())
+    problem = fit_problem(resolve_model("llama3-8b"), Layout(), job, False, [0], 79.0)
+    assert "weights+gradients+optimizer 119.7 GiB" in problem and "--pp 2 (2 GPUs)" in problem
+    # on CPU the ranks of a host share it: four tiny ranks need four times one
+    tiny = resolve_model("tiny")
+    one = host_need_gb(tiny, Layout(), job, True, [0])
+    four = host_need_gb(tiny, Layout(dp=4), replace(job, global_batch=32), True, [0, 1, 2, 3])
+    assert four == pytest.approx(4 * one)
+    assert host_need_gb(tiny, Layout(dp=4), replace(job, global_batch=32), False,
+                        [0, 1, 2, 3]) == host_need_gb(tiny, Layout(), job, False, [0])  # a GPU each
+
+
+def test_cli_refuses_a_model_this_host_cannot_hold():
+    # no machine here has the 1 TB llama3-70b's states need: refused in seconds, not OOM-killed
+    out = subprocess.run([sys.executable, "-m", "commpipe", "train", "--model", "llama3-70b",
+                          "--device", "cpu"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2, out.stderr
+    assert "out of memory: llama3-70b" in out.stderr and "available host memory" in out.stderr

@@ -45,6 +45,19 @@ def add_adapt_arguments(p) -> None:
 def adapt_options(args) -> dict:
     """TrainConfig keyword arguments `adapt` and `slow_rank` from parsed options."""
     adapt = None
+    d = AdaptConfig()
+    given = [flag for flag, value, default in (
+        ("--adapt-min-steps", args.adapt_min_steps, d.min_steps),
+        ("--adapt-min-shift", args.adapt_min_shift, d.min_shift),
+        ("--adapt-horizon", args.adapt_horizon, d.horizon),
+        ("--adapt-margin", args.adapt_margin, d.margin),
+        ("--adapt-trials", args.adapt_trials, d.trials),
+        ("--adapt-switch-cost", args.adapt_switch_cost, None),
+        ("--adapt-resplit-only", args.adapt_resplit_only, False),
+        ("--adapt-relaunch", args.adapt_relaunch, False)) if value != default]
+    if given and not args.adapt:
+        raise ValueError(f"{', '.join(given)} tune the adaptive controller, which runs with "
+                         "--adapt; add --adapt or drop them")
     if args.adapt:
         adapt = AdaptConfig(min_steps=args.adapt_min_steps, min_shift=args.adapt_min_shift,
                             horizon=args.adapt_horizon, margin=args.adapt_margin,

@@ -179,6 +179,11 @@ def run(args) -> int:
     from commpipe.train.checkpoint import resolve_resume
 
     cfg = apply_pending(cfg, world)   # --adapt-relaunch: continue under the requested layout
+    from commpipe.plan.fits import train_fit_problem
+
+    problem = train_fit_problem(cfg, world, rank, int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None)
+    if problem:                       # the planner's memory model against what this host has
+        raise ValueError(problem)
 
     resolve_resume(cfg, source)
     from commpipe.train.run_folder import prepare_run_folder

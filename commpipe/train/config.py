@@ -50,6 +50,7 @@ class TrainConfig:
     resume: str | None = None         # "latest" (OUT/checkpoints) or a checkpoint path
     overwrite: bool = False           # replace the run OUT holds (commpipe.train.run_folder)
     timeout_s: float = 300.0          # process-group timeout: a rank that stops answering
+    hang_timeout_s: float = 60.0      # hang watchdog: no step for this long names the stuck rank
     fail_at: tuple[int, int] | None = None  # fault drill: (rank, step) raises at that step
     out: str | None = None
     monitor: float | None = None
@@ -131,12 +132,12 @@ class TrainConfig:
                              "give one of them")
         self.microbatches = m
         # the runtime builds the step's program action by action (about 0.1 kB and 40 us each)
-        passes = m * d.pp * self.vpp
+        passes, most = m * d.pp * self.vpp, max(1, MAX_STEP_PASSES // (d.pp * self.vpp))
         if passes > MAX_STEP_PASSES:
             raise ValueError(f"{m} micro-batches per step through {d.pp * self.vpp} pipeline "
                              f"stages make {passes} forward passes, more than {MAX_STEP_PASSES} a "
                              f"step's program holds; use --microbatches <= "
-                             f"{max(1, MAX_STEP_PASSES // (d.pp * self.vpp))} (a larger "
+                             f"{most} or --global-batch <= {most * b * d.dp} (a larger "
                              "--micro-batch-size keeps the global batch)")
         if self.steps < 1:
             raise ValueError(f"--steps {self.steps} must be >= 1")
@@ -149,6 +150,9 @@ class TrainConfig:
             raise ValueError(f"--eval-batches {self.eval_batches} must be >= 1")
         if self.timeout_s <= 0:
             raise ValueError(f"--timeout-s {self.timeout_s} must be positive")
+        if self.hang_timeout_s < 0:
+            raise ValueError(f"--hang-timeout-s {self.hang_timeout_s} must be >= 0 (0 turns the "
+                             "hang watchdog off)")
         o = self.optim
         for flag, value, ok, rule in (
                 ("--lr", o.lr, o.lr > 0, "must be > 0"),
@@ -158,9 +162,14 @@ class TrainConfig:
                 ("--log-every", self.log_every, self.log_every >= 1, "must be >= 1")):
             if not ok:
                 raise ValueError(f"{flag} {value} {rule}")
-        if self.fail_at is not None and not 0 <= self.fail_at[1] < self.steps:
-            raise ValueError(f"--fail-at {self.fail_at[0]}:{self.fail_at[1]}: the run has steps "
-                             f"0..{self.steps - 1}; use a STEP in that range")
+        if self.fail_at is not None:
+            (rank, step), world = self.fail_at, self.dims.world_size
+            if not 0 <= rank < world:
+                raise ValueError(f"--fail-at {rank}:{step}: the layout has {world} ranks "
+                                 f"(0..{world - 1}); use a RANK in that range")
+            if not 0 <= step < self.steps:
+                raise ValueError(f"--fail-at {rank}:{step}: the run has steps 0..{self.steps - 1}; "
+                                 "use a STEP in that range")
         self._check_device()
         if self.save_every and not self.out:
             raise ValueError("--save-every writes into OUT/checkpoints; give --out DIR")
@@ -192,9 +201,6 @@ class TrainConfig:
                 raise ValueError(f"--adapt re-splits stages of one-chunk schedules "
                                  f"({', '.join(ONE_CHUNK)}); --schedule {self.schedule} is not "
                                  "one of them")
-        if self.fail_at is not None and not 0 <= self.fail_at[0] < world:
-            raise ValueError(f"--fail-at {self.fail_at[0]}:{self.fail_at[1]}: there are only "
-                             f"{world} ranks (0..{world - 1})")
         if self.slow_rank is not None and self.slow_rank.rank >= world:
             raise ValueError(f"--slow-rank {self.slow_rank.rank}: there are only {world} ranks "
                              f"(0..{world - 1})")
