@@ -19,12 +19,18 @@ single-process torchrun whose --node-rank is the global rank the placement puts 
 
 from __future__ import annotations
 
+import re
 import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from commpipe.cluster.grids import Layout, node_of_rank
 from commpipe.cluster.launch import train_argv
+
+# sbatch's --time formats (slurm.schedmd.com/sbatch.html#OPT_time)
+SLURM_TIME = re.compile(r"\d+(:\d+){0,2}|\d+-\d+(:\d+){0,2}|UNLIMITED|INFINITE")
+SLURM_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+SLURM_CONSTRAINT = re.compile(r"[A-Za-z0-9_.\-&|,*\[\]:]+")   # features with sbatch's operators
 
 
 @dataclass
@@ -38,6 +44,20 @@ class SlurmOptions:
     port: int = 29500
     python: str = "python"
     setup: list[str] = field(default_factory=list)   # lines before srun (modules, venv, env vars)
+
+    def __post_init__(self):
+        # each value lands on an #SBATCH line: one token, or a newline would start a shell line
+        if not SLURM_TIME.fullmatch(self.time):
+            raise ValueError(f"--time {self.time!r} is not a Slurm time limit; use minutes, MM:SS, "
+                             "HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED (e.g. 00:30:00)")
+        for flag, value, pattern in (("--account", self.account, SLURM_NAME),
+                                     ("--qos", self.qos, SLURM_NAME),
+                                     ("--constraint", self.constraint, SLURM_CONSTRAINT)):
+            if value is not None and not pattern.fullmatch(value):
+                raise ValueError(f"{flag} {value!r}: use letters, digits and _ . -"
+                                 + (" (features joined by & | , * [ ] :)"
+                                    if pattern is SLURM_CONSTRAINT else "")
+                                 + "; no spaces, newlines or shell characters")
 
 
 def _q(argv) -> str:
