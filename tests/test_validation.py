@@ -193,3 +193,13 @@ def test_cli_refuses_a_model_this_host_cannot_hold():
                           "--device", "cpu"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stderr
     assert "out of memory: llama3-70b" in out.stderr and "available host memory" in out.stderr
+
+
+@pytest.mark.parametrize("flag,value", [("--nodes", "0"), ("--ranks-per-node", "-1"),
+                                        ("--timeout", "0")])
+def test_sweep_sizes_are_checked_before_any_layout(flag, value, tmp_path, capsys):
+    out = tmp_path / "sweep"
+    assert main(["sweep", "--grid", "demo8", "--out", str(out), "--cluster", "local",
+                 flag, value]) == 2
+    assert f"{flag} {value} must be" in capsys.readouterr().err
+    assert not out.exists()      # nothing ran, nothing written

@@ -334,6 +334,11 @@ DEFAULT_MONITOR = "sample=0.1"   # time one call in ten, as the study did; count
 
 
 def run(args) -> int:
+    for flag, value in (("--nodes", args.nodes), ("--ranks-per-node", args.ranks_per_node)):
+        if value < 1:
+            raise ValueError(f"{flag} {value} must be >= 1")
+    if args.timeout <= 0:
+        raise ValueError(f"--timeout {args.timeout:g} must be > 0 (seconds per layout)")
     grid = load_grid(args.grid)
     check_train_values(grid.train, f"{grid.source} [train]")
     for layout in grid.layouts:
