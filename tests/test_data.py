@@ -319,6 +319,24 @@ def test_synthetic_tokens():
         SyntheticTokens(64, 1, seq_len=12).load_state_dict(state)
 
 
+def test_synthetic_validation_is_held_out():
+    # a validation row that a training step also serves would measure memorisation: no row of
+    # the 8 validation batches equals any row of the first 64 training steps (two rows of 13
+    # uniform tokens over 50 values match by chance with probability 50**-13, ~1e-22), and the
+    # validation rows differ from each other; DP ranks read disjoint rows of each batch
+    src = SyntheticTokens(vocab=50, seed=1, seq_len=12)
+    val = [torch.cat([x, y[:, -1:]], 1) for x, y in src.validation(6)]
+    train = torch.cat([torch.cat([x, y[:, -1:]], 1) for x, y in
+                       (src.batch(step, 6) for step in range(64))])
+    rows = torch.cat(val)
+    assert len({tuple(r) for r in rows.tolist()}) == len(rows) == 8 * 6
+    seen = (rows[:, None, :] == train[None, :, :]).all(-1).any(1)
+    assert not seen.any(), f"{int(seen.sum())} of {len(rows)} validation rows are training rows"
+    halves = [list(src.validation(6, r, 2)) for r in range(2)]
+    for i, v in enumerate(val):
+        assert torch.equal(torch.cat([halves[0][i][0], halves[1][i][0]]), v[:, :-1])
+
+
 # -- CLI ------------------------------------------------------------------------------------
 def test_cli_tokenize_builds_then_reuses(tmp_path, capsys):
     write_wikitext(tmp_path)
