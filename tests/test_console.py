@@ -371,3 +371,24 @@ def test_demo_fails_with_its_reason_and_a_non_zero_code(tmp_path, monkeypatch, c
     assert capsys.readouterr().err.strip() == (
         "commpipe demo: error: the adaptive demo needs the emulated cluster: needs root and "
         "iproute2")
+
+
+def test_demo_counts_a_reaction_whose_change_dates_from_before_settled_trials(tmp_path):
+    """Trials before the degrade settle back on the start layout and restore its detector, runs
+    of shifted steps included; the degrade then confirms a change dated from before it (as in a
+    real run: switch at 20, settle back at 24, degrade at 26, switch at 30 with onset 20)."""
+    start = {"tp": 1, "cp": 1, "pp": 1, "dp": 4, "stage_layers": [4],
+             "name": "tp1-cp1-pp1-dp4 1f1b m2x1 layers 4"}
+    records = [{"step": 6, "action": "switch", "to": CP2, "trials": CANDS[:1],
+                "detections": [{"key": "rank 3", "onset_step": 2}], "switch_time_s": 0.1},
+               {"step": 8, "action": "trial", "plan": CP2["name"], "predicted_ms": 250.0,
+                "measured_ms": 400.0},
+               {"step": 8, "action": "settle", "to": start, "measured_ms": 100.0},
+               {"step": 12, "action": "switch", "to": DP2, "switch_time_s": 0.2,
+                "candidates": CANDS, "detections": [{"key": "dp_cp [0, 1, 2, 3] all_reduce",
+                                                      "onset_step": 6}]}]
+    s, text = _demo_account(tmp_path, records)
+    assert (s["detection_delay_steps"], s["first_switch_step"], s["switches_before_degrade"]) == \
+        (2, 12, 1)
+    assert "detected 2 steps later: dp_cp [0, 1, 2, 3] all_reduce (onset step 6)" in text
+    assert "the controller reached the best static layout, pp2-dp2 (200 ms)" in text

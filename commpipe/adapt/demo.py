@@ -126,7 +126,11 @@ def summarize(out: Path, sc: Scenario, applied: list, oracle: dict) -> dict:
                                             for x in d.get("detections", []))
 
     detected = [d for d in decisions if on_degrade(d)]
-    first_after = next((d for d in switches if on_degrade(d)), None)
+    if not detected:
+        # trials that settle back restore the detector of the plan from before them, with its
+        # shifted runs: a change confirmed after the degrade may then date from before it
+        detected = [d for d in decisions if d["step"] >= degrade and "detections" in d][:1]
+    first_after = next((d for d in switches if on_degrade(d) or d in detected), None)
     # the layout that ran the degraded steps (the reaction's, else the one in use at the
     # degrade), and from when: two steps after its switch (the switch step and the next are
     # its warm-up), never before the degrade
@@ -134,7 +138,7 @@ def summarize(out: Path, sc: Scenario, applied: list, oracle: dict) -> dict:
     # with trials (--adapt-trials), the layout is the one the phase settled on, from its settle
     settled = next((d for d in decisions if d["action"] == "settle" and ran
                     and d["step"] > ran["step"]), None)
-    trials = []
+    trials, trials_from = [], ran["step"] if ran else None
     if settled is not None:
         trials = [{"plan": d["plan"], "predicted_ms": d["predicted_ms"],
                    "measured_ms": d["measured_ms"]} for d in decisions
@@ -166,6 +170,7 @@ def summarize(out: Path, sc: Scenario, applied: list, oracle: dict) -> dict:
         "switch_to": ran["to"]["name"] if ran else None,
         "trials": trials,
         "settle_step": settled["step"] if settled else None,
+        "trials_from_step": trials_from,
         "switch_trigger": [f"{x['key']} (onset step {x.get('onset_step')})"
                            for x in first_after.get("detections", [])] if first_after else None,
         "switch_time_s": first_after.get("switch_time_s") if first_after else None,
@@ -333,17 +338,19 @@ def format_summary(s: dict) -> str:
     lines = [f"the link degraded at step {s['degrade_step']}; "
              + (f"{before} switch{'es' if before > 1 else ''} before that (the first at step "
                 f"{s['first_switch_before_degrade']})" if before else "no switch before that")]
-    lines.append("detected " + ("never" if s["detection"] is None else
-                                f"{s['detection_delay_steps']} steps later: "
-                                f"{'; '.join(s['detection'])}"))
-    if s["first_switch_step"] is None:
-        lines.append("no switch on that detection")
+    if s["detection"] is None:
+        lines.append("the controller did not detect the degrade")
     else:
+        lines.append(f"detected {s['detection_delay_steps']} steps later: "
+                     f"{'; '.join(s['detection'])}")
+    if s["first_switch_step"] is None and s["detection"] is not None:
+        lines.append("no switch on that detection")
+    elif s["first_switch_step"] is not None:
         lines.append(f"switched at step {s['first_switch_step']} ({s['switch_delay_steps']} steps "
                      f"after the degrade, {s['switch_time_s'] or 0:.2f} s), on "
                      f"{'; '.join(s['switch_trigger'])}")
     if s.get("trials"):
-        lines.append(f"trials (steps {s['first_switch_step']} to {s['settle_step']}, predicted -> "
+        lines.append(f"trials (steps {s['trials_from_step']} to {s['settle_step']}, predicted -> "
                      "measured median): " + "; ".join(f"{t['plan']} {t['predicted_ms']:.0f} -> "
                                                       f"{t['measured_ms']:.0f} ms"
                                                       for t in s["trials"]))
