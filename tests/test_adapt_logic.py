@@ -205,8 +205,10 @@ def test_collective_time_counts_from_the_last_members_post():
     nbytes, ms = collective_times(summaries)[key]
     assert nbytes == 1e6 and ms == pytest.approx(10.0)
     # bus bandwidth of a 2-rank all-reduce: 2 (n - 1) / n * 1 MB / 10 ms = 0.1 GB/s
-    assert collective_rates([summaries], ranks_per_node=2) == {"intra_node": pytest.approx(0.1)}
-    assert collective_rates([summaries], ranks_per_node=1) == {"inter_node": pytest.approx(0.1)}
+    assert collective_rates([summaries], ranks_per_node=2, min_bytes=65536) == \
+        {"intra_node": pytest.approx(0.1)}
+    assert collective_rates([summaries], ranks_per_node=1, min_bytes=65536) == \
+        {"inter_node": pytest.approx(0.1)}
     assert collective_times(summaries[:1]) == {}       # a member missing: no verdict
 
 
@@ -337,8 +339,7 @@ def test_demo_summary_takes_the_layout_the_trials_settled_on(tmp_path):
 
 
 def test_only_slowdowns_and_recoveries_of_compute_call_for_replanning():
-    from commpipe.adapt.controller import worth_replanning
-    from commpipe.adapt.detect import Detection
+    from commpipe.adapt.detect import Detection, worth_replanning
 
     def det(kind, key, shift):
         return Detection(kind, key, 100.0, 100.0 * (1 + shift), shift, 10, 15)

@@ -4,6 +4,7 @@ schedule, (c) another tp x cp x pp x dp layout (each with its balanced split).""
 
 from __future__ import annotations
 
+from commpipe.adapt.config import AdaptConfig
 from commpipe.adapt.model import CostModel
 from commpipe.adapt.plan import Plan
 from commpipe.models.spec import ModelSpec, divisors
@@ -41,13 +42,15 @@ def resplits(cur: Plan, model: CostModel) -> list[Plan]:
             for s in sorted(out)]
 
 
-def rebatches(base: Plan, global_batch: int, schedules=SCHEDULES) -> list[Plan]:
-    """Other micro-batch counts (same global batch) and schedules for `base`'s layout and split."""
+def rebatches(base: Plan, global_batch: int, max_per_stage: int,
+              schedules=SCHEDULES) -> list[Plan]:
+    """Other micro-batch counts (same global batch), from pp to max_per_stage x max(pp, 2), and
+    schedules for `base`'s layout and split."""
     per_dp = global_batch // base.dp
     out = []
     for mbs in divisors(per_dp):
         m = per_dp // mbs
-        if m < base.pp or m > 4 * max(base.pp, 2):
+        if m < base.pp or m > max_per_stage * max(base.pp, 2):
             continue
         for sched in schedules:
             if info(sched).m_problem(base.pp, m):
@@ -87,15 +90,17 @@ def layouts(cur: Plan, model: CostModel, spec: ModelSpec, seq_len: int, global_b
 
 
 def candidates(cur: Plan, model: CostModel, spec: ModelSpec, seq_len: int, global_batch: int,
-               world: int, ranks_per_node: int, with_layouts: bool = True) -> list[Plan]:
+               world: int, ranks_per_node: int, acfg: AdaptConfig) -> list[Plan]:
+    """Every feasible plan other than `cur`, in the order (a), (b), (c); (c) only with
+    acfg.layouts."""
     found: list[Plan] = []
     splits = resplits(cur, model) if cur.pp > 1 else []
     found += splits
     best_split = next((p for p in splits if p.stage_layers == model.balanced_split(cur)), cur)
-    found += rebatches(best_split, global_batch)
+    found += rebatches(best_split, global_batch, acfg.max_microbatches_per_stage)
     if best_split is not cur:
-        found += rebatches(cur, global_batch)
-    if with_layouts:
+        found += rebatches(cur, global_batch, acfg.max_microbatches_per_stage)
+    if acfg.layouts:
         found += layouts(cur, model, spec, seq_len, global_batch, world, ranks_per_node)
     seen, out = {cur}, []
     for p in found:

@@ -9,6 +9,8 @@ Defaults and why:
   min_shift=0.25  a relative shift of 25% against the baseline. Step and compute times on a
                   shared host wander by ~5-10% step to step (measured on our 2-core CI box), so
                   25% stays clear of noise; a change smaller than that rarely pays for a switch.
+  warmup_steps=2  the first 2 steps of a plan (at the start, after a switch or a resume) are not
+                  observed: they carry one-off costs (allocations, first process-group calls).
   baseline_steps=4 observations (their median) that set the reference level, at the start and
                   again after every switch, once warmup_steps have passed.
   horizon=100     steps over which a switch must pay back (capped by the steps left): the saving
@@ -23,6 +25,28 @@ Defaults and why:
                   an admitted switch is confirmed by measurement: the 3 best predicted
                   candidates (and any within 10% of the best prediction) run 3 steps each after
                   a warm-up step, and the fastest measured wins (commpipe.adapt.trial says why).
+  trial_warmup_steps=1
+                  the first step after a switch rebuilds buffers and process-group state; it is
+                  discarded from a trial's measurement.
+  link_smooth_steps=3
+                  a link's time comes from a few sampled calls per step: the detector sees the
+                  median of its last 3 values (collectives are timed on every large call and
+                  compute on every action, so they are not smoothed).
+  rebatch_base_s=0.1, resplit_base_s=0.3, reshard_base_s=1.0
+                  before a switch of a kind has been measured, the time to rebuild stages (and,
+                  for a new layout, process groups) on top of moving the state; measured on the
+                  tiny models on 2 CPU cores. Replaced by the measured time after the first one.
+  collective_min_bytes=65536
+                  collectives smaller than 64 KiB per call (a loss, a norm) measure latency, not
+                  bandwidth: they are neither timed as signals nor used for the bus rate.
+  max_microbatches_per_stage=4
+                  re-batching considers micro-batch counts from pp to 4 x max(pp, 2): beyond it
+                  the bubble is already small and per-micro-batch overheads dominate.
+  default_intra_gbps=10.0, default_inter_gbps=1.0
+                  a link class no transfer was measured on is priced at these rates (GB/s):
+                  shared memory between processes of a host, a 10 Gbit/s network.
+  logged_candidates=20
+                  the decision record lists the 20 best predicted candidates (all are counted).
 """
 
 from __future__ import annotations
@@ -45,6 +69,16 @@ class AdaptConfig:
     trial_steps: int = 3              # measured steps per trial (after one warm-up step)
     trial_margin: float = 0.10        # also trial candidates predicted within this of the best
     relaunch: bool = False            # switch by checkpoint and relaunch instead of in memory
+    trial_warmup_steps: int = 1
+    link_smooth_steps: int = 3
+    rebatch_base_s: float = 0.1
+    resplit_base_s: float = 0.3
+    reshard_base_s: float = 1.0
+    collective_min_bytes: int = 65536
+    max_microbatches_per_stage: int = 4
+    default_intra_gbps: float = 10.0
+    default_inter_gbps: float = 1.0
+    logged_candidates: int = 20
     resumed_from: dict | None = None  # set at start when resuming a relaunch request
 
     def validate(self) -> AdaptConfig:
@@ -67,7 +101,22 @@ class AdaptConfig:
                              f"trial_steps {self.trial_steps} >= 1, trial_margin >= 0")
         if self.switch_cost_s is not None and self.switch_cost_s < 0:
             raise ValueError(f"switch_cost_s {self.switch_cost_s} must be >= 0")
+        if self.trial_warmup_steps < 0 or self.link_smooth_steps < 1:
+            raise ValueError("trial_warmup_steps must be >= 0 and link_smooth_steps >= 1")
+        if min(self.rebatch_base_s, self.resplit_base_s, self.reshard_base_s) < 0:
+            raise ValueError("rebatch_base_s, resplit_base_s and reshard_base_s must be >= 0")
+        if self.max_microbatches_per_stage < 1 or self.logged_candidates < 0 \
+                or self.collective_min_bytes < 0:
+            raise ValueError("max_microbatches_per_stage must be >= 1, logged_candidates and "
+                             "collective_min_bytes >= 0")
+        if self.default_intra_gbps <= 0 or self.default_inter_gbps <= 0:
+            raise ValueError("default_intra_gbps and default_inter_gbps must be > 0")
         return self
+
+    def base_switch_s(self, kind: str) -> float:
+        """The allowance for rebuilding under a switch of `kind` before one was measured."""
+        return {"rebatch": self.rebatch_base_s, "resplit": self.resplit_base_s,
+                "reshard": self.reshard_base_s}[kind]
 
 
 @dataclass(frozen=True)

@@ -21,11 +21,12 @@ from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
 
-from commpipe.adapt.candidates import candidates
 from commpipe.adapt.describe import record_lines
-from commpipe.adapt.detect import Detector
-from commpipe.adapt.model import CostModel, Measured
-from commpipe.adapt.plan import Plan, moved_bytes, payback
+from commpipe.adapt.detect import Watch
+from commpipe.adapt.evaluate import evaluate
+from commpipe.adapt.model import Measured
+from commpipe.adapt.plan import Plan
+from commpipe.adapt.records import Decision
 from commpipe.adapt.signals import (
     CollectiveTimer,
     collective_rates,
@@ -33,14 +34,7 @@ from commpipe.adapt.signals import (
     rank_summary,
     step_signals,
 )
-from commpipe.adapt.trial import Trials, plan_trials
-
-# before the first switch of a kind is measured: seconds to rebuild stages (and, for a layout
-# change, process groups) on top of moving the state; replaced by the measured time afterwards
-BASE_SWITCH_S = {"rebatch": 0.1, "resplit": 0.3, "reshard": 1.0}
-# link times come from a few sampled calls per step: median of the last 3 (large collectives
-# are timed on every call, see signals.CollectiveTimer)
-SMOOTH = {"link": 3}
+from commpipe.adapt.trial import Trials
 
 
 @contextmanager
@@ -56,23 +50,6 @@ def unmonitored(trainer):
         mon.attach()
 
 
-def worth_replanning(d, stragglers: set[str]) -> bool:
-    """Whether a detection calls for re-planning. Links count both ways (a degrade, a repair).
-    A rank whose compute got slower is a straggler. One that got faster only matters when it
-    recovers from a slowdown detected before (the split made room for it); otherwise it is the
-    host becoming less busy: the detector has already taken the new level as its baseline, and
-    re-planning on it would reset the baselines the next real change is measured against."""
-    if d.kind != "compute":
-        return True
-    if d.shift > 0:
-        stragglers.add(d.key)
-        return True
-    if d.key in stragglers:
-        stragglers.discard(d.key)
-        return True
-    return False
-
-
 def ranks_per_node(world: int) -> int:
     """torchrun's LOCAL_WORLD_SIZE (processes on this node); the whole world otherwise."""
     return int(os.environ.get("LOCAL_WORLD_SIZE", world)) or world
@@ -85,18 +62,16 @@ class Controller:
         self.world = trainer.comm.dims.world_size
         self.rpn = ranks_per_node(self.world)
         a = self.acfg
-        self.detector = Detector(a.min_steps, a.min_shift, a.baseline_steps)
-        self.stragglers: set[str] = set()   # ranks whose slowdown was detected (see worth_replanning)
-        self.before_trials: Detector | None = None
+        self.watch = Watch(a)               # what to act on: detections that call for re-planning
+        self.before_trials = None           # the running plan's detector, kept during trials
         self.window: deque = deque(maxlen=max(a.min_steps, a.baseline_steps))
         self.timelines: deque = deque(maxlen=a.min_steps)   # this rank's recent step timelines
-        self.steps_in_plan = 0
         self.measured_cost: dict[str, float] = {}
         self.decisions: list[dict] = []
         self.log = None
         self.say = log                      # console lines of each record (logging rank only)
         self.is_logger = False
-        self.timer = CollectiveTimer()
+        self.timer = CollectiveTimer(a.collective_min_bytes)
         self.trials: Trials | None = None   # the running trial phase, if any
         if trainer.comm.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -135,30 +110,36 @@ class Controller:
             summaries = trainer.comm.gather_objects(summary, "world")
         signals = step_signals(summaries, rec["step_time_s"] * 1e3)
         self.window.append((signals, summaries))
-        self.steps_in_plan += 1
         if self.trials is not None:     # the slowest rank's step time: the same on every rank
             return self._trial_step(trainer, step, max(s["step_ms"] for s in summaries),
                                     metrics_file)
-        if self.steps_in_plan <= self.acfg.warmup_steps:
-            return trainer, metrics_file
-        found = [d for d in self.detector.observe_all(step, signals, SMOOTH)
-                 if d.kind != "step" and worth_replanning(d, self.stragglers)]
+        found = self.watch.observe(step, signals)
         if not found or trainer.step >= trainer.cfg.steps:
             return trainer, metrics_file
         decision = self._evaluate(trainer, step, found, signals)
-        if decision["action"] != "switch":
+        if decision.action != "switch":
             self._write(decision)
             return trainer, metrics_file
-        if decision.get("trial_plans"):
+        if decision.trial_plans:
             # the running plan's baselines, kept in case the trials settle back on it
-            self.before_trials = copy.deepcopy(self.detector)
-        trainer, metrics_file = self._switch(trainer, decision, metrics_file)
-        if decision.get("trial_plans"):
+            self.before_trials = copy.deepcopy(self.watch.detector)
+        if self.acfg.relaunch:
+            from commpipe.adapt.relaunch import request
+
+            try:
+                request(trainer, _plan(decision.to), decision)   # raises: the job stops
+            finally:
+                self._write(decision)
+        trainer, metrics_file, took = self._switch(trainer, _plan(decision.to), metrics_file)
+        decision.switch_time_s = self.measured_cost[decision.kind] = took
+        self._write(decision)
+        if decision.trial_plans:
+            a = self.acfg
             self.trials = Trials([(_plan(d), r["predicted_ms"])
-                                  for d, r in zip(decision["trial_plans"], decision["trials"])],
-                                 (_plan(decision["from"]), decision["measured_step_ms"]),
-                                 steps=self.acfg.trial_steps, warmup=1)
-            self.trials.switch_s.append(decision["switch_time_s"])
+                                  for d, r in zip(decision.trial_plans, decision.trials)],
+                                 (_plan(decision.from_plan), decision.measured_step_ms),
+                                 steps=a.trial_steps, warmup=a.trial_warmup_steps)
+            self.trials.switch_s.append(took)
         return trainer, metrics_file
 
     # -- the trial phase (collective) -----------------------------------------------------------
@@ -177,8 +158,10 @@ class Controller:
         if not t.done and trainer.step < trainer.cfg.steps:
             nxt = t.plan
             record |= {"to": nxt.to_dict(), "kind": running.kind_of_switch(nxt)}
-            trainer, metrics_file = self._switch(trainer, record, metrics_file)
-            t.switch_s.append(record["switch_time_s"])
+            trainer, metrics_file, took = self._switch(trainer, nxt, metrics_file)
+            record["switch_time_s"] = self.measured_cost[record["kind"]] = took
+            self._write(record)
+            t.switch_s.append(took)
             return trainer, metrics_file
         self._write(record)
         best, best_ms = t.settle()
@@ -193,24 +176,25 @@ class Controller:
         back = best == t.current[0]
         if best != running and trainer.step < trainer.cfg.steps:
             settle["kind"] = running.kind_of_switch(best)
-            trainer, metrics_file = self._switch(trainer, settle, metrics_file)
+            trainer, metrics_file, took = self._switch(trainer, best, metrics_file)
+            settle["switch_time_s"] = self.measured_cost[settle["kind"]] = took
+            settle["trial_cost_s"] += took
         else:
             settle["kind"] = None
-            self._write(settle)
-            self.detector.reset()       # a new baseline under the settled plan
+            self.watch.new_plan()       # a new baseline under the settled plan
             self.window.clear()
             self.timelines.clear()
-            self.steps_in_plan = 0
+        self._write(settle)
         if back:
             # Back on the plan the trials left: its levels from before them are still its
             # reference. New baselines taken now would absorb any change that began during
             # the trials (a link that degraded meanwhile would read as normal).
-            self.detector = self.before_trials
+            self.watch.detector = self.before_trials
         self.before_trials = None
         return trainer, metrics_file
 
     # -- evaluation (collective; planning on rank 0) -----------------------------------------------
-    def _evaluate(self, trainer, step, found, signals) -> dict:
+    def _evaluate(self, trainer, step, found, signals) -> Decision:
         comm = trainer.comm
         c = comm.coords
         mine = None
@@ -231,79 +215,38 @@ class Controller:
             decision = comm.broadcast_object(decision, 0)
         return decision
 
-    def decide(self, trainer, step, found, signals, timelines: dict) -> dict:
+    def decide(self, trainer, step, found, signals, timelines: dict) -> Decision:
+        """Rank 0: calibrate on the gathered timelines and the window's summaries, then
+        `evaluate` (commpipe.adapt.evaluate)."""
         from commpipe.sim.compare import calibrate
         from commpipe.timeline import events_from_dicts
 
         cfg = trainer.cfg
-        spec = cfg.spec
         cur = Plan.of(cfg)
         per_rank = {pp: events_from_dicts(evs) for pp, evs in timelines.items()}
-        act_bytes = 4.0 * cfg.micro_batch_size * (cfg.seq_len // cfg.dims.cp) * spec.hidden
+        element_bytes = 2 if cfg.precision == "bf16" else 4   # stage boundaries' dtype
+        act_bytes = element_bytes * cfg.micro_batch_size * (cfg.seq_len // cfg.dims.cp) \
+            * cfg.spec.hidden
         costs = calibrate(cfg.program(), per_rank, act_bytes)
-        host = _host_ms(costs, per_rank)
         recent = list(self.window)[-self.acfg.min_steps:]
-        step_ms = statistics.median(s[("step", "step")] for s, _ in recent)
         busy: dict[int, list[float]] = {}
         for _, summaries in recent:
             for s in summaries:
                 if s["busy_ms"]:
                     busy.setdefault(s["rank"], []).append(s["busy_ms"])
-        measured = Measured(cur, costs, host, step_ms, links=link_rates([x for _, x in recent]),
-                            collective_gbps=collective_rates([x for _, x in recent], self.rpn),
-                            rank_busy={r: statistics.median(v) for r, v in busy.items()})
-        model = CostModel(spec, cfg.seq_len, self.world, self.rpn, measured)
-        current_ms = model.predict(cur)
-        rows = []
-        for plan in candidates(cur, model, spec, cfg.seq_len, cfg.global_batch, self.world,
-                               self.rpn, with_layouts=self.acfg.layouts):
-            try:
-                ms = model.predict(plan)
-            except ValueError:          # a schedule that does not take this micro-batch count
-                continue
-            kind = cur.kind_of_switch(plan)
-            rows.append({"plan": plan, "kind": kind, "predicted_ms": ms,
-                         "switch_cost_s": self.switch_cost(cur, plan, model, spec)})
-        steps_left = cfg.steps - trainer.step
-        a = self.acfg
-        for r in rows:
-            r["verdict"] = payback(current_ms, r["predicted_ms"], r["switch_cost_s"], steps_left,
-                                   a.horizon, a.margin, a.min_gain)
-        rows.sort(key=lambda r: r["predicted_ms"])
-        record = {
-            "step": step, "detections": [d.to_dict() | self._where(d) for d in found],
-            "signals": {f"{k} {n}": v for (k, n), v in sorted(signals.items())},
-            "measured_step_ms": step_ms, "from": cur.to_dict(),
-            "predicted_current_ms": current_ms, "model": model.describe(),
-            "candidates": [{"plan": r["plan"].name, "kind": r["kind"],
-                            "predicted_ms": r["predicted_ms"], "switch_cost_s": r["switch_cost_s"]}
-                           for r in rows[:20]],
-            "candidates_considered": len(rows),
-        }
-        if not rows:
-            return record | {"action": "stay", "to": None, "predicted_saving_s": 0.0,
-                             "switch_cost_s": 0.0, "reason": "no other plan fits"}
-        # among the switches that pay back, the largest net saving; else the fastest candidate
-        admitted = [r for r in rows if r["verdict"].admit]
-        best = max(admitted, key=lambda r: r["verdict"].saving_s - r["switch_cost_s"]) \
-            if admitted else rows[0]
-        verdict = best["verdict"]
-        trials = {}
-        if verdict.admit and a.trials > 0 and not a.relaunch:
-            # confirm by measurement: trial the best predicted; their cost joins the payback
-            picked, cost, verdict = plan_trials(rows, best, current_ms, steps_left, a)
-            if verdict.admit:
-                trials = {"trials": [{"plan": r["plan"].name, "predicted_ms": r["predicted_ms"],
-                                      "switch_cost_s": r["switch_cost_s"]} for r in picked],
-                          "trial_plans": [r["plan"].to_dict() for r in picked],
-                          "trial_cost_s": cost}
-        return record | trials | {
-            "action": "switch" if verdict.admit else "stay",
-            "to": best["plan"].to_dict(), "kind": best["kind"],
-            "predicted_best_ms": best["predicted_ms"],
-            "predicted_saving_s": verdict.saving_s, "horizon_steps": verdict.horizon_steps,
-            "switch_cost_s": best["switch_cost_s"], "reason": verdict.reason,
-        }
+        window = [x for _, x in recent]
+        measured = Measured(
+            cur, costs, _host_ms(costs, per_rank),
+            statistics.median(s[("step", "step")] for s, _ in recent),
+            links=link_rates(window),
+            collective_gbps=collective_rates(window, self.rpn, self.acfg.collective_min_bytes),
+            rank_busy={r: statistics.median(v) for r, v in busy.items()},
+            element_bytes=element_bytes)
+        return evaluate(cfg, self.acfg, measured, step=step, steps_left=cfg.steps - trainer.step,
+                        world=self.world, ranks_per_node=self.rpn,
+                        detections=[d.to_dict() | self._where(d) for d in found],
+                        signals={f"{k} {n}": v for (k, n), v in sorted(signals.items())},
+                        measured_cost=self.measured_cost)
 
     def _where(self, d) -> dict:
         """The nodes and link class a link or collective detection spans."""
@@ -315,55 +258,28 @@ class Controller:
         nodes = sorted({r // self.rpn for r in ranks})
         return {"nodes": nodes, "link_class": "intra_node" if len(nodes) == 1 else "inter_node"}
 
-    def switch_cost(self, cur: Plan, plan: Plan, model: CostModel, spec) -> float:
-        """Fixed (--adapt-switch-cost), else the last measured switch of this kind, else a
-        rebuild allowance plus moving what the busiest rank lacks (parameters and two AdamW
-        moments, fp32; DP replicas and TP groups already hold full copies of their stages).
-        Bulk data moves at about the best rate a link showed (small activation messages
-        measure latency more than bandwidth), so that rate is used."""
-        kind = cur.kind_of_switch(plan)
-        if self.acfg.switch_cost_s is not None:
-            return self.acfg.switch_cost_s
-        if kind in self.measured_cost:
-            return self.measured_cost[kind]
-        rates = [bw for _, bw in model.m.links.values() if bw]
-        best = max(rates) if rates else min(model.class_gbps("intra_node"),
-                                             model.class_gbps("inter_node"))
-        return BASE_SWITCH_S[kind] + moved_bytes(cur, plan, spec) / (best * 1e9)
-
     # -- switching (collective) -------------------------------------------------------------------
-    def _switch(self, trainer, decision: dict, metrics_file):
+    def _switch(self, trainer, plan: Plan, metrics_file):
+        """Every rank to `plan`, in memory. Returns (trainer, metrics file, seconds the
+        slowest rank took); the detector starts over under the new plan."""
         from commpipe.adapt.switch import switch
         from commpipe.train.run_files import open_metrics
 
-        plan = _plan(decision["to"])
-        if self.acfg.relaunch:
-            from commpipe.adapt.relaunch import request
-
-            try:
-                request(trainer, plan, decision)
-            finally:
-                self._write(decision)
         if metrics_file is not None:
             metrics_file.close()
             metrics_file = None
         new, seconds = switch(trainer, plan)
-        times = new.comm.gather_objects(seconds, "world")
-        decision["switch_time_s"] = max(times)
-        self.measured_cost[decision["kind"]] = max(times)
-        if decision["action"] == "settle":
-            decision["trial_cost_s"] += max(times)
+        took = max(new.comm.gather_objects(seconds, "world"))
         if new.is_logger and new.cfg.out:
             metrics_file = open_metrics(Path(new.cfg.out) / "metrics.jsonl", new.step)
-        self.detector.reset()
+        self.watch.new_plan()
         self.window.clear()
         self.timelines.clear()
-        self.steps_in_plan = 0
         self.prepare(new)
-        self._write(decision)
-        return new, metrics_file
+        return new, metrics_file, took
 
-    def _write(self, decision: dict) -> None:
+    def _write(self, record: Decision | dict) -> None:
+        decision = record.to_dict() if isinstance(record, Decision) else record
         self.decisions.append(decision)
         if self.log is not None:
             self.log.write(json.dumps(decision, default=str) + "\n")

@@ -49,7 +49,7 @@ class _Series:
 
 
 class Detector:
-    def __init__(self, min_steps: int = 5, min_shift: float = 0.25, baseline_steps: int = 4):
+    def __init__(self, min_steps: int, min_shift: float, baseline_steps: int):
         if min_steps < 1 or min_shift <= 0 or baseline_steps < 1:
             raise ValueError("min_steps and baseline_steps must be >= 1 and min_shift > 0")
         self.min_steps, self.min_shift, self.baseline_steps = min_steps, min_shift, baseline_steps
@@ -62,6 +62,18 @@ class Detector:
     def baseline(self, kind: str, key: str) -> float | None:
         s = self.series.get((kind, key))
         return s.baseline if s else None
+
+    def baselines(self) -> dict[str, float]:
+        """Every settled baseline, as {"kind|key": ms} (JSON: it travels in checkpoints)."""
+        return {f"{k}|{n}": s.baseline for (k, n), s in sorted(self.series.items())
+                if s.baseline is not None}
+
+    def arm(self, baselines: dict[str, float]) -> None:
+        """Take `baselines` (from `baselines()`) as the reference levels: a change against
+        them is detected without first collecting new ones."""
+        for name, value in baselines.items():
+            kind, _, key = name.partition("|")
+            self.series[(kind, key)] = _Series(baseline=float(value))
 
     def observe(self, step: int, kind: str, key: str, value: float | None,
                 smooth: int = 1) -> Detection | None:
@@ -102,3 +114,56 @@ class Detector:
             if det is not None:
                 out.append(det)
         return out
+
+
+def worth_replanning(d: Detection, stragglers: set[str]) -> bool:
+    """Whether a detection calls for re-planning. Links count both ways (a degrade, a repair).
+    A rank whose compute got slower is a straggler. One that got faster only matters when it
+    recovers from a slowdown detected before (the split made room for it); otherwise it is the
+    host becoming less busy: the detector has already taken the new level as its baseline, and
+    re-planning on it would reset the baselines the next real change is measured against.
+    Step-time changes follow from the others and are not acted on themselves."""
+    if d.kind == "step":
+        return False
+    if d.kind != "compute":
+        return True
+    if d.shift > 0:
+        stragglers.add(d.key)
+        return True
+    if d.key in stragglers:
+        stragglers.discard(d.key)
+        return True
+    return False
+
+
+class Watch:
+    """What the controller acts on, from the per-step signals of the running plan: nothing in
+    the first `warmup_steps` steps of a plan, links smoothed over `link_smooth_steps`, then the
+    detections that call for re-planning (`worth_replanning`). Pure: the controller feeds it the
+    same numbers on every rank, so every rank reaches the same verdict."""
+
+    def __init__(self, acfg):
+        self.acfg = acfg
+        self.detector = Detector(acfg.min_steps, acfg.min_shift, acfg.baseline_steps)
+        self.stragglers: set[str] = set()
+        self.steps_in_plan = 0
+
+    def observe(self, step: int, signals: dict[tuple[str, str], float | None]) -> list[Detection]:
+        self.steps_in_plan += 1
+        if self.steps_in_plan <= self.acfg.warmup_steps:
+            return []
+        found = self.detector.observe_all(step, signals, {"link": self.acfg.link_smooth_steps})
+        return [d for d in found if worth_replanning(d, self.stragglers)]
+
+    def new_plan(self) -> None:
+        """A switch: the levels are those of another plan; collect new baselines."""
+        self.detector.reset()
+        self.steps_in_plan = 0
+
+    def state(self) -> dict:
+        """The baselines and stragglers a resumed run re-arms with (JSON)."""
+        return {"baselines": self.detector.baselines(), "stragglers": sorted(self.stragglers)}
+
+    def restore(self, state: dict) -> None:
+        self.detector.arm(state.get("baselines") or {})
+        self.stragglers = set(state.get("stragglers") or ())

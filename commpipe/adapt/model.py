@@ -25,30 +25,27 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
+from commpipe.adapt.config import AdaptConfig
 from commpipe.adapt.plan import Plan
-from commpipe.models.spec import ModelSpec, layer_param_count
+from commpipe.models.spec import (
+    ModelSpec,
+    head_flops_per_token,
+    layer_flops_per_token,
+    layer_param_count,
+)
 from commpipe.parallel.dims import ParallelDims
 from commpipe.schedules import generate
 from commpipe.sim.costs import CostTable
 from commpipe.sim.engine import simulate
 
-DEFAULT_INTRA_GBPS = 10.0   # used only when no link of a class was measured
-DEFAULT_INTER_GBPS = 1.0
-
-
-def layer_work(spec: ModelSpec, seq_len: int) -> float:
-    """Forward FLOPs of one block per sample (Megatron-style matmul count, as flops_per_token)."""
-    h = spec.hidden
-    per_token = 2 * h * (h + 2 * spec.kv_dim) + 4 * seq_len * h + 2 * h * h + 6 * h * spec.ffn_hidden
-    return float(per_token * seq_len)
-
-
-def head_work(spec: ModelSpec, seq_len: int) -> float:
-    return float(2 * spec.hidden * spec.vocab * seq_len)
-
 
 def stage_work(spec: ModelSpec, seq_len: int, layers: int, last: bool) -> float:
-    return layers * layer_work(spec, seq_len) + (head_work(spec, seq_len) if last else 0.0)
+    """Forward FLOPs of one sample through `layers` blocks (and the head on the last stage):
+    models/spec.py's one definition."""
+    per_token = layers * layer_flops_per_token(spec, seq_len)
+    if last:
+        per_token += head_flops_per_token(spec)
+    return per_token * seq_len
 
 
 @dataclass
@@ -62,11 +59,15 @@ class Measured:
     links: dict = field(default_factory=dict)   # (src, dst) -> (latency_ms, bandwidth_gbps)
     collective_gbps: dict = field(default_factory=dict)  # "intra_node"/"inter_node" -> GB/s
     rank_busy: dict = field(default_factory=dict)  # rank -> compute ms per step
+    element_bytes: int = 4           # bytes of an activation element on the wire (2 under bf16)
 
 
 class CostModel:
     def __init__(self, spec: ModelSpec, seq_len: int, world: int, ranks_per_node: int,
-                 measured: Measured):
+                 measured: Measured, acfg: AdaptConfig | None = None):
+        a = acfg or AdaptConfig()
+        self.default_gbps = {"intra_node": a.default_intra_gbps,
+                             "inter_node": a.default_inter_gbps}
         self.spec, self.seq_len, self.world = spec, seq_len, world
         self.rpn = max(1, ranks_per_node)
         self.m = measured
@@ -82,7 +83,7 @@ class CostModel:
             units.append(busy / work)
             fb_f.append((c.f[s] - host) / busy)
         self.unit = min(units)
-        self.f_share = statistics.median(fb_f) if fb_f else 1 / 3
+        self.f_share = statistics.median(fb_f)
         # slowdown per physical rank: its stage's unit, refined by own compute within the group
         self.k: dict[int, float] = {}
         for s, u in enumerate(units):
@@ -132,7 +133,7 @@ class CostModel:
                 if bw and self.link_class(a, b) == cls]
         if vals:
             return statistics.median(vals)
-        return DEFAULT_INTRA_GBPS if cls == "intra_node" else DEFAULT_INTER_GBPS
+        return self.default_gbps[cls]
 
     def link(self, a: int, b: int) -> tuple[float, float]:
         """(latency ms, GB/s) of a -> b: measured for this pair, else for this node pair (a
@@ -176,7 +177,7 @@ class CostModel:
         dims = ParallelDims(dp=plan.dp, pp=plan.pp, cp=plan.cp, tp=plan.tp)
         program = generate(plan.schedule, plan.pp, plan.microbatches, 1)
         n = program.num_stages
-        act_bytes = 4.0 * plan.micro_batch_size * (seq // plan.cp) * spec.hidden
+        act_bytes = self.m.element_bytes * plan.micro_batch_size * (seq // plan.cp) * spec.hidden
         f, b, tp_comm, lat, bw = [], [], [], {}, {}
         for s, layers in enumerate(plan.stage_layers):
             group = [dims.rank_of(pp=s, dp=d, cp=q, tp=t) for d in range(plan.dp)

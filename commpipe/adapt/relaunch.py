@@ -25,8 +25,9 @@ class RelaunchRequested(Exception):
     relaunch = True
 
 
-def request(trainer, plan, decision: dict) -> None:
-    """Collective: checkpoint, write the request, stop (raises RelaunchRequested)."""
+def request(trainer, plan, decision) -> None:
+    """Collective: checkpoint, write the request, stop (raises RelaunchRequested). The
+    checkpoint and timing go into `decision` (a commpipe.adapt.records.Decision)."""
     from commpipe.train import checkpoint
 
     t0 = time.perf_counter()
@@ -35,13 +36,13 @@ def request(trainer, plan, decision: dict) -> None:
         trainer.monitor.close()       # collective: the records so far are written
         trainer.monitor = None
     path = checkpoint.save(trainer, checkpoint.checkpoints_dir(out))
-    decision["switch_mode"] = "relaunch"
-    decision["checkpoint"] = str(path)
-    decision["save_time_s"] = time.perf_counter() - t0
+    decision.switch_mode = "relaunch"
+    decision.checkpoint = str(path)
+    decision.save_time_s = time.perf_counter() - t0
     if trainer.comm.rank == 0:
         (out / RELAUNCH).write_text(json.dumps({
             "step": trainer.step, "checkpoint": str(path), "to": plan.to_dict(),
-            "from": decision.get("from"), "requested_at": time.time()}, indent=2))
+            "from": decision.from_plan, "requested_at": time.time()}, indent=2))
     trainer.comm.barrier()
     raise RelaunchRequested(f"switching to {plan.name} by checkpoint and relaunch after step "
                             f"{trainer.step - 1}: run the same command again to continue")

@@ -27,7 +27,7 @@ class CollectiveTimer:
     *last* member's post, so a member that arrives late (a straggler) shows as waiting, not as
     a slower collective. Clocks are the monitor's rank-0-aligned ones (Monitor.offset)."""
 
-    def __init__(self, min_bytes: int = 65536):
+    def __init__(self, min_bytes: int):
         self.min_bytes = min_bytes
         self.calls: list[tuple] = []
 
@@ -150,7 +150,7 @@ def collective_times(summaries: list[dict]) -> dict[tuple, tuple[float, float]]:
 
 
 def collective_rates(window: list[list[dict]], ranks_per_node: int,
-                     min_bytes: float = 65536) -> dict[str, float]:
+                     min_bytes: float) -> dict[str, float]:
     """Link class -> median bus bandwidth (GB/s) of the timed all-reduces of at least
     `min_bytes` per call over a window (small ones, a loss or a norm, measure latency)."""
     rates: dict[str, list[float]] = {}

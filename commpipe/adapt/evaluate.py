@@ -1,0 +1,97 @@
+"""One evaluation of the controller, as a pure function of what the running plan measured.
+
+    measured (calibrated costs, links, step time)  ->  CostModel  ->  candidates  ->  predicted
+    step time and switch cost of each  ->  payback rule  ->  trials  ->  Decision
+
+`Controller.decide` gathers the measurements on rank 0 and calls `evaluate`; tests call it on
+synthetic measurements.
+"""
+
+from __future__ import annotations
+
+import time
+
+from commpipe.adapt.candidates import candidates
+from commpipe.adapt.config import AdaptConfig
+from commpipe.adapt.model import CostModel, Measured
+from commpipe.adapt.plan import Plan, moved_bytes, payback
+from commpipe.adapt.records import Decision
+from commpipe.adapt.trial import plan_trials
+
+
+def switch_cost(cur: Plan, plan: Plan, model: CostModel, spec, acfg: AdaptConfig,
+                measured_cost: dict[str, float]) -> float:
+    """Fixed (--adapt-switch-cost), else the last measured switch of this kind, else a
+    rebuild allowance plus moving what the busiest rank lacks (parameters and two AdamW
+    moments, fp32; DP replicas and TP groups already hold full copies of their stages).
+    Bulk data moves at about the best rate a link showed (small activation messages
+    measure latency more than bandwidth), so that rate is used."""
+    kind = cur.kind_of_switch(plan)
+    if acfg.switch_cost_s is not None:
+        return acfg.switch_cost_s
+    if kind in measured_cost:
+        return measured_cost[kind]
+    rates = [bw for _, bw in model.m.links.values() if bw]
+    best = max(rates) if rates else min(model.class_gbps("intra_node"),
+                                         model.class_gbps("inter_node"))
+    return acfg.base_switch_s(kind) + moved_bytes(cur, plan, spec) / (best * 1e9)
+
+
+def evaluate(cfg, acfg: AdaptConfig, measured: Measured, *, step: int, steps_left: int,
+             world: int, ranks_per_node: int, detections: list[dict],
+             signals: dict[str, float | None],
+             measured_cost: dict[str, float] | None = None) -> Decision:
+    """Stay or switch, and why. `cfg` is the running, resolved TrainConfig; `measured.plan` is
+    its plan. Among the switches that pay back, the largest net saving wins; the fastest
+    candidate is reported otherwise."""
+    t0 = time.perf_counter()
+    spec = cfg.spec
+    cur = measured.plan
+    model = CostModel(spec, cfg.seq_len, world, ranks_per_node, measured, acfg)
+    current_ms = model.predict(cur)
+    rows = []
+    for plan in candidates(cur, model, spec, cfg.seq_len, cfg.global_batch, world,
+                           ranks_per_node, acfg):
+        try:
+            ms = model.predict(plan)
+        except ValueError:          # a schedule that does not take this micro-batch count
+            continue
+        rows.append({"plan": plan, "kind": cur.kind_of_switch(plan), "predicted_ms": ms,
+                     "switch_cost_s": switch_cost(cur, plan, model, spec, acfg,
+                                                  measured_cost or {})})
+    for r in rows:
+        r["verdict"] = payback(current_ms, r["predicted_ms"], r["switch_cost_s"], steps_left,
+                               acfg.horizon, acfg.margin, acfg.min_gain)
+    rows.sort(key=lambda r: r["predicted_ms"])
+    admitted = [r for r in rows if r["verdict"].admit]
+    d = Decision(
+        step=step, action="stay", detections=detections, signals=signals,
+        measured_step_ms=measured.step_ms, from_plan=cur.to_dict(),
+        predicted_current_ms=current_ms, model=model.describe(),
+        candidates=[{"plan": r["plan"].name, "kind": r["kind"],
+                     "predicted_ms": r["predicted_ms"], "switch_cost_s": r["switch_cost_s"]}
+                    for r in rows[:acfg.logged_candidates]],
+        candidates_considered=len(rows), to=None, predicted_saving_s=0.0, switch_cost_s=0.0,
+        reason="no other plan fits", steps_left=steps_left,
+        candidates_admitted=len(admitted), time=time.time())
+    if not rows:
+        d.planning_s = time.perf_counter() - t0
+        return d
+    best = max(admitted, key=lambda r: r["verdict"].saving_s - r["switch_cost_s"]) \
+        if admitted else rows[0]
+    verdict = best["verdict"]
+    if verdict.admit and acfg.trials > 0 and not acfg.relaunch:
+        # confirm by measurement: trial the best predicted; their cost joins the payback
+        picked, cost, verdict = plan_trials(rows, best, current_ms, steps_left, acfg)
+        if verdict.admit:
+            d.trials = [{"plan": r["plan"].name, "predicted_ms": r["predicted_ms"],
+                         "switch_cost_s": r["switch_cost_s"]} for r in picked]
+            d.trial_plans = [r["plan"].to_dict() for r in picked]
+            d.trial_cost_s = cost
+    d.action = "switch" if verdict.admit else "stay"
+    d.to, d.kind = best["plan"].to_dict(), best["kind"]
+    d.predicted_best_ms = best["predicted_ms"]
+    d.predicted_saving_s, d.horizon_steps = verdict.saving_s, verdict.horizon_steps
+    d.switch_cost_s, d.reason = best["switch_cost_s"], verdict.reason
+    d.planning_s = time.perf_counter() - t0
+    return d

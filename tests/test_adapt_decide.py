@@ -1,0 +1,238 @@
+"""The controller's decision on synthetic measurements, no launch: what it acts on (warm-up,
+hysteresis, host noise, transient slowdowns), the cost model's calibration, the candidate list
+and stay-or-switch, each against hand-derived values.
+
+    python -m pytest tests/test_adapt_decide.py -q
+
+The synthetic run: the tiny LLaMA (4 blocks, h=64, kv 32, ffn 128, vocab 256), seq 16, on pp=2
+(layers 2,2), 1f1b, 8 micro-batches of 1, two ranks on one host. Forward FLOPs per token: a
+block 2*64*(64+64) + 4*16*64 + 2*64*64 + 6*64*128 = 77,824, the head 2*64*256 = 32,768. The
+healthy stage 0 takes 10 ms (F+B) per micro-batch, so a FLOP per token costs
+c = 10 / 155,648 ms; stage 1 (2 blocks + head, 188,416) takes 12.105 ms; F is a third of F+B.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from commpipe.adapt.config import AdaptConfig
+from commpipe.adapt.detect import Watch
+from commpipe.adapt.plan import Plan
+from commpipe.adapt.records import Decision
+
+BLOCK, HEAD = 77_824, 32_768
+C = 10.0 / (2 * BLOCK)                    # ms per FLOP/token of one micro-batch (F+B)
+OTHER_MS = 5.0                            # optimizer and loss: outside the pipeline
+CUR = Plan(1, 1, 2, 1, (2, 2), "1f1b", 8, 1)
+
+
+def _cfg():
+    from commpipe.parallel.dims import ParallelDims
+    from commpipe.train.config import TrainConfig
+
+    return TrainConfig(model="tiny", dims=ParallelDims(pp=2), seq_len=16, global_batch=8,
+                       micro_batch_size=1, steps=1000).resolve(2)
+
+
+def _measured(slow: float = 1.0, plan: Plan = CUR):
+    """Stage costs as `calibrate` gives them with rank 1 `slow` times slower; the step as the
+    1f1b pipeline makes it when stage 1 is the bottleneck (F0 + 8 (F1 + B1) + B0) plus
+    OTHER_MS."""
+    from commpipe.adapt.model import Measured
+    from commpipe.sim.costs import CostTable
+
+    t0, t1 = 2 * BLOCK * C, (2 * BLOCK + HEAD) * C * slow
+    costs = CostTable(f=[t0 / 3, t1 / 3], b=[2 * t0 / 3, 2 * t1 / 3])
+    return Measured(plan, costs, host_ms=0.0, step_ms=t0 + 8 * t1 + OTHER_MS,
+                    rank_busy={0: 8 * t0, 1: 8 * t1})
+
+
+def _decide(measured, steps_left=1000, **acfg) -> Decision:
+    from commpipe.adapt.evaluate import evaluate
+
+    cfg = measured.plan.apply(_cfg())
+    return evaluate(cfg, AdaptConfig(**acfg), measured, step=20, steps_left=steps_left,
+                    world=2, ranks_per_node=2, detections=[], signals={})
+
+
+# -- the cost model's calibration ------------------------------------------------------------------
+
+def test_calibration_reproduces_the_running_plan_and_prices_a_resplit_by_hand():
+    from commpipe.adapt.model import CostModel
+
+    m = _measured(slow=3.0)
+    model = CostModel(_cfg().spec, 16, 2, 2, m)
+    assert model.predict(CUR) == pytest.approx(m.step_ms, rel=1e-9)   # its own step, exactly
+    assert model.k == {0: pytest.approx(1.0), 1: pytest.approx(3.0)}  # rank 1: 3x slower
+    assert model.f_share == pytest.approx(1 / 3)
+    # 3,1 under the straggler: stage 0 (3 blocks) 15 ms, stage 1 (1 block + head) 3 x 7.105 ms;
+    # stage 1 still bounds the pipeline: 15 + 8 x 21.316 ms, plus the 5 ms outside it
+    t0, t1 = 3 * BLOCK * C, 3 * (BLOCK + HEAD) * C
+    resplit = Plan(1, 1, 2, 1, (3, 1), "1f1b", 8, 1)
+    assert model.predict(resplit) == pytest.approx(t0 + 8 * t1 + OTHER_MS, rel=1e-3)
+    # the balancer weighs stage 1's work 3x: max(15, 21.3) beats max(10, 36.3) and (1, 3)
+    assert model.balanced_split(CUR) == (3, 1)
+    # healthy: the even split stays the balanced one (10 vs 12.1 ms beats 15 vs 7.1 ms)
+    assert CostModel(_cfg().spec, 16, 2, 2, _measured()).balanced_split(CUR) == (2, 2)
+
+
+def test_activations_are_priced_at_the_runs_element_size():
+    from commpipe.adapt.model import CostModel
+
+    m32, m16 = _measured(), _measured()
+    m16.element_bytes = 2
+    # 1 x 16 x 64 activations per micro-batch: 4,096 bytes in fp32, 2,048 under bf16
+    for m, nbytes in ((m32, 4096), (m16, 2048)):
+        model = CostModel(_cfg().spec, 16, 2, 2, m)
+        _, comm = model.components(Plan(2, 1, 1, 1, (4,), "1f1b", 8, 1))
+        # TP: 2 all-reduces per layer in F and 2 in B, 4 layers, 8 micro-batches, at the
+        # 10 GB/s a link class without measurements is priced at: each 2 (n-1)/n x bytes / 10 GB/s
+        per = nbytes / 10e6
+        assert comm == pytest.approx(8 * 4 * 2 * 2 * per, rel=0.05)
+
+
+# -- the candidate list ----------------------------------------------------------------------------
+
+def test_candidates_are_resplits_rebatches_and_layouts_of_the_same_world():
+    from commpipe.adapt.candidates import candidates
+    from commpipe.adapt.model import CostModel
+
+    spec = _cfg().spec
+    model = CostModel(spec, 16, 2, 2, _measured(slow=3.0))
+    got = candidates(CUR, model, spec, 16, 8, 2, 2, AdaptConfig(layouts=False))
+    # one-layer moves (1,3) and (3,1) (the balanced one); then micro-batch counts 2, 4, 8 of
+    # the global batch 8 (pp <= m <= 4 x 2) under gpipe, 1f1b and zbh1 for the balanced split
+    # and for the running one
+    splits = [p for p in got if p.schedule == "1f1b" and p.microbatches == 8]
+    assert [p.stage_layers for p in splits] == [(1, 3), (3, 1)]
+    rebatched = {(p.stage_layers, p.schedule, p.microbatches, p.micro_batch_size) for p in got}
+    expected = {(s, sched, m, 8 // m) for s in ((3, 1), (2, 2)) for m in (2, 4, 8)
+                for sched in ("gpipe", "1f1b", "zbh1")}
+    expected -= {((2, 2), "1f1b", 8, 1)}                          # the running plan
+    assert rebatched == expected | {((1, 3), "1f1b", 8, 1)}
+    assert all(p.same_layout(CUR) for p in got) and CUR not in got
+    # a tighter micro-batch range drops m = 8 (above 2 x max(pp, 2) = 4)
+    fewer = candidates(CUR, model, spec, 16, 8, 2, 2,
+                       AdaptConfig(layouts=False, max_microbatches_per_stage=2))
+    assert {p.microbatches for p in fewer if p.stage_layers == (3, 1) and p.schedule != "1f1b"} \
+        == {2, 4}
+    # with layouts: tp2, cp2 and dp2 too (each with its balanced split, here one stage)
+    layouts = {(p.tp, p.cp, p.pp, p.dp) for p in candidates(CUR, model, spec, 16, 8, 2, 2,
+                                                             AdaptConfig())}
+    assert layouts == {(1, 1, 2, 1), (2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 1, 2)}
+
+
+# -- stay or switch --------------------------------------------------------------------------------
+
+def test_a_straggler_moves_a_layer_off_its_stage():
+    d = _decide(_measured(slow=3.0), trials=0)
+    assert d.action == "switch" and d.kind == "resplit"
+    assert d.to["stage_layers"] == [3, 1] and d.to["tp"] == d.to["dp"] == 1
+    # the 1f1b 3,1 candidate is priced as derived above; the chosen one (zbh1: its W passes
+    # fill the bubble) is no slower
+    t0, t1 = 3 * BLOCK * C, 3 * (BLOCK + HEAD) * C
+    same = next(c for c in d.candidates if c["plan"] == "tp1-cp1-pp2-dp1 1f1b m8x1 layers 3,1")
+    assert same["predicted_ms"] == pytest.approx(t0 + 8 * t1 + OTHER_MS, rel=1e-3)
+    assert d.predicted_best_ms <= same["predicted_ms"]
+    assert d.predicted_current_ms == pytest.approx(_measured(3.0).step_ms)
+    # saving over the 100-step horizon: 100 x (305.5 - 190.5) ms
+    assert d.predicted_saving_s == pytest.approx(100 * (d.predicted_current_ms
+                                                        - d.predicted_best_ms) / 1e3)
+    rec = d.to_dict()
+    assert rec["from"]["stage_layers"] == [2, 2] and "from_plan" not in rec
+    assert rec["candidates_admitted"] >= 1 and rec["steps_left"] == 1000
+    assert "trials" not in rec and "switch_time_s" not in rec      # absent, as before
+    # with trials, the admitted switch is the first one trialled
+    assert _decide(_measured(slow=3.0)).trials[0]["plan"] == d.to["name"]
+
+
+def test_a_healthy_balanced_run_stays_put():
+    # a detection on a healthy run (host noise): the running split is already the balanced one
+    # and the zero-bubble schedule at the most micro-batches already hides what it can, so no
+    # re-split or re-batching is faster
+    zb = Plan(1, 1, 2, 1, (2, 2), "zbh1", 8, 1)
+    d = _decide(_measured(plan=zb), layouts=False)
+    assert d.action == "stay" and "below the minimum" in d.reason
+    assert d.candidates_admitted == 0 and d.candidates_considered == 10
+    assert d.predicted_best_ms >= d.predicted_current_ms
+
+
+def test_a_switch_that_cannot_pay_back_in_the_steps_left_is_refused():
+    # 115 ms a step saved over 3 steps (0.35 s) does not pay twice a 0.3 s re-split
+    d = _decide(_measured(slow=3.0), steps_left=3, trials=0)
+    assert d.action == "stay" and "does not pay" in d.reason and d.horizon_steps == 3
+    assert _decide(_measured(slow=3.0), steps_left=30, trials=0).action == "switch"
+
+
+# -- what the controller acts on -------------------------------------------------------------------
+
+def _signals(rng, compute=(100.0, 100.0), link=2.0, noise=0.10):
+    def jitter(x):
+        return x * (1 + rng.uniform(-noise, noise))
+    return {("compute", "rank 0"): jitter(compute[0]), ("compute", "rank 1"): jitter(compute[1]),
+            ("link", "pp 0->1"): jitter(link), ("step", "step"): jitter(sum(compute))}
+
+
+def _run(steps, slow=lambda s: 1.0, link=lambda s: 1.0, seed=0, acfg=None):
+    rng = random.Random(seed)
+    watch = Watch(acfg or AdaptConfig())
+    found = []
+    for s in range(steps):
+        sig = _signals(rng, compute=(100.0, 100.0 * slow(s)), link=2.0 * link(s))
+        if s % 17 == 9:                   # host noise: a garbage-collection pause on one rank
+            sig[("compute", "rank 0")] *= 1.8
+        if s % 23 == 11:                  # a neighbour's burst on the link for a step
+            sig[("link", "pp 0->1")] *= 6.0
+        found += [(s, d) for d in watch.observe(s, sig)]
+    return found
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_healthy_run_with_host_noise_acts_on_nothing(seed):
+    assert _run(300, seed=seed) == []
+
+
+@pytest.mark.parametrize("length", [2, 3])
+def test_a_transient_slowdown_of_two_or_three_steps_acts_on_nothing(length):
+    assert _run(120, slow=lambda s: 3.0 if 50 <= s < 50 + length else 1.0) == []
+    assert _run(120, link=lambda s: 10.0 if 50 <= s < 50 + length else 1.0) == []
+
+
+def test_a_lasting_straggler_is_acted_on_once_after_min_steps():
+    found = _run(120, slow=lambda s: 1.5 if s >= 50 else 1.0)
+    assert [(s, d.kind, d.key, d.onset_step) for s, d in found] == [(54, "compute", "rank 1", 50)]
+    # its recovery re-plans too; a rank that merely got faster does not
+    back = _run(140, slow=lambda s: 1.5 if 50 <= s < 100 else 1.0)
+    assert [(s, d.shift < 0) for s, d in back] == [(54, False), (104, True)]
+    assert _run(120, slow=lambda s: 0.6 if s >= 50 else 1.0) == []
+
+
+def test_nothing_is_acted_on_in_a_plans_warm_up_and_thresholds_come_from_the_config():
+    # the first warmup_steps steps of a plan are not observed; then the baseline is taken
+    strict = AdaptConfig(warmup_steps=5, baseline_steps=3, min_steps=2, link_smooth_steps=1)
+    found = _run(40, slow=lambda s: 2.0 if s < 5 or s >= 20 else 1.0, acfg=strict)
+    assert [(s, d.onset_step) for s, d in found if d.kind == "compute"] == [(21, 20)]
+    # without smoothing and with 2 steps of hysteresis the link bursts would count
+    assert _run(120, acfg=AdaptConfig(min_steps=1, link_smooth_steps=1)) != []
+
+
+def test_a_watch_restored_from_its_state_detects_against_the_saved_baselines():
+    rng = random.Random(0)
+    watch = Watch(AdaptConfig())
+    for s in range(20):
+        watch.observe(s, _signals(rng))
+    saved = watch.state()
+    assert saved["baselines"]["compute|rank 1"] == pytest.approx(100.0, rel=0.1)
+    # a new process whose rank 1 is already 2x slower: a fresh watch takes that as normal,
+    # one restored from the saved state detects it once its warm-up is over
+    fresh, restored = Watch(AdaptConfig()), Watch(AdaptConfig())
+    restored.restore(saved)
+    got = {"fresh": [], "restored": []}
+    for s in range(20, 40):
+        sig = _signals(rng, compute=(100.0, 200.0))
+        got["fresh"] += fresh.observe(s, dict(sig))
+        got["restored"] += restored.observe(s, dict(sig))
+    assert got["fresh"] == []
+    assert [(d.key, d.onset_step, d.step) for d in got["restored"]] == [("rank 1", 22, 26)]
