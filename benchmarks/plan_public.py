@@ -1,6 +1,7 @@
 """The planner against public large-scale runs it was never fitted on (docs/planner.md).
 
     python benchmarks/plan_public.py [--no-free] [--any-schedule] [--memory] [--csv out.csv]
+                                     [--write-interval]
 
 Reads benchmarks/data/public_runs.csv: one published measurement per row (source, the exact
 table and row it comes from, model, GPUs, precision, batch, layout, measured tokens/s per GPU or
@@ -13,14 +14,17 @@ model TFLOP/s per GPU). For every row:
      source's framework can run (`FRAMEWORKS`: its pipeline schedules, and for torchtitan at
      that commit no PP or CP; `--any-schedule` lifts this); is the published (tp, cp, pp) among
      the three best distinct (tp, cp, pp) the planner ranks?
-Efficiency: the defaults (datasheet-based, untuned) and, when ../shared/data has the vTrain
-measurements, the constants fitted on all of them (`calibrate.fit`). Nothing here is fitted to
-these rows. Settings every source's framework uses: sequence parallelism with TP, overlap of the
-DP reduction, flash attention; per row (columns): gradient reduction in fp32 (torchtitan's FSDP2
-default, Llama 3 paper Sec. 3.3.2; NeMo's FP8 performance scripts turn it off), TP communication
-overlap (NeMo's performance scripts), all-gather context parallelism (Llama 3 paper), eager
-PyTorch kernels and FSDP2's copies (torchtitan, commpipe/plan/kernels.py), FP8 parameters
-(Megatron-Bridge's fp8_param_gather) or bf16 weights beside TE's FP8 copies (NeMo 24.07's default).
+Inputs are what a user knows: model shape, GPU, GPU count, the stated tp/cp/pp/dp/vpp,
+precision, ZeRO/FSDP stage, recompute and micro-batch size where stated, and the framework
+(`framework` column: megatron, nemo, torchtitan, llama3); the framework's internals (TP overlap,
+FP8 weights, eager kernels, FSDP2 copies, gradient precision, CP exchange) come from its
+`--framework` preset (commpipe/plan/frameworks.py), never from the row.
+Efficiency: the defaults (datasheet-based, untuned; what `plan` and `estimate` use) and, when
+../shared/data has the vTrain measurements, the constants fitted on all of them
+(`calibrate.fit`). No constant is fitted on any public row, so every source is held out: the
+per-source figures are leave-one-source-out. Reported per source and overall: MAPE, bias (signed
+mean error) and the share of rows within 10%. `--write-interval` stores the defaults'
+measured/predicted quantiles in commpipe/plan/interval.py (the interval `plan` prints).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ import numpy as np
 
 from commpipe.models.spec import flops_per_token, resolve_model
 from commpipe.plan.cluster import default_cluster
+from commpipe.plan.frameworks import framework_job_fields
 from commpipe.plan.gpus import resolve_gpu
 from commpipe.plan.layout import Job
 from commpipe.plan.search import rank_key, search
@@ -71,12 +76,8 @@ def load_rows(path: Path = RUNS) -> list[Row]:
     for r in csv.DictReader(open(path, newline="")):
         spec = resolve_model(MODELS.get(r["model"], r["model"]))
         seq, gb, gpus = int(r["seq_len"]), int(r["global_batch"]), int(r["gpus"])
-        eager = r.get("eager_ops") == "1"
-        # eager PyTorch (torchtitan) keeps SiLU's output for the backward: no fused SwiGLU
-        job = Job(gb, seq, precision=r["precision"], grad_fp32=r["grad_fp32"] == "1",
-                  tp_overlap=r["tp_overlap"] == "1", cp_comm=r["cp_comm"] or "ring",
-                  eager_ops=eager, fused_swiglu=not eager, fsdp_copies=r.get("fsdp_copies") == "1",
-                  fp8_params=r.get("fp8_params") != "0")
+        # user-level fields only: the framework's preset sets its internals (plan/frameworks.py)
+        job = Job(gb, seq, precision=r["precision"], **framework_job_fields(r["framework"], r["precision"]))
         cluster = default_cluster(resolve_gpu(r["gpu"]), gpus, int(r["gpus_per_node"]))
         fixed = {k: int(r[k]) for k in ("tp", "cp", "pp", "vpp", "zero", "dp_shard") if r[k]}
         if r["micro_batch_size"]:
@@ -126,6 +127,7 @@ FRAMEWORKS = {
     "megatron-bridge-25.11": (("1f1b", "interleaved"), {}),
     "llama3-paper": (("1f1b", "interleaved"), {}),
     "torchtitan": (("1f1b",), {"pp": 1, "cp": 1}),
+    "megatron-lm-readme": (("1f1b", "interleaved"), {}),
 }
 
 
@@ -203,11 +205,50 @@ def efficiencies() -> dict[str, Efficiency]:
     return effs
 
 
+def summary(errs: dict[str, list[float]], hits: dict[str, list[bool]]) -> None:
+    """Per source and overall: MAPE, bias (signed mean error), share within 10%, top-3 hits."""
+    print(f"\n{'source':22} {'rows':>4} {'MAPE':>6} {'bias':>7} {'<=10%':>6} {'top-3 hits':>10}")
+    every = []
+    for src, es in list(errs.items()) + [("all", None)]:
+        if es is None:
+            es = every
+            h = [x for v in hits.values() for x in v]
+        else:
+            every = every + es
+            h = hits.get(src)
+        within = np.mean(np.abs(es) <= 0.10)
+        hs = f"{sum(h)}/{len(h)}" if h else "-"
+        print(f"{src:22} {len(es):>4} {np.mean(np.abs(es)):6.1%} {np.mean(es):+7.1%} {within:6.0%} {hs:>10}")
+    print()
+
+
+INTERVAL_PY = ROOT / "commpipe" / "plan" / "interval.py"
+
+
+def write_interval(errs: dict[str, list[float]], rows: list[Row]) -> None:
+    """Rewrite the quantiles block of commpipe/plan/interval.py from held-out errors (every
+    source is held out: no constant is fitted on these rows)."""
+    ratios = [1 / (1 + e) for es in errs.values() for e in es]     # measured / predicted
+    q = {k: float(np.quantile(ratios, k / 100)) for k in (10, 50, 90)}
+    text = INTERVAL_PY.read_text()
+    start, end = text.index(BEGIN), text.index(END)
+    block = (f"{BEGIN}\nRATIO_QUANTILES = {{10: {q[10]:.4f}, 50: {q[50]:.4f}, 90: {q[90]:.4f}}}\n"
+             f"ROWS = {len(ratios)}\nSOURCES = {len(errs)}\n")
+    INTERVAL_PY.write_text(text[:start] + block + text[end:])
+    print(f"wrote {INTERVAL_PY.relative_to(ROOT)}: measured/predicted quantiles {q}")
+
+
+BEGIN, END = "# -- begin: written by benchmarks/plan_public.py --write-interval", "# -- end"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-free", action="store_true", help="skip the free-layout ranking")
     ap.add_argument("--csv", help="write per-row predictions here")
     ap.add_argument("--memory", action="store_true", help="only compare memory with published peaks")
+    ap.add_argument("--write-interval", action="store_true",
+                    help="store the defaults' held-out residual quantiles in commpipe/plan/interval.py "
+                         "(the prediction interval plan and estimate print)")
     ap.add_argument("--any-schedule", action="store_true",
                     help="free ranking over every schedule and dimension the planner knows, not only "
                          "those of the source's framework")
@@ -239,21 +280,14 @@ def main() -> int:
             top3 = "-" if args.no_free or name != "defaults" else (f"#{rank}" if rank else ">3")
             shown = "n/a" if pred is None else f"{pred:9.0f}"
             es = "infeas." if err is None else f"{err:+7.1%}"
-            print(f"{src:22} {row.raw['model']:12} {row.cluster.num_gpus:>6} {row.job.precision:4} "
+            print(f"{src:22} {row.spec.name[:12]:12} {row.cluster.num_gpus:>6} {row.job.precision:4} "
                   f"{row.measured:9.0f} {shown:>9} {es:>7}  {top3:>5}  {what}")
             out.append({"efficiency": name, "source": src, "model": row.raw["model"],
                         "gpus": row.cluster.num_gpus, "measured": row.measured, "predicted": pred,
                         "error": err, "free_rank": rank})
-        print(f"\n{'source':22} {'rows':>4} {'MAPE':>6} {'bias':>7} {'top-3 hits':>10}")
-        every = []
-        for src, es in errs.items():
-            every += es
-            h = hits.get(src)
-            hs = f"{sum(h)}/{len(h)}" if h else "-"
-            print(f"{src:22} {len(es):>4} {np.mean(np.abs(es)):6.1%} {np.mean(es):+7.1%} {hs:>10}")
-        allh = [x for h in hits.values() for x in h]
-        print(f"{'all':22} {len(every):>4} {np.mean(np.abs(every)):6.1%} {np.mean(every):+7.1%} "
-              f"{(str(sum(allh)) + '/' + str(len(allh))) if allh else '-':>10}\n")
+        summary(errs, hits)
+        if name == "defaults" and args.write_interval:
+            write_interval(errs, rows)
     if args.csv:
         with open(args.csv, "w", newline="") as fh:
             w = csv.DictWriter(fh, fieldnames=list(out[0]))

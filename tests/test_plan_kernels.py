@@ -14,6 +14,7 @@ import pytest
 from commpipe.models.spec import resolve_model
 from commpipe.plan.cluster import default_cluster
 from commpipe.plan.estimate import estimate
+from commpipe.plan.frameworks import framework_job_fields
 from commpipe.plan.gpus import resolve_gpu
 from commpipe.plan.kernels import HBM_EFFICIENCY
 from commpipe.plan.layout import Job, Layout, enumerate_layouts
@@ -170,7 +171,9 @@ def test_eager_ops_and_fsdp_copies_flags_reach_the_job(capsys):
     assert main([*base, "--eager-ops", "--fsdp-copies"]) == 0
     flagged = json.loads(capsys.readouterr().out)
     # the same as the library with those Job fields (eager autograd keeps SiLU's output: +2f/h)
-    job = Job(8, 2048, eager_ops=True, fused_swiglu=False, fsdp_copies=True)
+    # on top of the default framework's (megatron on GPUs: fp32 gradient reduction under bf16)
+    job = Job(8, 2048, **{**framework_job_fields("megatron", "bf16"), "eager_ops": True,
+                          "fused_swiglu": False, "fsdp_copies": True})
     ref = estimate(SPEC, Layout(dp=8, zero=3), job, default_cluster(A100, 8, 8))
     assert flagged["step_time_s"] == pytest.approx(ref.step_time_s, rel=1e-12)
     assert flagged["activation_gb_per_gpu"] == pytest.approx(ref.activation_gb_per_gpu, rel=1e-12)

@@ -18,6 +18,7 @@ from dataclasses import replace
 
 from commpipe.models.spec import resolve_model
 from commpipe.plan.cluster import apply_links, apply_probe, default_cluster, override_links
+from commpipe.plan.frameworks import FRAMEWORKS, default_framework, framework_job_fields
 from commpipe.plan.gpus import resolve_gpu
 from commpipe.plan.layout import PRECISIONS, RECOMPUTE, SCHEDULES, ZERO_STAGES, Job, runtime_job
 from commpipe.plan.timing import Efficiency
@@ -35,6 +36,10 @@ def add_common_arguments(p, require_layout: bool = False) -> None:
     g.add_argument("--precision", default="bf16", choices=PRECISIONS,
                    help="bf16: mixed precision, fp32 master weights (default); fp32: all fp32; fp8: "
                         "bf16 mixed precision with the layers' linear GEMMs in FP8 (Transformer Engine)")
+    g.add_argument("--framework", choices=tuple(FRAMEWORKS),
+                   help="the training framework's default internals (TP overlap, FP8 weights, kernels, "
+                        "FSDP copies, gradient precision, CP exchange; commpipe.plan.frameworks): "
+                        "default commpipe on --gpu cpu, megatron on GPUs")
     g.add_argument("--bf16-weights-with-fp8", action="store_true",
                    help="fp8: keep bf16 weights plus TE's cached FP8 copies (default: FP8 parameters, "
                         "Megatron --fp8-param-gather)")
@@ -103,18 +108,30 @@ def add_arguments(p) -> None:
                         "(*/metrics.jsonl + config.json), probe JSON and/or CSV files like vTrain's")
 
 
+def framework_from_args(args) -> str:
+    """--framework, or the default for --gpu (commpipe on cpu, megatron on GPUs)."""
+    name = getattr(args, "framework", None)
+    return name or default_framework(resolve_gpu(args.gpu).name)
+
+
 def job_from_args(args) -> Job:
+    """The job: the framework's internals (plan.frameworks), then the explicit flags on top."""
     for flag in ("global_batch", "seq_len"):
         if getattr(args, flag) is None:
             raise ValueError(f"--{flag.replace('_', '-')} is required")
     flash = {"auto": None, "on": True, "off": False}[args.flash_attention]
-    eager = getattr(args, "eager_ops", False)
+    fields = framework_job_fields(framework_from_args(args), args.precision)
+    explicit = {"grad_fp32": args.grad_fp32, "tp_overlap": args.tp_overlap,
+                "eager_ops": getattr(args, "eager_ops", False),
+                "fsdp_copies": getattr(args, "fsdp_copies", False)}
+    fields.update({k: True for k, v in explicit.items() if v})
+    if explicit["eager_ops"]:
+        fields["fused_swiglu"] = False      # eager autograd keeps SiLU's output
+    if getattr(args, "bf16_weights_with_fp8", False):
+        fields["fp8_params"] = False
     return Job(args.global_batch, args.seq_len, precision=args.precision,
                dp_overlap=not args.no_dp_overlap, sequence_parallel=not args.no_sequence_parallel,
-               flash_attention=flash, grad_fp32=args.grad_fp32, tp_overlap=args.tp_overlap,
-               fp8_params=not getattr(args, "bf16_weights_with_fp8", False),
-               eager_ops=eager, fused_swiglu=not eager,  # eager autograd keeps SiLU's output
-               fsdp_copies=getattr(args, "fsdp_copies", False))
+               flash_attention=flash, **fields)
 
 
 def check_framework_flags(args, spec, zero: int | None) -> None:
@@ -128,12 +145,16 @@ def check_framework_flags(args, spec, zero: int | None) -> None:
                          f"--zero {zero} (use --zero 3, or leave --zero to the search)")
 
 
-def for_cluster(job: Job, cluster) -> Job:
+def for_cluster(job: Job, cluster, framework: str | None = None) -> Job:
     """On `--gpu cpu` the planner prices commpipe's own runtime: its saved tensors and only what
     `commpipe train` runs, from the runtime's own definitions (commpipe.runtime.features, turned
     into job fields by `layout.runtime_job`): --no-sequence-parallel carries over, and
     --no-dp-overlap stands for train's --no-overlap (the runtime turns overlap off as a whole)."""
-    if cluster.gpu.name != "cpu":
+    framework = framework or default_framework(cluster.gpu.name)
+    if cluster.gpu.name == "cpu" and framework != "commpipe":
+        raise ValueError(f"--gpu cpu prices commpipe's own runtime; --framework {framework} describes a "
+                         "GPU stack (drop --framework or use --framework commpipe)")
+    if framework != "commpipe":
         return job
     from commpipe.runtime.features import PRECISIONS, Overlap, RuntimeFeatures
 
@@ -191,6 +212,18 @@ def fixed_from_args(args) -> dict:
     return fixed
 
 
+def add_intervals(estimates, cluster) -> None:
+    """Attach the prediction interval from held-out public runs (plan.interval) to GPU
+    estimates; CPU clusters price commpipe's runtime, which those runs say nothing about."""
+    if cluster.gpu.name == "cpu":
+        return
+    from commpipe.plan.interval import interval_dict
+
+    for e in estimates:
+        if e.tflops_per_gpu == e.tflops_per_gpu:
+            e.interval = interval_dict(e.tflops_per_gpu)
+
+
 def run(args) -> int:
     if args.calibrate:
         from commpipe.plan.cli_calibrate import run_calibration
@@ -215,7 +248,7 @@ def run(args) -> int:
     fixed = fixed_from_args(args)
     check_framework_flags(args, spec, fixed.get("zero"))
     cluster, eff = cluster_from_args(args, profile_path=args.profile)
-    job = for_cluster(job_from_args(args), cluster)
+    job = for_cluster(job_from_args(args), cluster, framework_from_args(args))
     try:
         result = search(spec, job, cluster, eff, fixed, top=args.top)
     except ValueError as e:
@@ -226,6 +259,7 @@ def run(args) -> int:
         json.dump({"feasible": False, "reason": str(e), "fixes": []}, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 2
+    add_intervals(result.top, cluster)
     if args.json:
         out = [e.to_dict() for e in result.top] if result.top else result.explanation
         json.dump(out, sys.stdout, indent=2)

@@ -17,9 +17,11 @@ import sys
 from commpipe.models.spec import resolve_model
 from commpipe.plan.cli import (
     add_common_arguments,
+    add_intervals,
     check_framework_flags,
     cluster_from_args,
     for_cluster,
+    framework_from_args,
     job_from_args,
     zero_from_args,
 )
@@ -62,8 +64,9 @@ def run(args) -> int:
     layout = Layout(tp, cp, pp, dp, vpp, args.micro_batch_size or 1, schedule, args.recompute or "none",
                     zero, args.dp_shard or 0)
     cluster, eff = cluster_from_args(args, num_gpus=gpus, profile_path=args.profile)
-    job = for_cluster(job, cluster)
+    job = for_cluster(job, cluster, framework_from_args(args))
     est = estimate(spec, layout, job, cluster, eff)
+    add_intervals([est], cluster)
     if args.json:
         json.dump(est.to_dict(), sys.stdout, indent=2)
         sys.stdout.write("\n")

@@ -52,6 +52,7 @@ class Estimate:
     presence_overlap: float = 1.0    # pipeline ranks inside an action at once, seen by one of them
     busy_s: list[float] = field(default_factory=list)   # per pipeline rank: inside actions
     wake_contention: float = 1.0     # ranks in play per host core (plan.host)
+    interval: dict | None = None     # TFLOP/s prediction interval (plan.interval), GPU clusters
 
     @property
     def memory_gb_per_gpu(self) -> float:
@@ -82,6 +83,8 @@ class Estimate:
                  breakdown_s={k: _num(v) for k, v in self.breakdown.items()},
                  host_contention=self.host_contention,
                  memory_gb_per_stage=[round(s.total_gb, 3) for s in self.memory])
+        if self.interval:
+            d["interval"] = self.interval
         return d
 
 

@@ -49,6 +49,8 @@ def print_plan(result: SearchResult, spec, job, cluster) -> None:
         print(row(n, e))
     print("(step s: predicted step time; TFLOP/s: model FLOPs per GPU; mem GB: largest stage; "
           "bubble: pipeline idle share; comm: exposed communication share)")
+    if result.top[0].interval:
+        print(f"best: {interval_line(result.top[0])}")
     print()
     best = result.top[0]
     for n, e in enumerate(result.top, 1):
@@ -66,6 +68,14 @@ def print_plan(result: SearchResult, spec, job, cluster) -> None:
                 print(f" - {label}: {what}: {why}")
 
 
+def interval_line(e: Estimate) -> str:
+    """"412 TFLOP/s, 80% interval 350-440 ..." from the held-out public runs (plan.interval)."""
+    iv = e.interval
+    return (f"{e.tflops_per_gpu:.0f} TFLOP/s, {iv['level']:.0%} interval {iv['tflops_per_gpu_low']:.0f}-"
+            f"{iv['tflops_per_gpu_high']:.0f} (from {iv['from_public_rows']} published runs the "
+            "planner was not fitted on)")
+
+
 def print_estimate(e: Estimate, cluster) -> None:
     lay = e.layout
     print(f"layout {lay.short()} on {lay.gpus} x {cluster.gpu.name}: "
@@ -81,5 +91,7 @@ def print_estimate(e: Estimate, cluster) -> None:
         print(f"step {e.step_time_s:.4f} s, {e.microbatches} micro-batches; model "
               f"{e.tflops_per_gpu:.1f} TFLOP/s/GPU (MFU {e.mfu:.1%}), hardware "
               f"{e.hw_tflops_per_gpu:.1f} TFLOP/s/GPU")
+        if e.interval:
+            print(interval_line(e))
         parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in e.breakdown.items() if v > 0)
         print(f"breakdown on the busiest rank: {parts}")

@@ -1,0 +1,77 @@
+"""--framework presets and the prediction interval of `plan` / `estimate`."""
+
+import json
+
+import pytest
+
+from commpipe.cli import main
+from commpipe.plan import interval as iv
+from commpipe.plan.frameworks import FRAMEWORKS, framework_job_fields
+
+EST = ["estimate", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--tp", "2", "--dp", "4",
+       "--global-batch", "32", "--seq-len", "4096", "--zero", "1"]
+
+
+def _json(capsys, argv):
+    assert main(argv + ["--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_estimate_prints_and_carries_the_interval(capsys):
+    d = _json(capsys, EST)
+    # the interval is the prediction scaled by the stored held-out quantiles of measured/predicted
+    tflops = d["tflops_per_gpu"]
+    want_lo, want_hi = tflops * iv.RATIO_QUANTILES[10], tflops * iv.RATIO_QUANTILES[90]
+    assert d["interval"]["level"] == 0.8
+    assert d["interval"]["tflops_per_gpu_low"] == pytest.approx(want_lo)
+    assert d["interval"]["tflops_per_gpu_high"] == pytest.approx(want_hi)
+    assert main(EST) == 0
+    out = capsys.readouterr().out
+    assert f"{d['tflops_per_gpu']:.0f} TFLOP/s, 80% interval {want_lo:.0f}-{want_hi:.0f}" in out
+
+
+def test_plan_prints_and_carries_the_interval(capsys):
+    argv = ["plan", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--global-batch", "32",
+            "--seq-len", "4096", "--top", "2", "--tp", "2", "--pp", "1", "--micro-batch-size", "1"]
+    top = _json(capsys, argv)
+    assert all(e["interval"]["tflops_per_gpu_high"] > e["interval"]["tflops_per_gpu_low"] for e in top)
+    assert main(argv) == 0
+    assert "80% interval" in capsys.readouterr().out
+
+
+def test_cpu_estimate_has_no_interval_from_gpu_runs(capsys):
+    d = _json(capsys, ["estimate", "--model", "tiny", "--gpu", "cpu", "--gpus", "2", "--pp", "2",
+                       "--global-batch", "4", "--seq-len", "64"])
+    assert "interval" not in d
+
+
+def test_framework_presets_set_internals():
+    assert framework_job_fields("megatron", "fp8")["fp8_params"] is True
+    assert framework_job_fields("nemo", "fp8")["fp8_params"] is False
+    assert framework_job_fields("megatron", "bf16")["grad_fp32"] is True
+    assert framework_job_fields("megatron", "fp8")["grad_fp32"] is False
+    assert framework_job_fields("torchtitan", "bf16")["eager_ops"] is True
+    assert {"megatron", "nemo", "torchtitan", "commpipe"} <= set(FRAMEWORKS)
+
+
+def test_default_framework_on_gpus_is_megatron(capsys):
+    """Without --framework a GPU estimate is Megatron's: TP overlap on (TE userbuffers hide the
+    TP collectives), unlike torchtitan's, which exposes them."""
+    default = _json(capsys, EST)
+    megatron = _json(capsys, EST + ["--framework", "megatron"])
+    titan = _json(capsys, EST + ["--framework", "torchtitan"])
+    assert default["step_time_s"] == megatron["step_time_s"]
+    assert megatron["breakdown_s"]["tp"] < titan["breakdown_s"]["tp"]
+
+
+def test_nemo_fp8_keeps_bf16_weights_beside_fp8_copies(capsys):
+    fp8 = EST + ["--precision", "fp8"]
+    nemo = _json(capsys, fp8 + ["--framework", "nemo"])
+    megatron = _json(capsys, fp8 + ["--framework", "megatron"])
+    assert nemo["memory_gb_per_gpu"] > megatron["memory_gb_per_gpu"]
+
+
+def test_gpu_framework_on_cpu_fails_early(capsys):
+    assert main(["estimate", "--model", "tiny", "--gpu", "cpu", "--gpus", "2", "--pp", "2",
+                 "--global-batch", "4", "--seq-len", "64", "--framework", "megatron"]) == 2
+    assert "--gpu cpu prices commpipe's own runtime" in capsys.readouterr().err
