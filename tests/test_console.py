@@ -392,3 +392,25 @@ def test_demo_counts_a_reaction_whose_change_dates_from_before_settled_trials(tm
         (2, 12, 1)
     assert "detected 2 steps later: dp_cp [0, 1, 2, 3] all_reduce (onset step 6)" in text
     assert "the controller reached the best static layout, pp2-dp2 (200 ms)" in text
+
+
+def test_monitored_run_ends_with_the_reports_bandwidth_per_dimension_and_link_class(tmp_path):
+    from commpipe.report.links import class_summary, link_rows
+    from commpipe.train.console import format_rate
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "-m", "--", "commpipe", "train", "--pp", "2", "--steps", "4", "--seq-len", "16",
+           "--global-batch", "4", "--comm-monitor", "all", "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    rows = class_summary(link_rows(out, warmup=1))       # the report's link-class table
+    assert [(r["dim"], r["link_class"]) for r in rows] == [("pp", "intra_node")]
+    r = rows[0]
+    assert lines[-2] == (f"commpipe: measured bandwidth (median): PP intra-node "
+                         f"{format_rate(r['gbps'])} ({r['transfer_ms']:#.3g}".rstrip(".")
+                         + f" ms per call, {r['links']} links)")
+    assert lines[-3] == f"commpipe: files in {out}: metrics.jsonl, config.json, monitor/"
+    assert lines[-1] == f"commpipe: full report: commpipe report {out}"
