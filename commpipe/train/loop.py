@@ -66,12 +66,21 @@ def pick_device(name: str) -> torch.device:
 
 
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up for warmup_steps, then cosine decay to min_lr at the last step."""
+    """The learning rate of step `step` (0-based) of a `cfg.steps`-step run: Megatron-LM's
+    linear warm-up then cosine decay (OptimizerParamScheduler), counted so that the first step
+    does not train at lr 0 and the last one trains at min_lr (Megatron's first iteration has its
+    warm-up's lr 0 and it reaches min_lr one step after its last). Warm-up step
+    i < warmup_steps trains at lr * (i + 1) / warmup_steps, the last of them at the peak lr
+    (without warm-up, step 0 is the peak); the cosine runs from that peak step to min_lr at
+    step steps - 1, and stays there after it. A warm-up as long as the run never decays."""
     o = cfg.optim
     if step < o.warmup_steps:
         return o.lr * (step + 1) / o.warmup_steps
-    span = max(cfg.steps - o.warmup_steps, 1)
-    progress = min((step - o.warmup_steps) / span, 1.0)
+    peak = max(o.warmup_steps - 1, 0)
+    span = cfg.steps - 1 - peak                         # steps from the peak to the last one
+    if span <= 0:
+        return o.lr
+    progress = min((step - peak) / span, 1.0)
     return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * progress))
 
 
