@@ -6,6 +6,7 @@ One record, one or more lines: each detection it acted on, then the decision. Re
   trial          a plan measured during the trial phase (`plan`, `predicted_ms`, `measured_ms`)
   settle         the end of a trial phase (`to`, `measured`, `reason`)
   relaunched     a switch finished by checkpoint and relaunch
+  resumed        a --resume of an adaptive run: the plan it continues in (`to`) and why
 """
 
 from __future__ import annotations
@@ -63,6 +64,10 @@ def decision_line(rec: dict) -> str:
         cost = f"; the trials cost {rec['trial_cost_s']:.2f} s" if "trial_cost_s" in rec else ""
         return (f"{PREFIX} step {step}: settled on {_plan(rec['to'])} at "
                 f"{_ms(rec['measured_ms'])}, {rec.get('reason', 'fastest measured')}{moved}{cost}")
+    if action == "resumed":
+        return f"{PREFIX} step {step}: {rec.get('reason', 'resumed')}"
+    if action == "resumed":
+        return f"{PREFIX} step {step}: resumed in {_plan(rec['to'])} ({rec.get('reason')})"
     if action == "relaunched":
         return (f"{PREFIX} step {step}: relaunched under {_plan(rec['to'])} "
                 f"({rec['switch_time_s']:.1f} s after the request)")
