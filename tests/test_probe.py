@@ -24,21 +24,50 @@ def test_probe_fit_recovers_latency_and_bandwidth():
 
 
 def test_probe_cli_writes_schema(tmp_path, capfd):
+    """Two ranks spawned on this host are one node: the pair is intra_node, none is inter_node."""
     from commpipe.cli import main
 
     out = tmp_path / "probe.json"
-    assert main(["probe", "--nproc", "2", "--ranks-per-node", "1", "--sizes", "4K,256K",
-                 "--iters", "2", "--out", str(out)]) == 0
+    assert main(["probe", "--nproc", "2", "--sizes", "4K,256K", "--iters", "2", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert (res["world_size"], res["ranks_per_node"]) == (2, 1)
-    assert res["pairs"]["intra_node"] is None                     # one rank per node
-    inter = res["pairs"]["inter_node"]
-    assert inter["ranks"] == [0, 1] and inter["latency_ms"] >= 0 and inter["bandwidth_gbps"] > 0
-    assert [s["bytes"] for s in inter["sizes"]] == [4096, 262144]
+    assert (res["world_size"], res["ranks_per_node"], res["nodes"]) == (2, 2, 1)
+    assert res["node_of_rank"] == [0, 0]
+    assert res["pairs"]["inter_node"] is None                     # one host, one node
+    intra = res["pairs"]["intra_node"]
+    assert intra["ranks"] == [0, 1] and intra["latency_ms"] >= 0 and intra["bandwidth_gbps"] > 0
+    assert [s["bytes"] for s in intra["sizes"]] == [4096, 262144]
     (ar,) = res["allreduce"]
     big = ar["sizes"][1]
     assert ar["group_size"] == 2 and big["busbw_gbps"] == pytest.approx(big["algbw_gbps"])  # 2(n-1)/n = 1
-    assert "inter_node" in capfd.readouterr().out
+    table = capfd.readouterr().out
+    assert "on 1 node(s)" in table and "inter_node" in table and "not measured" in table
+
+
+def test_pairs_follow_the_nodes_the_ranks_run_on():
+    from commpipe.monitor.probe import node_numbers, probe_pairs
+
+    # two hosts, ranks in blocks (torchrun's order) and round robin
+    assert node_numbers(["a", "a", "b", "b"]) == [0, 0, 1, 1]
+    assert probe_pairs([0, 0, 1, 1]) == {"intra_node": (0, 1), "inter_node": (0, 2)}
+    assert probe_pairs(node_numbers(["b", "a", "b", "a"])) == {"intra_node": (0, 2), "inter_node": (0, 1)}
+    assert probe_pairs([0, 0, 0, 0]) == {"intra_node": (0, 1), "inter_node": None}   # one host
+    assert probe_pairs([0, 1]) == {"intra_node": None, "inter_node": (0, 1)}          # one rank per node
+
+
+def test_declared_nodes_that_do_not_exist_are_refused(capsys):
+    """--ranks-per-node 2 on 4 ranks spawned here would label a loopback pair inter_node: refused
+    before any process starts, saying where the ranks run."""
+    from commpipe.cli import main
+
+    assert main(["probe", "--nproc", "4", "--ranks-per-node", "2", "--sizes", "4K,8K"]) == 2
+    err = capsys.readouterr().err
+    assert "--ranks-per-node 2 does not match where the ranks run: all 4 ranks run on one node" in err
+    from commpipe.monitor.probe import check_ranks_per_node
+
+    check_ranks_per_node(2, [0, 0, 1, 1])                    # matches: accepted
+    check_ranks_per_node(None, [0, 0, 0, 1])                 # nothing declared
+    with pytest.raises(ValueError, match="2 nodes holding 3, 1 ranks"):
+        check_ranks_per_node(2, [0, 0, 0, 1])
 
 
 def test_rendezvous_port_is_free_and_below_the_ephemeral_range():

@@ -1,11 +1,17 @@
 """`commpipe probe`: measure link latency and bandwidth before training.
 
-    commpipe probe --nproc 4 --ranks-per-node 2 --out probe.json        # spawns 4 local ranks
+    commpipe probe --nproc 4 --out probe.json        # 4 ranks on this host: one node
     torchrun --nnodes 2 --nproc-per-node 8 ... -m commpipe probe --out probe.json
 
-Point-to-point: rank 0 ping-pongs messages of every size with rank 1 (same node) and with
-rank R (the first rank of the next node; node = rank // ranks_per_node, ranks_per_node from
---ranks-per-node or torchrun's LOCAL_WORLD_SIZE); one-way time = median round trip / 2.
+Nodes are where the ranks actually run, found as the monitor finds them
+(commpipe.monitor.clock.node_identity: host name, boot id and network namespace), so ranks of one
+host form one node and each namespace of the emulated cluster is a node of its own. Ranks spawned
+by --nproc all run on this host: one node, every pair intra_node. --ranks-per-node, when given,
+is checked against the nodes found, never used to draw a node boundary that does not exist.
+
+Point-to-point: rank 0 ping-pongs messages of every size with the first other rank on its node
+(intra_node) and with the first rank on another node (inter_node); one-way time = median round
+trip / 2.
 All-reduce: every block of g consecutive ranks all-reduces together, for g = 2, 4, ... up to
 the world (all blocks at once, as data-parallel groups do); rank 0's group is reported.
 
@@ -14,13 +20,14 @@ relative error (so small messages weigh as much as large ones): latency = fitted
 bandwidth = 1 / fitted slope, in ms and decimal GB/s.
 
 JSON written by --out (schema "commpipe-probe/1", loadable by the cost model):
-  {"schema", "world_size", "ranks_per_node", "backend", "device", "fit",
+  {"schema", "world_size", "ranks_per_node", "nodes", "node_of_rank", "backend", "device", "fit",
    "pairs": {"intra_node": {"ranks": [0, 1], "latency_ms", "bandwidth_gbps", "bandwidth_from",
                             "sizes": [{"bytes", "time_ms", "bandwidth_gbps"}, ...]} | null,
              "inter_node": {...} | null},
    "allreduce": [{"group_size", "ranks", "latency_ms", "busbw_gbps", "bandwidth_from",
                   "sizes": [{"bytes", "time_ms", "algbw_gbps", "busbw_gbps"}, ...]}, ...]}
 A class is null when the layout has no such pair (one node, or one rank per node).
+ranks_per_node is the number of ranks on rank 0's node.
 """
 
 from __future__ import annotations
@@ -39,7 +46,8 @@ def add_arguments(p) -> None:
     p.add_argument("--nproc", type=int, default=2,
                    help="local processes to spawn when not under torchrun (default 2)")
     p.add_argument("--ranks-per-node", type=int, default=None,
-                   help="ranks per node (default: LOCAL_WORLD_SIZE under torchrun, else --nproc)")
+                   help="expected ranks per node, checked against the nodes the ranks run on "
+                        "(default: not checked; with --nproc every rank is on this host)")
     p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"message sizes (default {DEFAULT_SIZES})")
     p.add_argument("--iters", type=int, default=5, help="timed repetitions per size (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed repetitions per size (default 1)")
@@ -85,16 +93,44 @@ def fit_latency_bandwidth(sizes: list[int], times_s: list[float]) -> tuple[float
     return max(float(a), 0.0), float(s[i] / t[i]), "largest message (time does not grow with size)"
 
 
-def _check(args, world: int) -> int:
+def _check(args, world: int) -> None:
     if world < 2:
         raise ValueError(f"probe needs at least 2 ranks (world size {world}); "
                          "use --nproc 2 or torchrun --nproc-per-node 2")
-    rpn = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if not 1 <= rpn <= world:
+    rpn = args.ranks_per_node
+    if rpn is not None and not 1 <= rpn <= world:
         raise ValueError(f"--ranks-per-node {rpn} must be between 1 and the world size {world}")
     if args.iters < 1 or args.warmup < 0:
         raise ValueError("--iters must be >= 1 and --warmup >= 0")
-    return rpn
+
+
+def node_numbers(identities: list) -> list[int]:
+    """Node of every rank from its node identity, nodes numbered by their first rank."""
+    firsts = list(dict.fromkeys(identities))
+    return [firsts.index(h) for h in identities]
+
+
+def probe_pairs(node_of: list[int]) -> dict[str, tuple[int, int] | None]:
+    """The pair measured per link class: rank 0 with the first other rank on its node, and with
+    the first rank on another node; None when there is no such rank."""
+    same = [r for r in range(1, len(node_of)) if node_of[r] == node_of[0]]
+    other = [r for r in range(1, len(node_of)) if node_of[r] != node_of[0]]
+    return {"intra_node": (0, same[0]) if same else None,
+            "inter_node": (0, other[0]) if other else None}
+
+
+def check_ranks_per_node(declared: int | None, node_of: list[int]) -> None:
+    """--ranks-per-node must describe the nodes the ranks run on."""
+    counts = [node_of.count(n) for n in sorted(set(node_of))]
+    if declared is None or all(c == declared for c in counts):
+        return
+    found = (f"all {len(node_of)} ranks run on one node (one host, one network namespace)"
+             if len(counts) == 1 else f"the ranks run on {len(counts)} nodes holding "
+             f"{', '.join(map(str, counts))} ranks")
+    raise ValueError(f"--ranks-per-node {declared} does not match where the ranks run: {found}. "
+                     "The probe labels a pair inter_node only when its ranks are on different nodes; "
+                     "drop --ranks-per-node, or launch with torchrun on each node (or on the emulated "
+                     "cluster, `commpipe cluster up`) to measure links between nodes")
 
 
 def run(args) -> int:
@@ -108,6 +144,7 @@ def run(args) -> int:
         _probe(args)
         return 0
     _check(args, args.nproc)
+    check_ranks_per_node(args.ranks_per_node, [0] * args.nproc)   # spawned here: one node
     import torch.multiprocessing as mp
 
     from commpipe.cluster.ports import free_port
@@ -171,18 +208,23 @@ def _allreduce(comm, nbytes: int, iters: int, warmup: int) -> float:
 def _probe(args) -> None:
     import torch
 
+    from commpipe.monitor.clock import node_identity
     from commpipe.monitor.records import busbw_factor
     from commpipe.parallel.comm import Comm, init_distributed
     from commpipe.parallel.dims import ParallelDims
 
     rank, world = init_distributed(args.backend)
-    rpn = _check(args, world)
+    _check(args, world)
     sizes = parse_sizes(args.sizes)
     on_gpu = torch.cuda.is_available() and args.backend != "gloo"
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if on_gpu else torch.device("cpu")
     comm = Comm(ParallelDims(dp=world), rank, device=device)
-    pairs = {"intra_node": (0, 1) if rpn >= 2 else None, "inter_node": (0, rpn) if rpn < world else None}
-    result = {"schema": "commpipe-probe/1", "world_size": world, "ranks_per_node": rpn,
+    node_of = node_numbers(comm.gather_objects(node_identity(), "world"))
+    check_ranks_per_node(args.ranks_per_node, node_of)     # the same verdict on every rank
+    pairs = probe_pairs(node_of)
+    result = {"schema": "commpipe-probe/1", "world_size": world,
+              "ranks_per_node": node_of.count(node_of[0]), "nodes": len(set(node_of)),
+              "node_of_rank": node_of,
               "backend": "nccl" if on_gpu else "gloo", "device": str(device),
               "fit": "t(bytes) = latency + bytes / bandwidth; least squares on relative error",
               "pairs": {}, "allreduce": []}
@@ -244,12 +286,13 @@ def _write_result(path: str, result: dict) -> None:
 
 
 def format_table(result: dict) -> str:
-    lines = [f"probe: {result['world_size']} ranks, {result['ranks_per_node']} per node, "
+    lines = [f"probe: {result['world_size']} ranks on {result.get('nodes', '?')} node(s), "
+             f"{result['ranks_per_node']} on rank 0's node, "
              f"{result['backend']} on {result['device']}  ({result['fit']})", ""]
     lines.append(f"{'link':<22}{'ranks':>8}{'latency ms':>12}{'GB/s':>10}   per size: bytes -> GB/s")
     for name, p in result["pairs"].items():
         if p is None:
-            lines.append(f"{name:<22}{'-':>8}   (no such pair in this layout)")
+            lines.append(f"{name:<22}{'-':>8}   (not measured: no such pair where the ranks run)")
             continue
         per = "  ".join(f"{_human(s['bytes'])}:{s['bandwidth_gbps']:.3g}" for s in p["sizes"])
         lines.append(f"{name:<22}{'-'.join(map(str, p['ranks'])):>8}{p['latency_ms']:>12.4f}"
