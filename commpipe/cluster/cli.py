@@ -5,6 +5,7 @@
     commpipe cluster rate --node 2 --inter-node-mbit 20      # degrade node 2's link (job running)
     commpipe cluster run --node 1 -- ip addr                 # a command inside node 1
     commpipe cluster down                                    # remove everything (also leftovers)
+    commpipe cluster down --sweep runs/demo                  # what a killed sweep left behind
 
 Needs root and iproute2; see commpipe/cluster/netns.py for the topology.
 """
@@ -36,6 +37,9 @@ def add_options(p) -> None:
     p.add_argument("--node", type=int, default=0, help="node for `rate` and `run`")
     p.add_argument("--prefix", default="cpn", help="name prefix of namespaces and links (default cpn)")
     p.add_argument("--json", action="store_true", help="`status`: print the raw JSON")
+    p.add_argument("--sweep", default=None, metavar="DIR",
+                   help="`down`: the prefix of the cluster that `commpipe sweep --out DIR` built "
+                        "(read from DIR/cluster.json)")
 
 
 def split_rest(args) -> None:
@@ -83,6 +87,22 @@ def _rates(text):
     return parse_rates(text)
 
 
+def sweep_prefix(sweep_dir) -> str:
+    """The namespace prefix an emulated sweep wrote to its folder before building the cluster."""
+    from commpipe.cluster.sweep import CLUSTER_FILE
+    from commpipe.jsonfile import read_json_object
+
+    path = os.path.join(sweep_dir, CLUSTER_FILE)
+    if not os.path.exists(path):
+        raise ValueError(f"--sweep {sweep_dir}: no {CLUSTER_FILE} there; only a sweep on an emulated "
+                         "cluster writes one (a local sweep builds no namespaces)")
+    prefix = read_json_object(path, "cluster").get("prefix")
+    if not isinstance(prefix, str) or not prefix.isalnum():
+        raise ValueError(f"{path}: prefix = {json.dumps(prefix)}: expected the cluster's "
+                         "alphanumeric name prefix, e.g. \"cps1234\"")
+    return prefix
+
+
 def run(args) -> int:
     split_rest(args)
     try:
@@ -94,6 +114,8 @@ def run(args) -> int:
 
 def _run(args) -> int:
     if args.action == "down":
+        if args.sweep:
+            args.prefix = sweep_prefix(args.sweep)
         removed = netns.cleanup_stale(args.prefix)
         netns._state_file(args.prefix).unlink(missing_ok=True)
         print(f"removed {len(removed['namespaces'])} namespaces and {len(removed['links'])} links "

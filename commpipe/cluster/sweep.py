@@ -13,6 +13,12 @@ the reason. A failing layout never stops the sweep. Re-running the same command 
 already recorded with the same settings (--retry-failed reruns failures, --force everything); a
 torn last line of sweep.jsonl (a sweep killed while writing it) is dropped with a warning and
 its layout runs again.
+
+SIGTERM or SIGINT stops the layout in progress (its torchrun process group, started in a session
+of its own, gets SIGTERM, then SIGKILL), records it as interrupted (it runs again on a rerun),
+tears down the emulated cluster and exits with 128 + the signal number. The emulated cluster's
+name prefix is printed at the start and written to OUT/cluster.json, so that after a SIGKILL
+`commpipe cluster down --sweep OUT` removes what was left.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -35,9 +42,18 @@ from commpipe.cluster.launch import (
     run_commands,
     train_flags,
 )
-from commpipe.files import check_out_dir, read_text
+from commpipe.cluster.sweep_state import (  # noqa: F401  (read_status, last_step: public here too)
+    CLUSTER_FILE,
+    STATUS_FILE,
+    Interrupted,
+    _drop_torn_tail,
+    last_step,
+    read_status,
+    record_status,
+    signals_interrupt,
+)
+from commpipe.files import check_out_dir
 
-STATUS_FILE = "sweep.jsonl"
 TRAIN_FLAGS = ("model", "steps", "seq_len", "global_batch", "micro_batch_size", "microbatches", "seed",
                "schedule", "comm_monitor", "trace", "lr", "data", "device")
 
@@ -71,74 +87,6 @@ def fingerprint(layout: Layout, train: dict) -> str:
             pass
     blob = json.dumps({"layout": layout.grid_dict(), "train": flags}, sort_keys=True, default=str)
     return hashlib.sha1(blob.encode()).hexdigest()[:12]
-
-
-def read_status(out_dir, warn=None) -> dict[str, dict]:
-    """Latest status line per layout name. A torn last line (a sweep killed while writing it)
-    is skipped with a warning, so its layout runs again; any other unreadable line is an error
-    naming it."""
-    path = Path(out_dir) / STATUS_FILE
-    latest = {}
-    if not path.exists():
-        return latest
-    lines = read_text(path, "sweep status").splitlines()
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-            if not isinstance(rec, dict) or not isinstance(rec.get("name"), str):
-                raise ValueError("no layout name")
-        except ValueError as e:
-            if i == len(lines):
-                (warn or _warn)(f"warning: {path}:{i}: ignoring a torn last line (a sweep was "
-                                "stopped while writing it); its layout runs again")
-                continue
-            raise ValueError(f"{path}:{i}: not a status record ({e}); each line must be one "
-                             "JSON object with the layout's name: fix or delete that line") from None
-        latest[rec["name"]] = rec
-    return latest
-
-
-def _drop_torn_tail(path: Path) -> None:
-    """Appends must start on a line of their own: a last line without its newline is cut off
-    when it is not a record (a torn write), else completed."""
-    if not path.is_file():
-        return
-    data = path.read_bytes()
-    if not data or data.endswith(b"\n"):
-        return
-    cut = data.rfind(b"\n") + 1
-    try:
-        json.loads(data[cut:])
-    except ValueError:
-        with open(path, "r+b") as f:
-            f.truncate(cut)
-        return
-    with open(path, "ab") as f:
-        f.write(b"\n")
-
-
-def _warn(text: str) -> None:
-    print(text, file=sys.stderr)
-
-
-def last_step(run_dir: Path) -> int | None:
-    """The step of the last complete line of run_dir/metrics.jsonl (read from the tail)."""
-    path = run_dir / "metrics.jsonl"
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 4096))
-            lines = f.read().decode(errors="replace").splitlines()
-    except OSError:
-        return None
-    for line in reversed(lines):
-        try:
-            return int(json.loads(line)["step"])
-        except (ValueError, KeyError, TypeError):
-            continue
-    return None
 
 
 # -- runners: (layout, train, run_dir, poll) -> RunResult ----------------------------------------
@@ -200,7 +148,7 @@ def run_sweep(grid: Grid, out_dir, runner, train: dict | None = None, *, retry_f
         run_dir = out / layout.name
         fp = fingerprint(layout, train)
         prev = done.get(layout.name)
-        if prev and prev.get("fingerprint") == fp and not force:
+        if prev and prev.get("fingerprint") == fp and not force and prev["status"] != "interrupted":
             finished = prev["status"] == "ok" and (run_dir / "metrics.jsonl").exists()
             if finished or (prev["status"] != "ok" and not retry_failed):
                 log(f"[{i + 1}/{len(grid.layouts)}] {layout.name}: already {prev['status']}, skipped")
@@ -225,14 +173,17 @@ def run_sweep(grid: Grid, out_dir, runner, train: dict | None = None, *, retry_f
                 s = last_step(run_dir)
                 bar.set_postfix_str(f"step {'-' if s is None else s + 1}/{steps}, {elapsed:.0f} s")
 
-            result = runner(layout, train, run_dir, poll)
-        rec = {"name": layout.name, "label": layout.label, **{k: v for k, v in layout.grid_dict().items()
-                                                               if k not in ("name", "extra")},
-               "status": result.status, "reason": result.reason, "elapsed_s": round(result.elapsed_s, 2),
-               "cluster": runner.describe() if hasattr(runner, "describe") else {},
-               "train": {**train, **layout.extra}, "fingerprint": fp, "finished_at": time.time()}
-        with open(out / STATUS_FILE, "a") as f:
-            f.write(json.dumps(rec, default=str) + "\n")
+            started = time.monotonic()
+            try:
+                result = runner(layout, train, run_dir, poll)
+            except Interrupted as e:    # the runner's `finally` has stopped the layout's processes
+                elapsed = time.monotonic() - started
+                result = RunResult("interrupted", f"stopped by {e} after {elapsed:.0f} s; it runs "
+                                   "again when the sweep is rerun", None, elapsed)
+                record_status(out, layout, result, runner, train, fp)
+                log(f"[{i + 1}/{len(grid.layouts)}] {layout.name}: interrupted by {e}")
+                raise
+        rec = record_status(out, layout, result, runner, train, fp)
         records.append(rec)
         bar.update(1)
         msg = "ok" if result.ok else f"{result.status}: {result.reason}"
@@ -250,17 +201,25 @@ def _progress(total: int, enabled: bool):
 
 
 def make_runner(kind: str, nodes: int, ranks_per_node: int, inter_node_mbit=None, timeout_s: float = 900.0,
-                log=print, prefix: str | None = None):
+                log=print, prefix: str | None = None, out_dir=None):
     """(runner, cluster or None). kind: emulated | local | auto; emulated falls back to local with
-    a message when namespaces cannot be built here."""
+    a message when namespaces cannot be built here. The emulated cluster's prefix is logged and,
+    with `out_dir`, written to OUT/cluster.json before any namespace exists."""
     from commpipe.cluster import netns
 
     if kind in ("emulated", "auto"):
         ok, why = netns.available()
         if ok:
             cluster = netns.EmulatedCluster(nodes, ranks_per_node, inter_node_mbit,
-                                            prefix=prefix or f"cps{os.getpid() % 100000}").up()
-            return EmulatedRunner(cluster, timeout_s), cluster
+                                            prefix=prefix or f"cps{os.getpid() % 100000}")
+            where = ""
+            if out_dir is not None:
+                path = Path(out_dir) / CLUSTER_FILE
+                path.write_text(json.dumps({**cluster.describe(), "pid": os.getpid()}, indent=1) + "\n")
+                where = f" (also in {path})"
+            log(f"emulated cluster: namespaces {cluster.prefix}n0..{cluster.prefix}n{nodes - 1}; if this "
+                f"sweep is killed, remove them with `commpipe cluster down --prefix {cluster.prefix}`{where}")
+            return EmulatedRunner(cluster.up(), timeout_s), cluster
         log(f"emulated cluster unavailable ({why}); running every rank on this host over loopback")
     elif kind != "local":
         raise ValueError(f"--cluster {kind!r}: use emulated, local, auto or slurm")
@@ -358,14 +317,20 @@ def run(args) -> int:
         print(f"wrote {len(paths) - 1} sbatch scripts; submit them with: bash {paths[-1]}")
         print(f"then: commpipe report {args.out}")
         return 0
-    runner, cluster = make_runner(args.cluster, args.nodes, args.ranks_per_node, rates, args.timeout)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    cluster = None
     try:
-        records = run_sweep(grid, args.out, runner, train, retry_failed=args.retry_failed, force=args.force,
-                            progress=not args.no_progress)
-    except KeyboardInterrupt:
-        print(f"\ninterrupted; the layout in progress was not recorded. Run the same command again to "
-              f"resume (finished layouts are in {args.out}/{STATUS_FILE})", file=sys.stderr)
-        return 130
+        with signals_interrupt():
+            runner, cluster = make_runner(args.cluster, args.nodes, args.ranks_per_node, rates,
+                                          args.timeout, out_dir=args.out)
+            records = run_sweep(grid, args.out, runner, train, retry_failed=args.retry_failed,
+                                force=args.force, progress=not args.no_progress)
+    except (Interrupted, KeyboardInterrupt) as e:
+        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+        print(f"\n{signal.Signals(signum).name}: the sweep stopped; the layout in progress is recorded as "
+              f"interrupted. Run the same command again to resume (results so far in "
+              f"{args.out}/{STATUS_FILE})", file=sys.stderr)
+        return 128 + signum
     finally:
         if cluster is not None:
             cluster.teardown()
@@ -391,7 +356,9 @@ def run_demo_sweep(out_dir, nodes: int = 4, ranks_per_node: int = 2, inter_node_
     # every call timed, so each layout's timeline shows all of its communication
     train = {"steps": steps, "seq_len": seq_len, "trace": True,
              "comm_monitor": "all"}
-    runner, emu = make_runner(cluster, nodes, ranks_per_node, inter_node_mbit, timeout_s, log=log)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    runner, emu = make_runner(cluster, nodes, ranks_per_node, inter_node_mbit, timeout_s, log=log,
+                              out_dir=out_dir)
     try:
         run_sweep(grid, out_dir, runner, train, progress=progress, log=log)
     finally:
