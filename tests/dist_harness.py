@@ -30,7 +30,8 @@ def _worker(rank: int, world: int, port: int, jobs: list, outdir: str) -> None:
             cfg.resolve(world)
             trainer = Trainer.build(cfg, Comm(cfg.dims, rank))
             trainer.capture_grads = True
-            for bug in plant:      # tests of the tests: a deliberate bug, see test_mutations.py
+            # tests of the tests: a deliberate bug, e.g. test_equivalence.py's PLANTED
+            for bug in plant:
                 bug(trainer)
             records = [trainer.train_step() for _ in range(cfg.steps)]
             results[key] = {
@@ -82,6 +83,8 @@ def assemble(rank_results: list) -> dict:
                 full[rep] = (torch.cat([s[0] for s in order], tp_dim),
                              torch.cat([s[1] for s in order], tp_dim))
         first = full[min(full)]
+        # bit-equal by construction: every DP/CP replica takes its gradients from the same
+        # all-reduce (or its parameters from ZeRO-1's broadcast) and runs the same update
         for value in full.values():
             replicas_equal &= torch.equal(value[0], first[0])
         params[name], grads[name] = first

@@ -197,7 +197,7 @@ def test_stp_table_p4():
            for name in ("interleaved", "zbv", "stp", "dualpipev") for m in (8, 16)}
     for m in (8, 16):
         # interleaved 1F1B exposes every collective: 2m chunk passes F and B per rank, each
-        # 0.3 / 2 = 0.15 -> 0.6 m (MISSION's 2m T_AR with T_AR = F + B per chunk)
+        # 0.3 / 2 = 0.15 -> 0.6 m (the STP paper's 2m T_AR with T_AR = F + B per chunk)
         assert res[("interleaved", m)]["tp_bubble"] == pytest.approx(0.6 * m)
         assert res[("zbv", m)]["tp_bubble"] == pytest.approx(0.6 * m)    # W carries none
         assert res[("stp", m)]["makespan"] < min(res[("interleaved", m)]["makespan"],

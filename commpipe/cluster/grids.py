@@ -194,7 +194,7 @@ def _renamed(flags: dict) -> dict:
 
 
 # -- presets ----------------------------------------------------------------------------------
-# The study's grid (../shared/data/study_perlmutter_llama8b.csv): 16 GPUs, 4 nodes x 4.
+# The study's grid (9 layouts swept with Megatron-LM on NERSC Perlmutter): 16 GPUs, 4 nodes x 4.
 STUDY_LAYOUTS = [(4, 1, 4, 1), (2, 2, 4, 1), (1, 4, 4, 1), (1, 1, 8, 2), (1, 2, 8, 1),
                  (2, 1, 8, 1), (4, 1, 2, 2), (2, 2, 2, 2), (1, 1, 16, 1)]   # (tp, cp, pp, dp)
 
