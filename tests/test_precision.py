@@ -116,6 +116,7 @@ def test_deferred_weight_grad_under_autocast_matches_autograd():
     WeightGradStore.flush(store.take())
     for a, b in zip(split.parameters(), plain.parameters()):
         assert a.grad.dtype == torch.float32                    # the master weight's dtype
+        # bit for bit: the same bf16 GEMM autograd runs (grad_out^T x), cast to fp32 alike
         torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0)
 
 
@@ -141,6 +142,8 @@ def test_one_process_bf16_tracks_fp32_and_keeps_fp32_master_state():
     for t in (trainer, zb):
         assert_losses_fp32_of_bf16_logits(t.test_log, "one process")
     for name, g in zb.last_grads.items():
+        # bit for bit under bf16: W's GEMMs are autograd's, and their fp32 results are summed
+        # over micro-batches by the same add as autograd's (the fused addmm_ is fp32's alone)
         torch.testing.assert_close(g, trainer.last_grads[name], rtol=0, atol=0)
     for t in (trainer, zb):
         assert {p.dtype for p in t.params} == {torch.float32}

@@ -1,7 +1,14 @@
 """The I/W split of zero-bubble schedules (commpipe.runtime.weight_grad) for Linears with a bias:
-the deferred dW and db equal autograd's own gradients bit for bit (fp32 and bf16 autocast), for
-a bias inside the GEMM and one added after a reduction (row-parallel TP); and under ZB-H1 every
-Linear weight and bias of blip-tiny is deferred to the W actions, with 1F1B's gradients.
+the deferred dW and db equal autograd's own gradients (fp32 and bf16 autocast), for a bias
+inside the GEMM and one added after a reduction (row-parallel TP); and under ZB-H1 every Linear
+weight and bias of blip-tiny is deferred to the W actions, with 1F1B's gradients.
+
+Bit for bit where the operations are the same: one micro-batch's dW is the GEMM autograd runs
+(grad_out^T x, same operands and shapes), db the same sum, and bf16 gradients are accumulated
+by the same fp32 add. An fp32 dW accumulated over micro-batches is not: the flush folds the
+running gradient into the GEMM (addmm_), whose kernel adds it at a point of the sum of its own
+choosing (the CPU's BLAS decides), where autograd adds two finished products; those are
+compared within WGRAD_EPS_FACTOR eps of the tensor's largest entry.
 
     python -m pytest -q tests/test_weight_grad_split.py
 """
@@ -16,7 +23,12 @@ from commpipe.parallel.comm import Comm
 from commpipe.parallel.dims import ParallelDims
 from commpipe.runtime.weight_grad import WeightGradStore, enable_weight_grad_split, route_linear
 from commpipe.train.loop import Trainer
+from tests.reference import assert_close_to
 from tests.test_equivalence import make_cfg
+
+# fp32 accumulation in another order: a few eps of the largest entry (measured: 2 on the Linears
+# below, K = 15 tokens per micro-batch; 3 on blip-tiny's); a gradient off by 1e-4 is 100x that
+WGRAD_EPS_FACTOR = 8
 
 
 def _pair(row_style: bool):
@@ -50,9 +62,14 @@ def test_deferred_weight_and_bias_grads_equal_autograd(dtype, row_style):
         if mb == 0:
             assert all(p.grad is None for p in split.parameters())
         WeightGradStore.flush(items)
-    for (name, a), b in zip(split.named_parameters(), plain.parameters()):
-        assert a.grad.dtype == torch.float32, name
-        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+        for (name, a), b in zip(split.named_parameters(), plain.parameters()):
+            assert a.grad.dtype == torch.float32, name
+            if mb == 1 and dtype == torch.float32 and name.endswith("weight"):
+                # accumulated by addmm_ against autograd's separate add (module docstring)
+                assert_close_to(a.grad, b.grad, rtol=0, eps_factor=WGRAD_EPS_FACTOR, label=name)
+            else:
+                torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0,
+                                           msg=lambda m, n=f"{name} after micro-batch {mb}": f"{n}: {m}")
 
 
 def _blip(schedule: str):
@@ -81,7 +98,7 @@ def test_blip_zbh1_defers_every_linear_weight_and_bias():
         deferred = {id(p) for item in items for p in item[:2] if p is not None}
         assert deferred == linear, "an I action computed some Linear weight or bias gradient itself"
         assert sum(w is not None for w, *_ in items) >= 50    # weight GEMMs per micro-batch
-    assert zb_loss == ref_loss
+    assert zb_loss == ref_loss          # the forward runs the same operations in the same order
     for name, g in ref.last_grads.items():
-        torch.testing.assert_close(zb.last_grads[name], g, rtol=0, atol=0,
-                                   msg=lambda m, n=name: f"{n}: {m}")
+        # W's addmm_ accumulates micro-batches where 1F1B's autograd adds (module docstring)
+        assert_close_to(zb.last_grads[name], g, rtol=0, eps_factor=WGRAD_EPS_FACTOR, label=name)
