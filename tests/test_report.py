@@ -279,3 +279,37 @@ def test_pp_raw_is_wait_plus_transfer_over_the_same_calls(tmp_path):
         assert r["pp_raw_ms"] >= r["pp_wait_ms"] and r["pp_raw_ms"] >= r["pp_latency_ms"]
     (p,) = rows
     assert (p["pp_wait_ms"], p["pp_latency_ms"], p["pp_raw_ms"]) == pytest.approx((10.0, 1.0, 11.0))
+
+
+def test_grid_text_stays_text_in_report_md_and_results_csv(tmp_path):
+    """Names, reasons and flags come from the grid and the logs: report.md shows them escaped
+    (no raw HTML, no cell that splits its table row), results.csv keeps them as data and defuses
+    a cell a spreadsheet would run as a formula."""
+    script, formula = "<script>alert(1)</script>", "=cmd|' /C calc'!A0"
+    root = tmp_path / "sw"
+    _jsonl(root / "sweep.jsonl", [
+        {"name": "a", "label": script, "tp": 1, "cp": 1, "pp": 2, "dp": 1, "status": "ok", "reason": "",
+         "cluster": {"kind": "local"}, "train": {"model": "tiny", "data": script}},
+        {"name": "b", "label": formula, "tp": 1, "cp": 1, "pp": 1, "dp": 2, "status": "failed",
+         "reason": "ValueError: <img src=x onerror=alert(1)> | & more"}])
+    _jsonl(root / "a" / "metrics.jsonl", _metrics([1.0, 0.5, 0.5], [0.1, 1.0, 1.0], [5, 4, 3]))
+    write_report(root)
+
+    md = (root / "report.md").read_text()
+    assert "<script" not in md and "<img" not in md
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in md
+    assert "&lt;img src=x onerror=alert(1)&gt; \\| &amp; more" in md
+    for table in ("## Layouts", "## Every column"):
+        lines = md.split(table)[1].strip().splitlines()
+        header, rows = lines[0], [x for x in lines[2:] if x.startswith("|")][:2]
+        unescaped = [line.replace("\\|", "").count("|") for line in rows]
+        assert len(rows) == 2 and unescaped == [header.count("|")] * 2, rows
+
+    with open(root / "results.csv", newline="") as f:
+        rows = {r["name"]: r for r in csv.DictReader(f)}
+    assert rows["a"]["label"] == script                       # data, read back as written
+    assert rows["b"]["label"] == "'" + formula                 # text, not a formula
+    assert rows["b"]["reason"] == "ValueError: <img src=x onerror=alert(1)> | & more"
+    raw = (root / "results.csv").read_text()
+    assert not any(cell.startswith(("=", "+", "@")) for line in raw.splitlines()
+                   for cell in next(csv.reader([line])))

@@ -23,7 +23,9 @@ from commpipe.report.tables import (
     fmt,
     main_cells,
     main_header,
+    markdown_rows,
     markdown_table,
+    md_escape,
     read_jsonl,
     terminal_table,
     write_csv,
@@ -158,18 +160,20 @@ def write_report(sweep_dir, warmup: int = 1, study: str | None = None, title: st
     if classes:
         sections.append(("Bandwidth by link class", CLASS_HEADER, classes))
     scale, _ = flops_unit(rows)
-    md = [f"# {title}", "", *[m + "\n" for m in meta], "## Findings", "", *[f"- {f}" for f in found], "",
+    # every text from the grid, the logs or the runs is escaped: report.md shows it, never runs it
+    md = [f"# {md_escape(title)}", "", *[md_escape(m) + "\n" for m in meta], "## Findings", "",
+          *[f"- {md_escape(f)}" for f in found], "",
           "## Layouts", "", markdown_table(rows, main_header(rows), lambda r: main_cells(r, scale)), ""]
     for heading, header, cells in sections:
-        md += [f"## {heading}", "", "| " + " | ".join(header) + " |",
-               "|" + "|".join("---" for _ in header) + "|"]
-        md += ["| " + " | ".join(c) + " |" for c in cells] + [""]
+        md += [f"## {heading}", "", markdown_rows(header, cells), ""]
     if notes:
-        md += ["## Notes", "", *notes, ""]
+        md += ["## Notes", "", *map(md_escape, notes), ""]
     if failed:
         md += ["## Failed layouts", ""]
-        md += [f"- {r.get('label') or r['name']}: {r['status']}: {r.get('reason')}" for r in failed] + [""]
-    md += ["## Figures", ""] + [f"![{cap}](figures/{Path(p).name})" for p, cap in figures] + [""]
+        md += [f"- {md_escape(r.get('label') or r['name'])}: {r['status']}: {md_escape(r.get('reason'))}"
+               for r in failed] + [""]
+    md += ["## Figures", ""] + [f"![{md_escape(cap).replace('[', '(').replace(']', ')')}]"
+                                f"(figures/{Path(p).name})" for p, cap in figures] + [""]
     md += ["## Every column", "", table, "", *[d + "\n" for d in definitions]]
     md_path = root / "report.md"
     md_path.write_text("\n".join(md) + "\n")

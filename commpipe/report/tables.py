@@ -233,14 +233,34 @@ def collect(sweep_dir, warmup: int = 1) -> list[dict]:
     return rows
 
 
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
+def csv_text(value):
+    """A text cell a spreadsheet would run as a formula (=, +, -, @ first; OWASP's CSV injection
+    list) gets a leading `'`, which spreadsheets read as "text follows"; numbers stay numbers."""
+    if isinstance(value, str) and value.startswith(FORMULA_START):
+        return "'" + value
+    return value
+
+
 def write_csv(rows: list[dict], path) -> Path:
+    """One row per layout; the csv module quotes commas, quotes and newlines inside cells."""
     path = Path(path)
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
         w.writeheader()
         for r in rows:
-            w.writerow({k: r.get(k) for k in COLUMNS})
+            w.writerow({k: csv_text(r.get(k)) for k in COLUMNS})
     return path
+
+
+def md_escape(text) -> str:
+    """Text as markdown shows it, not as HTML or table structure: & < > as entities (markdown
+    passes raw HTML through to the page), | escaped so a cell cannot split its row, and line
+    breaks as spaces so a cell cannot end its table."""
+    return (str(text).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+            .replace("|", "\\|").replace("\r", " ").replace("\n", " "))
 
 
 def fmt(value, digits: int = 3) -> str:
@@ -301,13 +321,18 @@ def table_cells(r: dict) -> list[str]:
             fmt(r.get("pp_raw_ms")), fmt(r.get("tp_bw_gbps")), fmt(r.get("tp_latency_ms")),
             fmt(r.get("cp_bw_gbps")), fmt(r.get("cp_latency_ms")), fmt(r.get("dp_bw_gbps")),
             fmt(r.get("dp_latency_ms")), fmt(r.get("final_loss"), 4),
-            "–" if eff is None else f"{eff:.0%}", status.replace("|", "/")]
+            "–" if eff is None else f"{eff:.0%}", status]
 
 
 def markdown_table(rows: list[dict], header: list[str] | None = None, cells=table_cells) -> str:
     header = header or HEADER
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-    lines += ["| " + " | ".join(cells(r)) + " |" for r in rows]
+    return markdown_rows(header, [cells(r) for r in rows])
+
+
+def markdown_rows(header: list[str], rows: list[list[str]]) -> str:
+    """A markdown table whose every cell is escaped (md_escape)."""
+    lines = ["| " + " | ".join(map(md_escape, header)) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    lines += ["| " + " | ".join(map(md_escape, cells)) + " |" for cells in rows]
     return "\n".join(lines)
 
 
