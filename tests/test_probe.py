@@ -85,3 +85,66 @@ def test_rendezvous_port_is_free_and_below_the_ephemeral_range():
     for p in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))
+
+
+GOOD_LINK = {"latency_ms": 0.02, "bandwidth_gbps": 100.0}
+
+
+@pytest.mark.parametrize("pairs, message", [
+    ({"intra_node": {}, "inter_node": None},
+     "pairs.intra_node = {}: expected an object with bandwidth_gbps and latency_ms"),
+    ({"intra_node": GOOD_LINK, "inter_node": [1, 2]}, "pairs.inter_node = [1, 2]: expected an object"),
+    ({"intra_node": {"latency_ms": 0.02, "bandwidth_gbps": float("inf")}},
+     "pairs.intra_node.bandwidth_gbps = Infinity: expected a finite positive number (decimal GB/s"),
+    ({"intra_node": {"latency_ms": 0.02, "bandwidth_gbps": 0}},
+     "pairs.intra_node.bandwidth_gbps = 0: expected a finite positive number"),
+    ({"intra_node": {"latency_ms": 0.02, "bandwidth_gbps": "100"}},
+     'pairs.intra_node.bandwidth_gbps = "100": expected a finite positive number'),
+    ({"intra_node": {"latency_ms": float("nan"), "bandwidth_gbps": 100.0}},
+     "pairs.intra_node.latency_ms = NaN: expected a finite non-negative number (milliseconds"),
+    ({"intra_node": {"latency_ms": -1, "bandwidth_gbps": 100.0}}, "pairs.intra_node.latency_ms = -1"),
+    ({"intra_node": {"bandwidth_gbps": 100.0}}, "pairs.intra_node.latency_ms = missing"),
+    ({"intra_node": {"latency_ms": 0.02, "bandwidth_gbps": True}}, "bandwidth_gbps = true"),
+    ({"intra_node": None, "inter_node": None}, "measured no link"),
+    ({"intra": GOOD_LINK}, "pairs has intra; the link classes are intra_node and inter_node"),
+])
+def test_probe_file_is_checked_when_read(tmp_path, pairs, message):
+    from commpipe.plan.cluster import apply_probe, default_cluster
+    from commpipe.plan.gpus import resolve_gpu
+
+    path = tmp_path / "probe.json"
+    path.write_text(json.dumps({"schema": "commpipe-probe/1", "world_size": 2, "ranks_per_node": 2,
+                                "backend": "gloo", "pairs": pairs}))
+    with pytest.raises(ValueError) as err:
+        apply_probe(default_cluster(resolve_gpu("h100"), 8, 8), path)
+    assert f"probe file {path}" in str(err.value) and message in str(err.value)
+
+
+def test_probe_file_with_1e400_is_refused_by_plan(tmp_path, capsys):
+    """1e400 is valid JSON that Python reads as infinity: refused, naming file and key."""
+    from commpipe.cli import main
+
+    path = tmp_path / "probe.json"
+    path.write_text('{"ranks_per_node": 2, "pairs": {"intra_node": {"latency_ms": 0.01, '
+                    '"bandwidth_gbps": 1e400}, "inter_node": null}}')
+    assert main(["plan", "--model", "tiny", "--gpus", "8", "--cluster", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"probe file {path}: pairs.intra_node.bandwidth_gbps = Infinity" in err
+
+
+def test_unmeasured_class_is_reported_with_its_default(tmp_path, capsys):
+    """A probe of one node measures intra_node only: the plan says inter_node is the default and
+    which numbers that default is, not that both were measured."""
+    from commpipe.cli import main
+    from commpipe.plan.cluster import INTER_LATENCY_S, NIC_EFFICIENCY
+    from commpipe.plan.gpus import resolve_gpu
+
+    path = tmp_path / "probe.json"
+    path.write_text(json.dumps({"ranks_per_node": 8, "pairs": {"intra_node": GOOD_LINK}}))
+    assert main(["plan", "--model", "tiny", "--gpus", "16", "--gpu", "h100", "--global-batch", "64",
+                 "--seq-len", "128", "--cluster", str(path)]) == 0
+    out = capsys.readouterr().out
+    default_inter = NIC_EFFICIENCY * resolve_gpu("h100").nic_gbps
+    assert (f"from probe:{path} (intra_node measured; inter_node not measured, default "
+            f"{default_inter:g} GB/s and {INTER_LATENCY_S * 1e3:g} ms used)") in out
+    assert "intra 100 GB/s" in out

@@ -175,32 +175,72 @@ def _link_from(entry: dict, where: str) -> Link:
         lat = float(entry.get("latency_ms", 0.0)) / 1e3
     except (KeyError, TypeError, ValueError):
         raise ValueError(f"{where} needs numeric bandwidth_gbps (decimal GB/s) and latency_ms") from None
-    if bw <= 0 or lat < 0:
-        raise ValueError(f"{where}: bandwidth_gbps must be positive and latency_ms non-negative")
+    if not (math.isfinite(bw) and math.isfinite(lat)) or bw <= 0 or lat < 0:
+        raise ValueError(f"{where}: bandwidth_gbps must be a finite positive number and latency_ms "
+                         "a finite non-negative one")
     return Link(bw, lat)
+
+
+def _probe_number(entry: dict, key: str, where: str, what: str, positive: bool) -> float:
+    value = entry.get(key)
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+        and (value > 0 if positive else value >= 0)
+    if not ok:
+        shown = "missing" if key not in entry else json.dumps(value)
+        raise ValueError(f"{where}.{key} = {shown}: expected a finite "
+                         f"{'positive' if positive else 'non-negative'} number ({what}; a JSON number "
+                         "beyond ~1e308, e.g. 1e400, reads as infinite)")
+    return float(value)
+
+
+def _probe_link(pairs: dict, key: str, path, default: Link) -> tuple[Link, str]:
+    """The measured link of one class, or the default when the probe had no such pair (the key
+    absent or null), with a note saying which."""
+    entry = pairs.get(key)
+    if entry is None:
+        return default, (f"{key} not measured, default {default.bandwidth_gbps:g} GB/s and "
+                         f"{default.latency_s * 1e3:g} ms used")
+    where = f"probe file {path}: pairs.{key}"
+    if not isinstance(entry, dict) or not entry:
+        raise ValueError(f"{where} = {json.dumps(entry)}: expected an object with bandwidth_gbps "
+                         "and latency_ms as `commpipe probe` writes it, or null when the probe "
+                         "measured no such pair")
+    bw = _probe_number(entry, "bandwidth_gbps", where, "decimal GB/s", positive=True)
+    lat = _probe_number(entry, "latency_ms", where, "milliseconds", positive=False)
+    return Link(bw, lat / 1e3), f"{key} measured"
 
 
 def apply_probe(cluster: Cluster, path: str | Path) -> Cluster:
     """Replace link numbers with a `commpipe probe` JSON:
     {"pairs": {"intra_node": {"latency_ms", "bandwidth_gbps"}, "inter_node": {...}},
-     "allreduce": [...], "ranks_per_node", "world_size"}.
-    A pair bandwidth is what one GPU pair achieves, which is what `Link` holds."""
+     "allreduce": [...], "ranks_per_node", "world_size", "backend"}.
+    A pair bandwidth is what one GPU pair achieves, which is what `Link` holds. A class that is
+    null or absent keeps the default, and the cluster's source says so; anything else that is not
+    what the probe writes is an error naming the file and the key."""
     data = read_json_object(path, "probe")
     pairs = data.get("pairs")
-    if not isinstance(pairs, dict) or not pairs:
+    if not isinstance(pairs, dict):
         raise ValueError(f"probe file {path} has no 'pairs' object with intra_node/inter_node entries")
-    intra, inter = cluster.intra, cluster.inter
-    if pairs.get("intra_node"):          # null: the probe had no such pair; keep the default
-        intra = _link_from(pairs["intra_node"], f"probe {path} pairs.intra_node")
-    if pairs.get("inter_node"):
-        inter = _link_from(pairs["inter_node"], f"probe {path} pairs.inter_node")
-    gpn = data.get("ranks_per_node") or cluster.gpus_per_node
+    unknown = sorted(set(pairs) - {"intra_node", "inter_node"})
+    if unknown:
+        raise ValueError(f"probe file {path}: pairs has {', '.join(unknown)}; the link classes are "
+                         "intra_node and inter_node")
+    intra, intra_note = _probe_link(pairs, "intra_node", path, cluster.intra)
+    inter, inter_note = _probe_link(pairs, "inter_node", path, cluster.inter)
+    if intra is cluster.intra and inter is cluster.inter:
+        raise ValueError(f"probe file {path} measured no link (pairs.intra_node and pairs.inter_node "
+                         "are both null or absent); probe with at least two ranks on one node or "
+                         "on two nodes")
+    gpn = data.get("ranks_per_node", cluster.gpus_per_node)
     if isinstance(gpn, bool) or not isinstance(gpn, int) or gpn < 1:
         raise ValueError(f"probe file {path}: ranks_per_node = {json.dumps(gpn)}: expected a "
                          "positive integer (the ranks per node the probe ran with)")
-    backend = data.get("backend") if data.get("backend") in BACKENDS else cluster.backend
+    backend = data.get("backend", cluster.backend)
+    if backend not in BACKENDS:
+        raise ValueError(f"probe file {path}: backend = {json.dumps(backend)}: expected one of "
+                         f"{', '.join(BACKENDS)}")
     return replace(cluster, intra=intra, inter=inter, gpus_per_node=gpn, backend=backend,
-                   source=f"probe:{path}")
+                   source=f"probe:{path} ({intra_note}; {inter_note})")
 
 
 def apply_links(cluster: Cluster, links: dict, source: str) -> Cluster:
