@@ -75,6 +75,7 @@ def test_a_run_opens_with_its_layout_and_model_and_closes_with_a_summary(tmp_pat
     from commpipe.cli import main
     from commpipe.models.llama import build_model
     from commpipe.models.spec import resolve_model
+    from commpipe.train.console import format_ms
 
     out = tmp_path / "run"
     assert main(["train", "--steps", "4", "--out", str(out), "--seq-len", "64",
@@ -96,7 +97,7 @@ def test_a_run_opens_with_its_layout_and_model_and_closes_with_a_summary(tmp_pat
     med = statistics.median(r["step_time_s"] for r in recs[1:])
     tok_s = 2 * 64 / med
     summary = [x for x in lines if x.startswith("commpipe: 4 steps")]
-    assert len(summary) == 1 and f"median {med * 1e3:#.3g}".rstrip(".") in summary[0]
+    assert len(summary) == 1 and f"median {format_ms(med * 1e3)} per step" in summary[0]
     assert f"{tok_s:,.0f} tok/s" in summary[0] and "(steps 1-3)" in summary[0]
     assert f"final loss {recs[-1]['loss']:.4f}" in summary[0]
     gflops = flops * 2 * 64 / med / 1e9
