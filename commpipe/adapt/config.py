@@ -80,6 +80,7 @@ class AdaptConfig:
     default_inter_gbps: float = 1.0
     logged_candidates: int = 20
     resumed_from: dict | None = None  # set at start when resuming a relaunch request
+    resume_state: dict | None = None  # the checkpoint's adaptive state (commpipe.adapt.resume)
 
     def validate(self) -> AdaptConfig:
         if self.min_steps < 1:

@@ -73,10 +73,22 @@ class Controller:
         self.is_logger = False
         self.timer = CollectiveTimer(a.collective_min_bytes)
         self.trials: Trials | None = None   # the running trial phase, if any
+        self.running = self.command_plan = Plan.of(trainer.cfg)
+        self.plan_baselines: dict[str, dict] = {}   # plan name -> its first settled levels
+        resumed = self.acfg.resume_state
+        if resumed:   # a checkpoint of this run: re-arm against the levels it recorded
+            self.command_plan = _plan(resumed["command_plan"])
+            self.plan_baselines = dict(resumed.get("baselines") or {})
+            self.watch.restore({"baselines": self.plan_baselines.get(self.running.name, {}),
+                                "stragglers": resumed.get("stragglers", [])})
         if trainer.comm.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             self.log = open(self.out / "adapt.jsonl", "a")
         self.prepare(trainer)
+        if resumed:
+            self._write({"step": trainer.step - 1, "action": "resumed", "to": self.running.to_dict(),
+                         "baselines": len(self.plan_baselines.get(self.running.name, {})),
+                         "reason": resumed.get("note") or "resumed in the checkpoint's plan"})
         req = self.acfg.resumed_from
         if req is not None:   # this start continues a switch by checkpoint and relaunch
             self._write({"step": trainer.step - 1, "action": "relaunched",
@@ -86,6 +98,8 @@ class Controller:
 
     def prepare(self, trainer) -> None:
         self.is_logger = trainer.is_logger        # the rank that prints step lines, per plan
+        self.running = Plan.of(trainer.cfg)
+        trainer.adapt_state = self.checkpoint_state   # saved with every checkpoint
         trainer.runtime.events = []               # the step's timeline (cleared every step)
         if self.timer not in trainer.comm.observers:
             trainer.comm.observers.append(self.timer)
@@ -114,6 +128,9 @@ class Controller:
             return self._trial_step(trainer, step, max(s["step_ms"] for s in summaries),
                                     metrics_file)
         found = self.watch.observe(step, signals)
+        first = self.plan_baselines.setdefault(self.running.name, {})
+        for key, level in self.watch.detector.baselines().items():
+            first.setdefault(key, level)
         if not found or trainer.step >= trainer.cfg.steps:
             return trainer, metrics_file
         decision = self._evaluate(trainer, step, found, signals)
@@ -141,6 +158,12 @@ class Controller:
                                  steps=a.trial_steps, warmup=a.trial_warmup_steps)
             self.trials.switch_s.append(took)
         return trainer, metrics_file
+
+    def checkpoint_state(self) -> dict:
+        """What a resumed run needs to keep the adaptation (commpipe.adapt.resume)."""
+        plan = self.trials.current[0] if self.trials is not None else self.running
+        return {"plan": plan.to_dict(), "command_plan": self.command_plan.to_dict(),
+                "baselines": self.plan_baselines, "stragglers": sorted(self.watch.stragglers)}
 
     # -- the trial phase (collective) -----------------------------------------------------------
     def _trial_step(self, trainer, step: int, step_ms: float, metrics_file):

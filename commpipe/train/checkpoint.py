@@ -267,7 +267,7 @@ def _meta(trainer) -> dict:
     from commpipe.train.loop import lr_at
 
     cfg, d = trainer.cfg, trainer.cfg.dims
-    return {
+    meta = {
         "format": FORMAT, "step": trainer.step, "model": cfg.spec.to_dict(),
         "layout": {"tp": d.tp, "cp": d.cp, "pp": d.pp, "dp": d.dp, "schedule": cfg.schedule,
                    "vpp": cfg.vpp, "stage_layers": cfg.stage_layers, "zero1": cfg.optim.zero1},
@@ -278,6 +278,10 @@ def _meta(trainer) -> dict:
                "last": lr_at(trainer.step - 1, cfg) if trainer.step else None},
         "data": trainer.source.state_dict(),
     }
+    adapt = getattr(trainer, "adapt_state", None)   # --adapt: its plan and baselines (JSON)
+    if adapt is not None:
+        meta["adapt"] = adapt()
+    return meta
 
 
 @contextlib.contextmanager

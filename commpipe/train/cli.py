@@ -176,9 +176,11 @@ def run(args) -> int:
         source = open_data(cfg, world)
     cfg.resolve(world)
     from commpipe.adapt.relaunch import apply_pending
+    from commpipe.adapt.resume import resume_adapted
     from commpipe.train.checkpoint import resolve_resume
 
     cfg = apply_pending(cfg, world)   # --adapt-relaunch: continue under the requested layout
+    cfg = resume_adapted(cfg, world)  # --adapt --resume: continue in the checkpoint's plan
     from commpipe.plan.fits import train_fit_problem
 
     problem = train_fit_problem(cfg, world, rank, int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None)
