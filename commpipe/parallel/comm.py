@@ -14,6 +14,10 @@ An observer that sets `call.watch = True` in begin() gets `call.t_done` stamped 
 has arrived (or, on CUDA, its `call.ev_done` event recorded after the op on a side stream),
 however late the consumer waits (commpipe.parallel.completion); otherwise t_done is when
 wait() returned.
+
+Last call: each `Comm` keeps a reference to the call it issued last (`last_call`) and to the one
+its caller is blocked on (`waiting`); two attribute stores per call, no lock, no device sync.
+The hang watchdog (commpipe.elastic.watchdog) reads them from its own thread.
 """
 
 from __future__ import annotations
@@ -96,12 +100,14 @@ class Handle:
         if self.done:
             return self.result
         t0 = time.perf_counter()
+        self._comm.waiting = self.call
         if self._watch is not None:
             self._watch.wait()        # the watcher waited on the work (gloo allows one wait)
         elif self._work is not None:
             self._work.wait()
         self.result = self._on_done() if self._on_done else None
         self.call.blocked_s = time.perf_counter() - t0
+        self._comm.waiting = None
         self._comm._finish(self.call, self._ctxs)
         self.done = True
         return self.result
@@ -119,6 +125,8 @@ class Comm:
         self.observers: list = []
         self._seq: dict[tuple, int] = {}
         self._last_p2p: dict[tuple, weakref.ref] = {}   # (dim, op, peer) -> latest p2p Handle
+        self.last_call: CommCall | None = None     # the latest call issued (hang watchdog)
+        self.waiting: CommCall | None = None       # the call the caller is blocked on, if any
         self.coords = dims.coords(rank)
         self.groups: dict[str, tuple[int, ...]] = {}
         self._pg: dict[str, object] = {}
@@ -160,6 +168,7 @@ class Comm:
         # the observers present now are the ones told of the end, even if the list changes
         pairs = [(o, o.begin(call)) for o in self.observers] if self.observers else []
         call.t_post = time.perf_counter()
+        self.last_call = call
         return call, pairs
 
     def _finish(self, call: CommCall, pairs: list) -> None:
@@ -237,12 +246,31 @@ class Comm:
             return
         group = self._group_ranks(dim)
         call, ctxs = self._start(dim, "broadcast", tensor, group=group)
+        self.waiting = call
         dist.broadcast(tensor, src=group[src_local], group=self._pg_of(dim))
+        self.waiting = None
         self._finish(call, ctxs)
+
+    def _blocking(self, dim: str, op: str) -> CommCall:
+        """A control call the observers do not see (barrier, object exchange), recorded for the
+        hang watchdog as the call this rank is blocked on."""
+        key = (dim, op, self._group_ranks(dim), 0)
+        seq = self._seq.get(key, 0)
+        self._seq[key] = seq + 1
+        call = CommCall(dim=dim, op=op, nbytes=0, group=self._group_ranks(dim), seq=seq,
+                        t_post=time.perf_counter())
+        self.last_call = self.waiting = call
+        return call
+
+    def _unblocked(self, call: CommCall) -> None:
+        call.t_done = time.perf_counter()
+        self.waiting = None
 
     def barrier(self, dim: str = "world") -> None:
         if self.size(dim) > 1:
+            call = self._blocking(dim, "barrier")
             dist.barrier(group=self._pg_of(dim))
+            self._unblocked(call)
 
     # -- point to point -------------------------------------------------------------------------
     def isend(self, tensor: torch.Tensor, peer: int, dim: str = "pp", tag: int = 0) -> Handle:
@@ -280,14 +308,18 @@ class Comm:
         if self.size(dim) == 1:
             return [obj]
         out = [None] * self.size(dim)
+        call = self._blocking(dim, "all_gather_object")
         dist.all_gather_object(out, obj, group=self._pg_of(dim))
+        self._unblocked(call)
         return out
 
     def broadcast_object(self, obj, src_rank: int = 0):
         if self.dims.world_size == 1 or not self.initialized:
             return obj
         box = [obj]
+        call = self._blocking("world", "broadcast_object")
         dist.broadcast_object_list(box, src=src_rank)
+        self._unblocked(call)
         return box[0]
 
 

@@ -86,6 +86,10 @@ def add_arguments(p) -> None:
     g.add_argument("--timeout-s", type=float, default=300.0,
                    help="process-group timeout: a rank that stops answering fails the job "
                         "after this long (default 300)")
+    g.add_argument("--hang-timeout-s", type=float, default=60.0, metavar="S",
+                   help="hang watchdog: when no step finishes for S seconds, name the rank the "
+                        "others wait on and the call it has not posted, and end the job (exit "
+                        "code 4); 0 turns it off (default 60)")
     g.add_argument("--fail-at", default=None, metavar="RANK:STEP",
                    help="fault drill: rank RANK raises at step STEP, to check that the job "
                         "fails loudly on your cluster")
@@ -155,6 +159,7 @@ def config_from_args(args) -> TrainConfig:
                        eval_every=args.eval_every, eval_batches=args.eval_batches,
                        save_every=args.save_every, resume=args.resume,
                        overwrite=getattr(args, "overwrite", False), timeout_s=args.timeout_s,
+                       hang_timeout_s=getattr(args, "hang_timeout_s", 60.0),
                        fail_at=parse_fail_at(args.fail_at), out=args.out, monitor=monitor,
                        trace=args.trace, tensorboard=args.tensorboard, log_every=args.log_every,
                        device=args.device,

@@ -335,6 +335,9 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
 
         controller = Controller(trainer, out, log=log)
     signals = StopSignals().install()
+    from commpipe.elastic.watchdog import start_watchdog
+
+    watchdog = start_watchdog(comm, cfg.hang_timeout_s)   # names a rank a stuck step waits on
     together = False  # did every rank leave the loop together (collective clean-up is safe)?
     profiler = kineto_trace(trainer)  # None unless --trace on CUDA
     try:
@@ -346,12 +349,14 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
             if trainer.runtime.events is not None:  # keep only the last step's timeline
                 trainer.runtime.events.clear()
             rec = trainer.train_step()
+            if watchdog is not None:
+                watchdog.progress(trainer.step)
             if profiler is not None:
                 profiler.step()
             finite = is_finite(rec["loss"], rec["grad_norm"])
             done = trainer.step == cfg.steps
             if finite and cfg.eval_every and (trainer.step % cfg.eval_every == 0 or done):
-                with _unmonitored(trainer):
+                with _unmonitored(trainer), _paused(watchdog):
                     rec["val_loss"] = trainer.evaluate()
             trainer.history.append(rec)
             if trainer.is_logger:
@@ -365,9 +370,12 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
             if not finite:
                 raise TrainingDiverged(_diverged(rec, ckpt_root))
             if controller is not None:   # may switch to another plan, in memory
-                trainer, metrics_file = controller.after_step(trainer, rec, metrics_file)
+                with _paused(watchdog):
+                    trainer, metrics_file = controller.after_step(trainer, rec, metrics_file)
                 comm = trainer.comm
-            with _unmonitored(trainer):
+                if watchdog is not None:
+                    watchdog.comm = comm
+            with _unmonitored(trainer), _paused(watchdog):
                 stop = signals.agreed(comm)
                 due = cfg.save_every and (trainer.step % cfg.save_every == 0 or done)
                 if ckpt_root is not None and (due or stop) and saved_at != trainer.step:
@@ -393,6 +401,8 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
         if profiler is not None:
             profiler.stop()   # writes the recorded steps (also after a failure)
         signals.restore()
+        if watchdog is not None:
+            watchdog.stop()
         if controller is not None:
             controller.close()
         if metrics_file:
@@ -410,6 +420,16 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
     for line in summary(trainer.cfg, trainer.history, out):
         say(line)
     return trainer.history
+
+
+@contextmanager
+def _paused(watchdog):
+    """Evaluation, checkpoint saves and layout switches are not timed as steps."""
+    if watchdog is None:
+        yield
+        return
+    with watchdog.paused():
+        yield
 
 
 @contextmanager

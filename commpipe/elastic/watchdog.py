@@ -1,0 +1,196 @@
+"""The hang watchdog: a thread on every rank that names the rank a stuck step waits on.
+
+Every tick (a tenth of the timeout, at most 2 s) the thread publishes this rank's record: its
+step, a tick counter, and its last communication call as `Comm` holds it (`waiting`, else
+`last_call`; commpipe.parallel.comm) into a key-value store outside the training process
+group, which may be the thing that is stuck: the job's rendezvous store (torchrun's agent
+serves it at MASTER_ADDR:MASTER_PORT), reached through a client connection of its own and keys
+under `commpipe/watchdog/<restart>/<world>/`, so a restarted job never reads the records of the
+attempt before it (TORCHELASTIC_RESTART_COUNT).
+
+When the step has not advanced for `timeout_s` (evaluation and checkpoint saves excluded), the
+thread reads every rank's record twice, two ticks apart: a rank whose tick did not move is
+stopped or frozen (SIGSTOP, a lost node). commpipe.elastic.hang names the rank the others wait
+on; the lowest live rank prints it and writes it into torchrun's failure summary, and every
+rank leaves with HANG_EXIT_CODE, the job being lost as after a crash (an elastic torchrun then
+restarts it, see commpipe.elastic.restart).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from contextlib import contextmanager
+
+from commpipe.elastic.hang import diagnose
+
+HANG_EXIT_CODE = 4
+STORE_TIMEOUT_S = 10.0
+QUIET_EXIT_DELAY_S = 2.0   # the reporting rank leaves first: torchrun names it the root cause
+
+
+def store_prefix(world: int) -> str:
+    """Keys of this attempt: torchrun keeps one store across restarts and membership changes."""
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"commpipe/watchdog/{restart}/{world}/"
+
+
+def open_store(world: int, timeout_s: float = STORE_TIMEOUT_S):
+    """A client of the job's rendezvous store (MASTER_ADDR:MASTER_PORT), keys of this attempt."""
+    from torch.distributed import PrefixStore, TCPStore
+
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        return None
+    store = TCPStore(addr, int(port), is_master=False,
+                     timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+    return PrefixStore(store_prefix(world), store)
+
+
+def call_record(comm, now: float | None = None) -> dict | None:
+    """This rank's last communication call, as the watchdog publishes it."""
+    call = comm.waiting
+    state = "waiting"
+    if call is None:
+        call = comm.last_call
+        if call is None:
+            return None
+        state = "completed" if call.t_done else "posted"
+    now = time.perf_counter() if now is None else now
+    return {"dim": call.dim, "op": call.op, "peer": call.peer, "group": list(call.group),
+            "seq": call.seq, "tag": call.tag, "state": state, "age_s": round(now - call.t_post, 3)}
+
+
+class Watchdog:
+    """Start with `start()`; the loop calls `progress(step)` after every step."""
+
+    def __init__(self, comm, world: int, timeout_s: float, store, tick_s: float | None = None,
+                 err=None, exit_fn=os._exit):
+        self.comm, self.rank, self.world = comm, comm.rank, world
+        self.timeout_s = timeout_s
+        self.tick_s = tick_s or min(max(timeout_s / 10, 0.05), 2.0)
+        self.store = store
+        self.err = err or sys.stderr
+        self.exit_fn = exit_fn
+        self.step = 0
+        self.tick = 0
+        self.fired: tuple[str, list[str]] | None = None
+        self._t_progress = time.monotonic()
+        self._paused = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="commpipe-hang-watchdog",
+                                        daemon=True)
+        self._host, self._pid = socket.gethostname(), os.getpid()
+
+    # -- the training thread's side ---------------------------------------------------------------
+    def start(self) -> Watchdog:
+        self._publish()
+        self._thread.start()
+        return self
+
+    def progress(self, step: int) -> None:
+        self.step = step
+        self._t_progress = time.monotonic()
+
+    @contextmanager
+    def paused(self):
+        """Evaluation and checkpoint saves may take longer than a step: not timed."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+            self._t_progress = time.monotonic()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=self.tick_s + STORE_TIMEOUT_S)
+
+    # -- the watchdog thread ----------------------------------------------------------------------
+    def record(self) -> dict:
+        return {"rank": self.rank, "step": self.step, "tick": self.tick, "host": self._host,
+                "pid": self._pid, "time": time.time(), "call": call_record(self.comm)}
+
+    def _publish(self) -> None:
+        self.tick += 1
+        self.store.set(f"rank{self.rank}", json.dumps(self.record()))
+
+    def _read_all(self) -> dict[int, dict | None]:
+        out = {}
+        for r in range(self.world):
+            key = f"rank{r}"
+            out[r] = json.loads(self.store.get(key)) if self.store.check([key]) else None
+        return out
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.wait(self.tick_s):
+                self._publish()
+                if self._paused or time.monotonic() - self._t_progress < self.timeout_s:
+                    continue
+                found = self._examine()
+                if found is not None:
+                    self._fire(*found)
+                    return
+        except Exception as exc:  # noqa: BLE001 - the store gone means the job is gone
+            if not self._stop.is_set():
+                print(f"commpipe: rank {self.rank}: hang watchdog stopped: "
+                      f"{type(exc).__name__}: {exc}", file=self.err, flush=True)
+
+    def _examine(self):
+        """(headline, lines, reporter) once a hang is confirmed; None if the step moved."""
+        step = self.step
+        first = self._read_all()
+        t0 = time.monotonic()
+        for _ in range(2):                 # two ticks: a live rank's tick moves meanwhile
+            if self._stop.wait(self.tick_s):
+                return None
+            self._publish()
+        if self.step != step or self._paused:
+            return None
+        second = self._read_all()
+        waited = time.monotonic() - t0
+        stale = {r for r in range(self.world)
+                 if second[r] is None or (first[r] is not None
+                                          and first[r]["tick"] == second[r]["tick"])}
+        # silent since its last record (clocks of other hosts may differ: at least the wait here)
+        now = time.time()
+        silent = {r: max(waited, now - second[r]["time"]) if second[r] else waited for r in stale}
+        headline, lines = diagnose(second, stale, self.world, silent)
+        live = [r for r in range(self.world) if r not in stale]
+        return headline, lines, (min(live) if live else self.rank)
+
+    def _fire(self, headline: str, lines: list[str], reporter: int) -> None:
+        self.fired = (headline, lines)
+        stuck = time.monotonic() - self._t_progress
+        if self.rank == reporter:
+            text = (f"commpipe: hang: no step finished for {stuck:.0f} s (--hang-timeout-s "
+                    f"{self.timeout_s:g}): {headline}")
+            print("\n".join([text, *("  " + x for x in lines)]), file=self.err, flush=True)
+            from commpipe.errors import report
+
+            if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+                report(text)
+        else:
+            time.sleep(QUIET_EXIT_DELAY_S)
+        if self.exit_fn is not None:
+            self.err.flush()
+            sys.stdout.flush()
+            self.exit_fn(HANG_EXIT_CODE)
+
+
+def start_watchdog(comm, timeout_s: float):
+    """A started Watchdog for this rank, or None (one process, the timeout 0, no store)."""
+    world = comm.dims.world_size
+    if timeout_s <= 0 or world == 1 or not comm.initialized:
+        return None
+    store = open_store(world)
+    if store is None:
+        return None
+    return Watchdog(comm, world, timeout_s, store).start()
