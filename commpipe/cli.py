@@ -21,6 +21,7 @@ VERBS = {
     "report": ("commpipe.report.cli", "tables, figures and report.html from a sweep folder"),
     "cluster": ("commpipe.cluster.cli", "build or tear down an emulated multi-node cluster"),
     "tokenize": ("commpipe.data.cli", "train a tokenizer and cache a corpus as token files"),
+    "convert": ("commpipe.convert", "Hugging Face checkpoints to commpipe's and back"),
 }
 
 

@@ -12,6 +12,7 @@ MLP). A pipeline cuts this sequence anywhere; `stage_io` says what then crosses 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
 
 from commpipe.models.boundary import StageIO, TensorDesc, check_counts
@@ -110,13 +111,39 @@ BLIP_PRESETS: dict[str, BlipSpec] = {
 
 
 def resolve_blip(name: str) -> BlipSpec:
+    """A preset name, or every field: `arch=blip,name=..,image_size=..,patch=..,...` (the form
+    a converted checkpoint's shape takes, commpipe.models.hf.model_fields)."""
+    if "=" in name:
+        return parse_blip_fields(name)
     if name not in BLIP_PRESETS:
         raise ValueError(f"unknown BLIP model {name!r}; use one of {', '.join(BLIP_PRESETS)}")
     return BLIP_PRESETS[name]
 
 
+def parse_blip_fields(text: str) -> BlipSpec:
+    types = {f.name: f.type for f in fields(BlipSpec)}
+    values: dict = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        key, _, value = (s.strip() for s in part.partition("="))
+        if key == "arch":
+            continue
+        if key not in types:
+            raise ValueError(f"unknown blip field {key!r}; known fields: {', '.join(types)}")
+        try:
+            values[key] = value if key == "name" else \
+                float(value) if types[key] in ("float", float) else int(value)
+        except ValueError:
+            raise ValueError(f"blip field {key}={value!r} is not a number") from None
+    values.setdefault("name", "blip-custom")
+    missing = [f.name for f in fields(BlipSpec) if f.name not in values
+               and f.default is dataclasses.MISSING]
+    if missing:
+        raise ValueError(f"blip fields are missing {', '.join(missing)} (got {text!r})")
+    return BlipSpec(**values).validate()
+
+
 def is_blip(name: str) -> bool:
-    return name in BLIP_PRESETS
+    return name in BLIP_PRESETS or "arch=blip" in name.replace(" ", "").split(",")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -138,6 +138,9 @@ def read_meta(path: Path) -> dict:
 
 def check_compatible(meta: dict, cfg, path: Path) -> None:
     """Refuse what resharding cannot bridge: another model shape, vocabulary or data kind."""
+    if meta["data"] is None:   # commpipe.train.weights: converted weights, no training state
+        raise ValueError(f"{path} holds model weights only (no optimizer or data position); "
+                         f"start a run from it with --init-from {path}")
     spec: ModelSpec = cfg.spec
     saved = meta["model"]
     # every field but the preset's name decides the parameters' shapes and meaning (LLaMA or BLIP)
@@ -314,15 +317,9 @@ def load(trainer, path) -> dict:
     check_compatible(meta, cfg, path)
     stored = read_metadata(path).state_dict_metadata
     adam, holds = adam_and_holder(trainer)
-    want: dict[str, torch.Tensor] = {}
+    want = model_wants(trainer, path, stored)
     for name, p in trainer.named_params:
-        key, shape = f"model.{name}", full_shape(p, comm)
-        if key not in stored:
-            raise ValueError(f"cannot load {path}: it holds no parameter {name}")
-        if tuple(stored[key].size) != shape:
-            raise ValueError(f"cannot load {path}: parameter {name} is {tuple(stored[key].size)} "
-                             f"there, {shape} in this model")
-        want[key] = torch.empty(shape, dtype=p.dtype)
+        shape = full_shape(p, comm)
         if holds(p) and f"optim.{name}.exp_avg" in stored:
             for k in ("exp_avg", "exp_avg_sq"):
                 want[f"optim.{name}.{k}"] = torch.empty(shape, dtype=p.dtype)
@@ -331,19 +328,11 @@ def load(trainer, path) -> dict:
     if same_world:  # RNG streams are per rank: restored when the ranks are the same ones
         want.update({k: torch.empty_like(v) for k, v in _rng_keys(comm.rank).items()
                      if k in stored})
-    try:
-        with _quiet_single_process():
-            dcp.load(want, storage_reader=SafeReader(path), no_dist=comm.dims.world_size == 1)
-    except StorageError:
-        raise
-    except BaseException as e:   # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        if isinstance(e, KeyboardInterrupt):
-            raise
-        raise load_failure(e, path) from None
+    read_tensors(want, path, comm.dims.world_size == 1)
+    copy_params(trainer, want)
     with torch.no_grad():
         for name, p in trainer.named_params:
             tp_dim = getattr(p, "_tp_dim", None)
-            p.copy_(shard_tp(want[f"model.{name}"], tp_dim, comm))
             if f"optim.{name}.step" in want:
                 adam.state[p] = {
                     "step": want[f"optim.{name}.step"].reshape(()).clone(),
@@ -358,3 +347,38 @@ def load(trainer, path) -> dict:
     trainer.source.load_state_dict(meta["data"])
     trainer.step = meta["step"]
     return meta
+
+
+def model_wants(trainer, path: Path, stored) -> dict[str, torch.Tensor]:
+    """Empty full tensors `model.<name>` for the parameters this rank holds, each checked
+    against the checkpoint's entry (`stored`: its DCP state_dict_metadata)."""
+    want: dict[str, torch.Tensor] = {}
+    for name, p in trainer.named_params:
+        key, shape = f"model.{name}", full_shape(p, trainer.comm)
+        if key not in stored:
+            raise ValueError(f"cannot load {path}: it holds no parameter {name}")
+        if tuple(stored[key].size) != shape:
+            raise ValueError(f"cannot load {path}: parameter {name} is {tuple(stored[key].size)} "
+                             f"there, {shape} in this model")
+        want[key] = torch.empty(shape, dtype=p.dtype)
+    return want
+
+
+def read_tensors(want: dict[str, torch.Tensor], path: Path, single_process: bool) -> None:
+    """Fill `want` from checkpoint `path` (DCP through the restricted metadata reader)."""
+    try:
+        with _quiet_single_process():
+            dcp.load(want, storage_reader=SafeReader(path), no_dist=single_process)
+    except StorageError:
+        raise
+    except BaseException as e:   # noqa: BLE001 - DCP's CheckpointException is a BaseException
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        raise load_failure(e, path) from None
+
+
+def copy_params(trainer, want: dict[str, torch.Tensor]) -> None:
+    """Each parameter's TP slice of its full tensor `want["model.<name>"]`."""
+    with torch.no_grad():
+        for name, p in trainer.named_params:
+            p.copy_(shard_tp(want[f"model.{name}"], getattr(p, "_tp_dim", None), trainer.comm))
