@@ -41,9 +41,10 @@ def add_arguments(p) -> None:
                         "[training], [data], [checkpoint], [monitor], [job] and [adapt] tables "
                         "of these flags, or a run folder's config.json; flags given here "
                         "override it (commpipe.train.jobconfig)")
-    p.add_argument("--preset", "--model", dest="model", default="tiny",
+    p.add_argument("--preset", "--model", dest="model", default=None,
                    help="model preset (tiny, small, llama3-8b, blip-tiny, blip-base, ...) or fields "
-                        "arch=llama,layers=..,hidden=..,heads=..,vocab=..")
+                        "arch=llama,layers=..,hidden=..,heads=..,vocab=.. (default: tiny, or "
+                        "the model of --init-from)")
     add_layout_arguments(p)
     g = p.add_argument_group("batch")
     g.add_argument("--microbatches", type=int, default=None, help="micro-batches per step "
@@ -80,6 +81,11 @@ def add_arguments(p) -> None:
     g.add_argument("--resume", nargs="?", const="latest", default=None, metavar="PATH",
                    help="continue from the latest checkpoint in OUT/checkpoints (a fresh start "
                         "if there is none), or from PATH; any layout may load it")
+    g.add_argument("--init-from", default=None, metavar="CKPT",
+                   help="start from the weights of this checkpoint (`commpipe convert --from-hf` "
+                        "writes one; a run's works too) under any layout, with a fresh optimizer "
+                        "at step 0; the model is the checkpoint's. A checkpoint --resume finds "
+                        "comes first")
     g.add_argument("--overwrite", action="store_true",
                    help="replace the run OUT already holds (its metrics, config and checkpoints); "
                         "without it a folder holding a run is only continued, with --resume")
@@ -151,13 +157,14 @@ def config_from_args(args) -> TrainConfig:
     monitor = parse_monitor_flag(args.comm_monitor)
     if (monitor is not None or args.trace) and not args.out:
         raise ValueError("--comm-monitor and --trace write into the run folder; give --out DIR")
-    return TrainConfig(model=args.model, dims=dims, schedule=args.schedule, vpp=args.vpp,
+    return TrainConfig(model=args.model or "tiny", dims=dims, schedule=args.schedule, vpp=args.vpp,
                        microbatches=args.microbatches, micro_batch_size=args.micro_batch_size,
                        global_batch=args.global_batch, seq_len=args.seq_len, steps=args.steps,
                        seed=args.seed, stage_layers=stage_layers, optim=optim, data=args.data,
                        tokenizer=args.tokenizer, vocab_size=args.vocab_size,
                        eval_every=args.eval_every, eval_batches=args.eval_batches,
                        save_every=args.save_every, resume=args.resume,
+                       init_from=getattr(args, "init_from", None),
                        overwrite=getattr(args, "overwrite", False), timeout_s=args.timeout_s,
                        hang_timeout_s=getattr(args, "hang_timeout_s", 60.0),
                        fail_at=parse_fail_at(args.fail_at), out=args.out, monitor=monitor,
@@ -176,6 +183,10 @@ def run(args) -> int:
     rank = int(os.environ.get("RANK", "0"))
     # validate everything before any process group starts: layout, data, resume checkpoint
     source = None
+    if cfg.init_from:   # the model's shape is the checkpoint's (a given --model must agree)
+        from commpipe.train.weights import init_model
+
+        cfg.model = init_model(cfg.init_from, args.model)
     if cfg.data:
         cfg.dims.check_world(world)
         source = open_data(cfg, world)
@@ -193,6 +204,10 @@ def run(args) -> int:
         raise ValueError(problem)
 
     resolve_resume(cfg, source)
+    if cfg.init_from:
+        from commpipe.train.weights import check_init_from
+
+        check_init_from(cfg)
     from commpipe.train.run_folder import prepare_run_folder
 
     prepare_run_folder(cfg, rank)   # a writable --out, holding no other run

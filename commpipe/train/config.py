@@ -48,6 +48,7 @@ class TrainConfig:
     eval_batches: int = 4             # global batches of the valid split per evaluation
     save_every: int = 0               # checkpoint every N steps into OUT/checkpoints (0: never)
     resume: str | None = None         # "latest" (OUT/checkpoints) or a checkpoint path
+    init_from: str | None = None      # start from this checkpoint's weights (train.weights)
     overwrite: bool = False           # replace the run OUT holds (commpipe.train.run_folder)
     timeout_s: float = 300.0          # process-group timeout: a rank that stops answering
     hang_timeout_s: float = 60.0      # hang watchdog: no step for this long names the stuck rank

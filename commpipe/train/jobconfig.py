@@ -49,7 +49,7 @@ SECTIONS = {
     "training": ("steps", "seq_len", "micro_batch_size", "global_batch", "seed", "lr", "min_lr",
                  "warmup", "clip"),
     "data": ("data", "tokenizer", "vocab_size", "eval_every", "eval_batches"),
-    "checkpoint": ("save_every", "resume", "fail_at"),
+    "checkpoint": ("save_every", "resume", "init_from", "fail_at"),
     "monitor": ("comm_monitor", "trace", "tensorboard", "log_every"),
     "job": ("out", "overwrite", "device", "timeout_s", "hang_timeout_s"),
     "adapt": ("adapt", "adapt_min_steps", "adapt_min_shift", "adapt_horizon", "adapt_margin",
@@ -194,6 +194,7 @@ def _convert(action, value, where: str, negate: bool):
 # TrainConfig fields that are the flag of the same name
 SAME = ("model", "schedule", "vpp", "micro_batch_size", "global_batch", "seq_len", "steps",
         "seed", "data", "tokenizer", "vocab_size", "eval_every", "eval_batches", "save_every",
+        "init_from",
         "resume", "overwrite", "timeout_s", "out", "trace", "log_every", "device", "precision",
         "strict_order", "recompute", "sequence_parallel", "overlap", "dp_bucket_mb",
         "tp_forward_overlap", "tensorboard", "hang_timeout_s")

@@ -323,6 +323,11 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
                 f"pass --global-batch {meta['global_batch']} to keep training on the same batch")
     elif cfg.resume:
         say(f"no checkpoint in {ckpt_root} yet: starting at step 0")
+    if start is None and cfg.init_from:   # weights only: fresh optimizer, step 0
+        from commpipe.train.weights import load_weights
+
+        load_weights(trainer, cfg.init_from)
+        say(f"initialised the weights from {cfg.init_from}")
     metrics_file = None
     if out is not None and trainer.is_logger:
         out.mkdir(parents=True, exist_ok=True)

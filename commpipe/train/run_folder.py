@@ -21,7 +21,7 @@ RUN_FILES = ("config.json", "metrics.jsonl", "metrics.replaced.jsonl", "metrics.
              "checkpoints", "monitor", "trace", "tensorboard", "adapt.jsonl",
              "adapt_relaunch.json")
 # config.json fields that say where and how a run is observed, not what it computes
-NOT_THE_RUN = {"out", "resume", "overwrite", "timeout_s", "log_every", "fail_at", "monitor",
+NOT_THE_RUN = {"out", "resume", "init_from", "overwrite", "timeout_s", "log_every", "fail_at", "monitor",
                "trace", "tensorboard", "strict_order", "stage_balance", "spec", "save_every",
                "eval_every", "eval_batches"}
 
