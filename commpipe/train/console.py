@@ -123,7 +123,8 @@ def banner(cfg, comm, device) -> list[str]:
              f"({ranks_per_node(world)} per node), {backend}, {device.type}",
              f"commpipe: model {cfg.spec.name}: {format_count(params)} parameters, "
              f"{format_count(flops, 'FLOP')} per {unit} (forward + backward), {cfg.precision}, "
-             f"global batch {cfg.global_batch} x {cfg.seq_len} tokens"]
+             f"global batch {cfg.global_batch} "
+             + (f"x {cfg.seq_len} tokens" if unit == "token" else "image-caption samples")]
     if cfg.dims.pp == 1:
         lines.append(f"commpipe: no pipeline (pp 1), {cfg.microbatches} micro-batch"
                      f"{'es' if cfg.microbatches > 1 else ''} of {cfg.micro_batch_size}")
