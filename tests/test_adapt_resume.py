@@ -61,10 +61,10 @@ def test_the_same_command_resumes_in_the_checkpoints_plan(tmp_path):
     got = resume_adapted(_cfg(tmp_path), world=2)
     assert Plan.of(got) == MOVED and got.resume == "latest"
     assert got.adapt.resume_state["baselines"] == state["baselines"]
-    assert "adapted plan" in got.adapt.resume_state["note"]
+    assert "the checkpoint's adapted plan" in got.adapt.resume_state["note"]
     # another layout than the run started with is the user's choice
     other = resume_adapted(_cfg(tmp_path, pp=1, dp=2), world=2)
-    assert (other.dims.pp, other.dims.dp) == (1, 2) and "as the command asks" in \
+    assert (other.dims.pp, other.dims.dp) == (1, 2) and "the command's layout" in \
         other.adapt.resume_state["note"]
     explicit = resume_adapted(_cfg(tmp_path, stage_layers=[1, 3]), world=2)
     assert explicit.stage_layers == [1, 3]
@@ -156,7 +156,7 @@ def test_resume_after_a_switch_continues_in_the_switched_plan(tmp_path):
 
     # the same command, resumed
     stdout = _finish(_launch(out, *ADAPT, "--resume"))
-    assert "resuming in the adapted plan" in stdout
+    assert f"resumed in {state['plan']['name']} (the checkpoint's adapted plan" in stdout
     metrics = _jsonl(out / "metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(70))
     resumed = [m for m in metrics if m["step"] >= stop]

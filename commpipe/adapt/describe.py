@@ -65,8 +65,6 @@ def decision_line(rec: dict) -> str:
         return (f"{PREFIX} step {step}: settled on {_plan(rec['to'])} at "
                 f"{_ms(rec['measured_ms'])}, {rec.get('reason', 'fastest measured')}{moved}{cost}")
     if action == "resumed":
-        return f"{PREFIX} step {step}: {rec.get('reason', 'resumed')}"
-    if action == "resumed":
         return f"{PREFIX} step {step}: resumed in {_plan(rec['to'])} ({rec.get('reason')})"
     if action == "relaunched":
         return (f"{PREFIX} step {step}: relaunched under {_plan(rec['to'])} "

@@ -62,10 +62,10 @@ def resume_adapted(cfg, world: int):
     new, note = cfg, None
     if asked == started and saved != asked and same_world:
         new = saved.apply(cfg)
-        note = (f"resuming in the adapted plan {saved.name} (the checkpoint's); give other "
-                f"layout flags than the run started with ({started.name}) to choose one")
+        note = (f"the checkpoint's adapted plan; layout flags other than the run started with "
+                f"({started.name}) choose another")
     elif asked != started:
-        note = (f"resuming in {asked.name} as the command asks (the run started in "
-                f"{started.name}; the checkpoint ran {saved.name})")
+        note = (f"the command's layout: the run started in {started.name}, the checkpoint "
+                f"ran {saved.name}")
     new.adapt = dataclasses.replace(cfg.adapt, resume_state=state | {"note": note})
     return new
