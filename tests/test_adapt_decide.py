@@ -236,3 +236,22 @@ def test_a_watch_restored_from_its_state_detects_against_the_saved_baselines():
         got["restored"] += restored.observe(s, dict(sig))
     assert got["fresh"] == []
     assert [(d.key, d.onset_step, d.step) for d in got["restored"]] == [("rank 1", 22, 26)]
+
+
+def test_context_parallel_traffic_is_what_each_rank_receives():
+    """A cp=2 candidate on a measured 0.01 GB/s link (latency 0): per layer and pass every rank
+    receives the other's K and V, [1, 8, 32] fp32 each: 2 x 1,024 bytes / 1e7 B/s = 0.2048 ms;
+    over 4 layers, forward and backward, 8 micro-batches: 13.107 ms. (A ring all-gather priced
+    at (n-1)/n of one rank's chunk, as a separate formula once did, gives half of that.) The
+    gradient all-reduce over dp x cp is the same as dp=2's, so the difference is CP alone."""
+    from commpipe.adapt.model import CostModel
+
+    m = _measured()
+    m.links = {(0, 1): (None, 0.01)}
+    model = CostModel(_cfg().spec, 16, 2, 2, m)
+    _, cp2 = model.components(Plan(1, 2, 1, 1, (4,), "1f1b", 8, 1))
+    _, dp2 = model.components(Plan(1, 1, 1, 2, (4,), "1f1b", 4, 1))
+    assert cp2 - dp2 == pytest.approx(8 * 2 * 4 * 2 * 1024 / 1e7 * 1e3, rel=1e-6)
+    # the gradient all-reduce: 4 blocks of 36,992 and the embedding and head (256 x 64 each)
+    # in fp32, 2 (n-1)/n of it over the link
+    assert dp2 == pytest.approx((4 * 36_992 + 2 * 16_384) * 4 / 1e7 * 1e3, rel=1e-6)

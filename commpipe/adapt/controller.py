@@ -88,7 +88,7 @@ class Controller:
         if resumed:
             self._write({"step": trainer.step - 1, "action": "resumed", "to": self.running.to_dict(),
                          "baselines": len(self.plan_baselines.get(self.running.name, {})),
-                         "reason": resumed.get("note") or "resumed in the checkpoint's plan"})
+                         "reason": resumed.get("note") or "the checkpoint's plan"})
         req = self.acfg.resumed_from
         if req is not None:   # this start continues a switch by checkpoint and relaunch
             self._write({"step": trainer.step - 1, "action": "relaunched",
@@ -264,7 +264,8 @@ class Controller:
             links=link_rates(window),
             collective_gbps=collective_rates(window, self.rpn, self.acfg.collective_min_bytes),
             rank_busy={r: statistics.median(v) for r, v in busy.items()},
-            element_bytes=element_bytes)
+            element_bytes=element_bytes,
+            backend="nccl" if trainer.device.type == "cuda" else "gloo")
         return evaluate(cfg, self.acfg, measured, step=step, steps_left=cfg.steps - trainer.step,
                         world=self.world, ranks_per_node=self.rpn,
                         detections=[d.to_dict() | self._where(d) for d in found],

@@ -3,7 +3,7 @@
 The running plan's timeline is calibrated exactly as `simulate --compare` does it
 (`commpipe.sim.compare.calibrate`: median F/B/I/W per stage plus the host time between compute
 actions). From that table each stage's speed is expressed per unit of work, the forward FLOPs
-of its layers (and head) per sample, divided by tp*cp:
+of its layers (and head) per sample (models/spec.py's one FLOPs definition), divided by tp*cp:
 
     unit_s = (f_s + b_s - 2 host) / work_s        (ms per work unit)
 
@@ -12,7 +12,9 @@ stage's unit over the healthy one (a straggler, or ranks sharing a slow host). A
 stage costs are then unit_healthy * max(k_g over its ranks) * work, split into F and B in the
 measured ratio, plus the host time. Point-to-point links are looked up per rank pair in the
 monitor's measurements (else by node pair, else by link class); TP and CP collectives and the
-DP x CP gradient all-reduce are priced with ring formulas on the bandwidth of their link class.
+DP x CP gradient all-reduce are priced by the planner's `Cluster` (commpipe.plan.cluster: bus
+bytes and latency steps per backend) at the rate measured for their link class, activations at
+the run's element size (2 bytes under bf16), gradients in fp32 as GradReducer sums them.
 Everything else in the measured step (optimizer, loss reduction) is carried over as a constant,
 so the current plan's prediction equals its measured step time. Layout candidates assume one
 device per rank (tp and cp divide a stage's compute); on an emulated cluster whose ranks share
@@ -34,9 +36,16 @@ from commpipe.models.spec import (
     layer_param_count,
 )
 from commpipe.parallel.dims import ParallelDims
+from commpipe.plan.cluster import Cluster, Link
+from commpipe.plan.gpus import GPU
 from commpipe.schedules import generate
 from commpipe.sim.costs import CostTable
 from commpipe.sim.engine import simulate
+
+# Collectives are priced by the planner's Cluster, whose GPU entry only matters for compute,
+# which is measured here: a placeholder with no peak of its own.
+MEASURED_RUN = GPU("measured run", tflops=0.0, mem_gb=0.0, hbm_gbps=0.0, nvlink_gbps=0.0,
+                   nic_gbps=0.0)
 
 
 def stage_work(spec: ModelSpec, seq_len: int, layers: int, last: bool) -> float:
@@ -60,6 +69,7 @@ class Measured:
     collective_gbps: dict = field(default_factory=dict)  # "intra_node"/"inter_node" -> GB/s
     rank_busy: dict = field(default_factory=dict)  # rank -> compute ms per step
     element_bytes: int = 4           # bytes of an activation element on the wire (2 under bf16)
+    backend: str = "gloo"            # the process groups' backend: gloo | nccl
 
 
 class CostModel:
@@ -154,16 +164,32 @@ class CostModel:
             return float("inf")
         return min(self.link(ranks[i], ranks[(i + 1) % len(ranks)])[1] for i in range(len(ranks)))
 
-    def ring_ms(self, nbytes: float, ranks: list[int], all_reduce: bool = True) -> float:
-        """A ring collective: at the bus bandwidth measured for collectives of its link class
-        when there is one, else at its slowest hop's point-to-point rate."""
+    def cluster_for(self, ranks: list[int]) -> Cluster:
+        """The planner's cluster (commpipe.plan.cluster, whose collective pricing this uses) as
+        the group `ranks` sees it: at the bus bandwidth measured for collectives of its link
+        class when there is one, else at its slowest hop's point-to-point rate; the run's
+        backend sets the latency steps (gloo rings, NCCL trees)."""
+        cls = "intra_node" if len({self.node(r) for r in ranks}) == 1 else "inter_node"
+        link = Link(self.m.collective_gbps.get(cls) or self.group_gbps(ranks),
+                    self.base_latency / 1e3)
+        return Cluster(MEASURED_RUN, self.world, self.rpn, intra=link, inter=link,
+                       source="measured", backend=self.m.backend)
+
+    def all_reduce_ms(self, nbytes: float, ranks: list[int]) -> float:
+        return 1e3 * self.cluster_for(ranks).all_reduce(nbytes, len(ranks), 1) \
+            if len(ranks) > 1 else 0.0
+
+    def cp_ms(self, k_bytes: float, ranks: list[int]) -> float:
+        """Context parallelism per layer and pass (commpipe.parallel.context): forward
+        all-gathers K and V (each rank's `k_bytes` of each), backward reduce-scatters their
+        gradients; the mean of the two, as the simulator adds one value to F and to B."""
         n = len(ranks)
         if n < 2:
             return 0.0
-        steps = 2 * (n - 1) if all_reduce else n - 1
-        cls = "intra_node" if len({self.node(r) for r in ranks}) == 1 else "inter_node"
-        bw = self.m.collective_gbps.get(cls) or self.group_gbps(ranks)
-        return steps * self.base_latency + steps / n * nbytes / (bw * 1e6)
+        cl = self.cluster_for(ranks)
+        gather = 2 * cl.all_gather(n * k_bytes, n, 1)
+        scatter = 2 * cl.reduce_scatter(n * k_bytes, n, 1)
+        return 1e3 * (gather + scatter) / 2
 
     # -- prediction ----------------------------------------------------------------------------
     def predict(self, plan: Plan) -> float:
@@ -189,10 +215,10 @@ class CostModel:
             b.append(busy * (1 - self.f_share) + self.m.host_ms)
             comm = 0.0
             if plan.tp > 1:   # Megatron TP: 2 all-reduces of the activation per layer and pass
-                comm += 2 * layers * self.ring_ms(act_bytes, dims.group_of("tp", group[0]))
-            if plan.cp > 1:   # ring attention moves K and V around the CP group once per layer
-                kv = 2 * act_bytes * spec.kv_dim / spec.hidden
-                comm += layers * self.ring_ms(kv, dims.group_of("cp", group[0]), all_reduce=False)
+                comm += 2 * layers * self.all_reduce_ms(act_bytes, dims.group_of("tp", group[0]))
+            if plan.cp > 1:   # this rank's K (and V): [b, s/cp, kv_dim/tp]
+                k_bytes = act_bytes * spec.kv_dim / spec.hidden / plan.tp
+                comm += layers * self.cp_ms(k_bytes, dims.group_of("cp", group[0]))
             tp_comm.append(comm)
             if s + 1 < n:
                 src, dst = dims.rank_of(pp=s), dims.rank_of(pp=s + 1)
@@ -207,7 +233,7 @@ class CostModel:
             # an all-reduce of the largest stage's TP shard, fp32
             stage_params = max(self._stage_params(x, s == n - 1, s == 0)
                                for s, x in enumerate(plan.stage_layers))
-            dp_ms = self.ring_ms(4.0 * stage_params / plan.tp, dims.group_of("dp_cp", 0))
+            dp_ms = self.all_reduce_ms(4.0 * stage_params / plan.tp, dims.group_of("dp_cp", 0))
         return bare, makespan - bare + dp_ms
 
     def _stage_params(self, layers: int, last: bool, first: bool) -> float:
