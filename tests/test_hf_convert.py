@@ -164,6 +164,23 @@ def test_commpipe_weights_load_in_hugging_face(kind, tmp_path):
     assert (logits_of(model.eval(), batch) - logits_of(reference, batch)).abs().max() <= 1e-5
 
 
+@pytest.mark.parametrize("kind", ["llama-tied", "blip"])
+def test_head_trained_apart_from_the_embedding_is_written_untied(saved, kind, tmp_path):
+    """Imported tied, then changed apart (as training does): the export writes the head and
+    tie_word_embeddings false, and transformers computes commpipe's logits from it."""
+    meta, spec, state = read_weights(saved[kind][1])
+    head = "head.output.weight" if kind == "blip" else "output.weight"
+    g = torch.Generator().manual_seed(2)
+    state[head] = state[head] + 0.05 * torch.randn(state[head].shape, generator=g)
+    save_weights(tmp_path / "ckpt", spec, state, hf=meta["hf"])
+    assert main(["convert", "--from", str(tmp_path / "ckpt"), "--to-hf", str(tmp_path / "hf")]) == 0
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["tie_word_embeddings"] is False
+    cls = transformers.BlipForConditionalGeneration if kind == "blip" else transformers.LlamaForCausalLM
+    reference = cls.from_pretrained(tmp_path / "hf").eval()
+    batch = inputs(kind, spec)
+    assert (logits_of(commpipe_model(spec, state), batch) - logits_of(reference, batch)).abs().max() <= 1e-5
+
+
 def hf_loss(kind: str, reference, spec) -> float:
     """Hugging Face's logits on the first batch a run with --seed SEED reads, under commpipe's
     loss (mean next-token cross-entropy over the labelled tokens)."""
