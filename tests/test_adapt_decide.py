@@ -49,12 +49,12 @@ def _measured(slow: float = 1.0, plan: Plan = CUR):
                     rank_busy={0: 8 * t0, 1: 8 * t1})
 
 
-def _decide(measured, steps_left=1000, **acfg) -> Decision:
+def _decide(measured, steps_left=1000, free_gb=None, **acfg) -> Decision:
     from commpipe.adapt.evaluate import evaluate
 
     cfg = measured.plan.apply(_cfg())
     return evaluate(cfg, AdaptConfig(**acfg), measured, step=20, steps_left=steps_left,
-                    world=2, ranks_per_node=2, detections=[], signals={})
+                    world=2, ranks_per_node=2, detections=[], signals={}, free_gb=free_gb)
 
 
 # -- the cost model's calibration ------------------------------------------------------------------
@@ -164,6 +164,27 @@ def test_a_switch_that_cannot_pay_back_in_the_steps_left_is_refused():
     d = _decide(_measured(slow=3.0), steps_left=3, trials=0)
     assert d.action == "stay" and "does not pay" in d.reason and d.horizon_steps == 3
     assert _decide(_measured(slow=3.0), steps_left=30, trials=0).action == "switch"
+
+
+def test_candidates_the_memory_model_rejects_are_dropped():
+    from commpipe.adapt.evaluate import memory_need_gb
+
+    roomy = _decide(_measured(slow=3.0), free_gb=1000.0, trials=0)
+    assert roomy.candidates_over_memory == 0
+    # no memory to spare: a candidate may need no more than the running plan. dp2 and cp2 hold
+    # the whole model on both ranks of the host, pp2 half of it: 90,368 parameters more per
+    # rank at 16 bytes (fp32 weights, gradients, Adam's two moments)
+    tight = _decide(_measured(slow=3.0), free_gb=0.0, trials=0)
+    kept = {c["plan"] for c in tight.candidates}
+    assert tight.candidates_over_memory > 0
+    assert tight.candidates_considered + tight.candidates_over_memory == \
+        roomy.candidates_considered
+    assert not any(name.startswith(("tp1-cp1-pp1-dp2", "tp1-cp2")) for name in kept)
+    assert "tp1-cp1-pp2-dp1 1f1b m8x1 layers 3,1" in kept and tight.action == "switch"
+    dp2 = Plan(1, 1, 1, 2, (4,), "1f1b", 4, 1)
+    cfg = _cfg()
+    assert memory_need_gb(cfg, dp2, True, 2) - memory_need_gb(cfg, CUR, True, 2) >= \
+        2 * 16 * 90_368 / 2**30
 
 
 # -- what the controller acts on -------------------------------------------------------------------

@@ -266,8 +266,12 @@ class Controller:
             rank_busy={r: statistics.median(v) for r, v in busy.items()},
             element_bytes=element_bytes,
             backend="nccl" if trainer.device.type == "cuda" else "gloo")
+        from commpipe.plan.fits import available_gb
+
+        on_cpu = trainer.device.type != "cuda"
         return evaluate(cfg, self.acfg, measured, step=step, steps_left=cfg.steps - trainer.step,
                         world=self.world, ranks_per_node=self.rpn,
+                        free_gb=available_gb(on_cpu, trainer.device.index or 0), on_cpu=on_cpu,
                         detections=[d.to_dict() | self._where(d) for d in found],
                         signals={f"{k} {n}": v for (k, n), v in sorted(signals.items())},
                         measured_cost=self.measured_cost)

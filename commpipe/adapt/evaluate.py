@@ -37,21 +37,46 @@ def switch_cost(cur: Plan, plan: Plan, model: CostModel, spec, acfg: AdaptConfig
     return acfg.base_switch_s(kind) + moved_bytes(cur, plan, spec) / (best * 1e9)
 
 
+def memory_need_gb(cfg, plan: Plan, on_cpu: bool, ranks_per_node: int) -> float:
+    """GiB `plan` needs by the planner's memory model (commpipe.plan.fits): on CPU the sum over
+    the ranks of one host, on a GPU the heaviest rank (stage memory at an even split)."""
+    from commpipe.layout import Layout
+    from commpipe.plan.fits import host_need_gb
+    from commpipe.plan.layout import Job, runtime_job
+
+    layout = Layout(plan.tp, plan.cp, plan.pp, plan.dp, 1, plan.micro_batch_size,
+                    plan.schedule, cfg.recompute, 1 if cfg.optim.zero1 else 0)
+    job = Job(cfg.global_batch, cfg.seq_len, precision=cfg.precision or "fp32",
+              **runtime_job(cfg.features()))
+    world = plan.tp * plan.cp * plan.pp * plan.dp
+    local = list(range(min(ranks_per_node, world))) if on_cpu else list(range(world))
+    return host_need_gb(cfg.spec, layout, job, on_cpu, local)
+
+
 def evaluate(cfg, acfg: AdaptConfig, measured: Measured, *, step: int, steps_left: int,
              world: int, ranks_per_node: int, detections: list[dict],
              signals: dict[str, float | None],
-             measured_cost: dict[str, float] | None = None) -> Decision:
+             measured_cost: dict[str, float] | None = None,
+             free_gb: float | None = None, on_cpu: bool = True) -> Decision:
     """Stay or switch, and why. `cfg` is the running, resolved TrainConfig; `measured.plan` is
-    its plan. Among the switches that pay back, the largest net saving wins; the fastest
-    candidate is reported otherwise."""
+    its plan. With `free_gb` (memory free now: the host's on CPU, the device's on a GPU) a
+    candidate is dropped when the planner's memory model says it needs more than that plus what
+    the running plan needs (freed by the switch). Among the switches that pay back, the largest
+    net saving wins; the fastest candidate is reported otherwise."""
     t0 = time.perf_counter()
     spec = cfg.spec
     cur = measured.plan
     model = CostModel(spec, cfg.seq_len, world, ranks_per_node, measured, acfg)
     current_ms = model.predict(cur)
-    rows = []
+    rows, over_memory = [], 0
+    capacity = None
+    if free_gb is not None and spec.arch == "llama":
+        capacity = free_gb + memory_need_gb(cfg, cur, on_cpu, ranks_per_node)
     for plan in candidates(cur, model, spec, cfg.seq_len, cfg.global_batch, world,
                            ranks_per_node, acfg):
+        if capacity is not None and memory_need_gb(cfg, plan, on_cpu, ranks_per_node) > capacity:
+            over_memory += 1
+            continue
         try:
             ms = model.predict(plan)
         except ValueError:          # a schedule that does not take this micro-batch count
@@ -73,7 +98,8 @@ def evaluate(cfg, acfg: AdaptConfig, measured: Measured, *, step: int, steps_lef
                     for r in rows[:acfg.logged_candidates]],
         candidates_considered=len(rows), to=None, predicted_saving_s=0.0, switch_cost_s=0.0,
         reason="no other plan fits", steps_left=steps_left,
-        candidates_admitted=len(admitted), time=time.time())
+        candidates_admitted=len(admitted), candidates_over_memory=over_memory,
+        time=time.time())
     if not rows:
         d.planning_s = time.perf_counter() - t0
         return d

@@ -10,10 +10,11 @@ by `to_dict()`. Its keys are what commpipe.report, commpipe.adapt.describe and t
   trials, trial_plans, trial_cost_s   when the switch is confirmed by trials
   switch_time_s                        once switched (measured, slowest rank)
   switch_mode, checkpoint, save_time_s when switched by checkpoint and relaunch
-  steps_left, candidates_admitted, planning_s, time
+  steps_left, candidates_admitted, candidates_over_memory, planning_s, time
                                        the steps the payback could count on, how many
-                                       candidates paid back, the seconds rank 0 spent planning,
-                                       and the wall-clock time (Unix seconds) of the record
+                                       candidates paid back, how many the planner's memory
+                                       model dropped, the seconds rank 0 spent planning, and
+                                       the wall-clock time (Unix seconds) of the record
 
 Keys of the optional groups are left out when they do not apply, as before. The phase records
 that follow a switch (`trial`, `settle`, `relaunched`) are plain objects described in
@@ -56,6 +57,7 @@ class Decision:
     save_time_s: float | None = None
     steps_left: int = 0
     candidates_admitted: int = 0
+    candidates_over_memory: int = 0
     planning_s: float = 0.0
     time: float = field(default=0.0)
 
