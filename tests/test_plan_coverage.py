@@ -20,7 +20,7 @@ from commpipe.plan.gpus import resolve_gpu
 from commpipe.plan.layout import Job, Layout
 from commpipe.plan.memory import GIB, stage_memory, static_memory_gb
 from commpipe.plan.pipeline import peak_inflight
-from commpipe.plan.timing import Efficiency, layer_compute, stage_costs
+from commpipe.plan.timing import Efficiency, default_efficiency, layer_compute, stage_costs
 
 H100 = resolve_gpu("h100")
 # L=4, h=1024, 16 heads, 4 KV heads (kv_dim 256), f=4096, V=32000: 126,362,624 parameters
@@ -292,7 +292,9 @@ def test_calibrate_says_when_the_log_fit_raises_mape(tmp_path, capsys):
     c = default_cluster(resolve_gpu("a100-80gb"), 8, 8)
     spec = resolve_model("arch=gpt,layers=4,hidden=1024,heads=8,vocab=51200")
     pts = [Point(spec, Layout(tp=tp, dp=8 // tp), Job(32, 1024), 0.0, "synthetic") for tp in (1, 2, 4)]
-    times = [t * (2.5 if p.layout.tp == 1 else 1.0) for p, t in zip(pts, predict(pts, Efficiency(), c))]
+    # predicted with the defaults `plan --calibrate` starts from on this GPU
+    pred = predict(pts, default_efficiency(c.gpu), c)
+    times = [t * (2.5 if p.layout.tp == 1 else 1.0) for p, t in zip(pts, pred)]
     rows = ["layers,hidden,heads,vocab,tp,pp,dp,micro_batch_size,global_batch,seq_len,step_time_s"]
     rows += [f"4,1024,8,51200,{p.layout.tp},1,{p.layout.dp},1,32,1024,{t}" for p, t in zip(pts, times)]
     (tmp_path / "runs.csv").write_text("\n".join(rows) + "\n")

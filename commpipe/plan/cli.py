@@ -21,7 +21,7 @@ from commpipe.plan.cluster import apply_links, apply_probe, default_cluster, ove
 from commpipe.plan.frameworks import FRAMEWORKS, default_framework, framework_job_fields
 from commpipe.plan.gpus import resolve_gpu
 from commpipe.plan.layout import PRECISIONS, RECOMPUTE, SCHEDULES, ZERO_STAGES, Job, runtime_job
-from commpipe.plan.timing import Efficiency
+from commpipe.plan.timing import default_efficiency
 
 FIXABLE = ("tp", "cp", "pp", "dp", "vpp", "micro_batch_size", "schedule", "recompute", "zero", "dp_shard")
 
@@ -178,7 +178,7 @@ def cluster_from_args(args, num_gpus: int | None = None, profile_path: str | Non
     cluster = default_cluster(resolve_gpu(args.gpu), n, args.gpus_per_node)
     if args.cluster:
         cluster = apply_probe(cluster, args.cluster)
-    eff = Efficiency()
+    eff = default_efficiency(cluster.gpu)
     if profile_path:
         from commpipe.plan.calibrate import load_profile
         eff, links = load_profile(profile_path)
