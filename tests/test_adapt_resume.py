@@ -70,6 +70,11 @@ def test_the_same_command_resumes_in_the_checkpoints_plan(tmp_path):
     assert explicit.stage_layers == [1, 3]
     # without --adapt the command's layout runs
     assert Plan.of(resume_adapted(_cfg(tmp_path, adapt=False), world=2)) == EVEN
+    # a relaunch (commpipe.adapt.relaunch) runs its request's plan, re-armed for that plan
+    relaunch = _cfg(tmp_path, stage_layers=[1, 3])
+    relaunch.adapt.resumed_from = {"to": {}}
+    got = resume_adapted(relaunch, world=2)
+    assert got.stage_layers == [1, 3] and "relaunch" in got.adapt.resume_state["note"]
 
 
 def test_a_checkpoint_without_adaptive_state_or_a_fresh_run_changes_nothing(tmp_path):

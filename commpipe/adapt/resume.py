@@ -60,7 +60,9 @@ def resume_adapted(cfg, world: int):
     asked = Plan.of(cfg)
     same_world = saved.tp * saved.cp * saved.pp * saved.dp == world
     new, note = cfg, None
-    if asked == started and saved != asked and same_world:
+    if cfg.adapt.resumed_from is not None:   # a relaunch: its request chose the plan
+        note = "the plan of the relaunch request"
+    elif asked == started and saved != asked and same_world:
         new = saved.apply(cfg)
         note = (f"the checkpoint's adapted plan; layout flags other than the run started with "
                 f"({started.name}) choose another")
