@@ -5,8 +5,8 @@ step, a tick counter, and its last communication call as `Comm` holds it (`waiti
 `last_call`; commpipe.parallel.comm) into a key-value store outside the training process
 group, which may be the thing that is stuck: the job's rendezvous store (torchrun's agent
 serves it at MASTER_ADDR:MASTER_PORT), reached through a client connection of its own and keys
-under `commpipe/watchdog/<restart>/<world>/`, so a restarted job never reads the records of the
-attempt before it (TORCHELASTIC_RESTART_COUNT).
+under this attempt's prefix (commpipe.elastic.restart), so a restarted job never reads the
+records of the attempt before it.
 
 When the step has not advanced for `timeout_s` (evaluation and checkpoint saves excluded), the
 thread reads every rank's record twice, two ticks apart: a rank whose tick did not move is
@@ -35,9 +35,11 @@ QUIET_EXIT_DELAY_S = 2.0   # the reporting rank leaves first: torchrun names it 
 
 
 def store_prefix(world: int) -> str:
-    """Keys of this attempt: torchrun keeps one store across restarts and membership changes."""
-    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return f"commpipe/watchdog/{restart}/{world}/"
+    """Keys of this attempt: torchrun keeps one store across restarts and membership changes
+    (commpipe.elastic.restart.attempt_prefix)."""
+    from commpipe.elastic.restart import current_prefix
+
+    return f"{current_prefix()}watchdog/{world}/"
 
 
 def open_store(world: int, timeout_s: float = STORE_TIMEOUT_S):

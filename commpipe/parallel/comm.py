@@ -344,7 +344,14 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> tu
         # `device_id` (eager init): point-to-point then shares the default communicator and is
         # serialized with every collective, instead of one stream per rank pair
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    # under torchrun the agent's store outlives a restart: this attempt's keys are kept apart
+    from commpipe.elastic.restart import attempt_store
+
+    store = attempt_store(world, timeout_s)
+    where = {} if store is None else {"store": store, "rank": int(os.environ["RANK"]),
+                                      "world_size": world}
+    dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
+                            **where)
     return dist.get_rank(), dist.get_world_size()
 
 

@@ -195,6 +195,14 @@ def adam_and_holder(trainer):
     return opt, lambda p: dp0
 
 
+def reads_sharded_states(trainer) -> bool:
+    """ZeRO-1: each DP rank loads the states of the parameters it owns; otherwise every DP
+    replica runs the full AdamW and loads every state its stages hold."""
+    from commpipe.parallel.data import Zero1
+
+    return isinstance(trainer.optimizer, Zero1)
+
+
 def _rng_keys(rank: int) -> dict[str, torch.Tensor]:
     keys = {f"rng.rank{rank}.cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -317,10 +325,12 @@ def load(trainer, path) -> dict:
     check_compatible(meta, cfg, path)
     stored = read_metadata(path).state_dict_metadata
     adam, holds = adam_and_holder(trainer)
+    # one rank wrote each state; without ZeRO-1 every DP replica steps with all of them
+    reads = holds if reads_sharded_states(trainer) else (lambda p: True)
     want = model_wants(trainer, path, stored)
     for name, p in trainer.named_params:
         shape = full_shape(p, comm)
-        if holds(p) and f"optim.{name}.exp_avg" in stored:
+        if reads(p) and f"optim.{name}.exp_avg" in stored:
             for k in ("exp_avg", "exp_avg_sq"):
                 want[f"optim.{name}.{k}"] = torch.empty(shape, dtype=p.dtype)
             want[f"optim.{name}.step"] = torch.empty(1)

@@ -96,6 +96,11 @@ def add_arguments(p) -> None:
                    help="hang watchdog: when no step finishes for S seconds, name the rank the "
                         "others wait on and the call it has not posted, and end the job (exit "
                         "code 4); 0 turns it off (default 60)")
+    g.add_argument("--elastic", action="store_true",
+                   help="under torchrun's elastic agent (--nnodes MIN:MAX --max-restarts N): a "
+                        "(re)started job resumes from the latest checkpoint in OUT, under the "
+                        "layout given here when the world has its size, else under the planner's "
+                        "layout for the ranks there are, with the same global batch")
     g.add_argument("--fail-at", default=None, metavar="RANK:STEP",
                    help="fault drill: rank RANK raises at step STEP, to check that the job "
                         "fails loudly on your cluster")
@@ -167,6 +172,7 @@ def config_from_args(args) -> TrainConfig:
                        init_from=getattr(args, "init_from", None),
                        overwrite=getattr(args, "overwrite", False), timeout_s=args.timeout_s,
                        hang_timeout_s=getattr(args, "hang_timeout_s", 60.0),
+                       elastic=getattr(args, "elastic", False),
                        fail_at=parse_fail_at(args.fail_at), out=args.out, monitor=monitor,
                        trace=args.trace, tensorboard=args.tensorboard, log_every=args.log_every,
                        device=args.device,
@@ -181,6 +187,10 @@ def run(args) -> int:
     cfg = config_from_args(args)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
+    if cfg.elastic:   # a (re)started elastic job: the layout for this world, from the checkpoint
+        from commpipe.elastic.restart import elastic_config
+
+        cfg = elastic_config(cfg, world, int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
     # validate everything before any process group starts: layout, data, resume checkpoint
     source = None
     if cfg.init_from:   # the model's shape is the checkpoint's (a given --model must agree)

@@ -52,6 +52,7 @@ class TrainConfig:
     overwrite: bool = False           # replace the run OUT holds (commpipe.train.run_folder)
     timeout_s: float = 300.0          # process-group timeout: a rank that stops answering
     hang_timeout_s: float = 60.0      # hang watchdog: no step for this long names the stuck rank
+    elastic: bool = False             # re-plan for torchrun's world size, resume (commpipe.elastic)
     fail_at: tuple[int, int] | None = None  # fault drill: (rank, step) raises at that step
     out: str | None = None
     monitor: float | None = None
