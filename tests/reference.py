@@ -17,14 +17,16 @@ from commpipe.train.source import make_source
 
 
 def assert_close_to(actual: torch.Tensor, expected: torch.Tensor, *, rtol: float, eps_factor: float,
-                    label: str) -> None:
-    """|actual - expected| <= rtol |expected| + eps_factor * eps * max|expected|, elementwise (eps
-    of expected's dtype): the two computed the same values with their sums in another order.
-    Summing in another order (micro-batches, shards, a kernel's blocking, fused or separate
-    accumulation: each CPU's BLAS picks its own) changes the rounding by a few eps of the
+                    label: str, floor: float = 0.0) -> None:
+    """|actual - expected| <= rtol |expected| + eps_factor * eps * max(max|expected|, floor),
+    elementwise (eps of expected's dtype): the two computed the same values with their sums in
+    another order. Summing in another order (micro-batches, shards, a kernel's blocking, fused or
+    separate accumulation: each CPU's BLAS picks its own) changes the rounding by a few eps of the
     magnitudes summed, which the tensor's largest entry measures; an entry near zero can be the
-    difference of large terms, so a tolerance relative to each entry alone would not do."""
-    atol = eps_factor * torch.finfo(expected.dtype).eps * expected.abs().max().item()
+    difference of large terms, so a tolerance relative to each entry alone would not do. `floor`:
+    for a tensor that is zero in exact arithmetic and holds only the rounding of larger terms."""
+    scale = max(expected.abs().max().item(), floor)
+    atol = eps_factor * torch.finfo(expected.dtype).eps * scale
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol,
                                msg=lambda m: f"{label}: {m}")
 
