@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from commpipe.models.llama import build_model
 from commpipe.train.config import TrainConfig
-from commpipe.train.loop import lr_at
+from commpipe.train.optim import lr_at
 from commpipe.train.source import make_source
 
 

@@ -1,4 +1,4 @@
-"""The learning-rate schedule (commpipe.train.loop.lr_at) against hand-computed values, and the
+"""The learning-rate schedule (commpipe.train.optim.lr_at) against hand-computed values, and the
 trainer applying it step by step. The multi-rank tests' reference imports lr_at, so only these
 tests see a wrong schedule.
 
@@ -13,7 +13,8 @@ import pytest
 
 from commpipe.parallel.comm import Comm
 from commpipe.train.config import OptimConfig, TrainConfig
-from commpipe.train.loop import Trainer, lr_at
+from commpipe.train.loop import Trainer
+from commpipe.train.optim import lr_at
 
 C = math.cos(math.pi / 4)           # 0.7071...: a quarter and three quarters of the cosine
 

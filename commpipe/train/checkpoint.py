@@ -275,7 +275,7 @@ def save(trainer, root) -> Path:
 
 
 def _meta(trainer) -> dict:
-    from commpipe.train.loop import lr_at
+    from commpipe.train.optim import lr_at
 
     cfg, d = trainer.cfg, trainer.cfg.dims
     meta = {

@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -151,3 +152,18 @@ def run_rank(fn, rank: int, world: int) -> int:
     if world > 1 and code != 3:
         os._exit(code)
     return code
+
+
+def last_good(ckpt_root: Path | None) -> str:
+    """Where a diverged run can go back to."""
+    from commpipe.train import checkpoint
+
+    last = checkpoint.latest_in(ckpt_root) if ckpt_root is not None and ckpt_root.is_dir() else None
+    if last is None:
+        return "There is no checkpoint to go back to."
+    return f"The last good checkpoint is {last}; resume from it with a lower --lr or more --warmup."
+
+
+def diverged_message(rec: dict, ckpt_root: Path | None) -> str:
+    return (f"loss is {rec['loss']} (gradient norm {rec['grad_norm']}) at step {rec['step']}; "
+            f"training stopped without applying that step. " + last_good(ckpt_root))

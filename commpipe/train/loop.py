@@ -36,7 +36,15 @@ from commpipe.train import checkpoint
 from commpipe.train.config import TrainConfig
 from commpipe.train.console import banner, format_balance, format_step, summary
 from commpipe.train.evaluate import evaluate, forward_program
-from commpipe.train.failures import StopSignals, TrainingDiverged, check_finite_params, is_finite
+from commpipe.train.failures import (
+    StopSignals,
+    TrainingDiverged,
+    check_finite_params,
+    diverged_message,
+    is_finite,
+    last_good,
+)
+from commpipe.train.optim import lr_at, make_optimizer
 from commpipe.train.run_files import TRACE_STEPS, kineto_trace, open_metrics
 from commpipe.train.source import check_vocab, make_source
 from commpipe.train.tensorboard import TensorBoardLog
@@ -63,37 +71,6 @@ def pick_device(name: str) -> torch.device:
             return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         return torch.device("cpu")
     return torch.device(name)
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """The learning rate of step `step` (0-based) of a `cfg.steps`-step run: Megatron-LM's
-    linear warm-up then cosine decay (OptimizerParamScheduler), counted so that the first step
-    does not train at lr 0 and the last one trains at min_lr (Megatron's first iteration has its
-    warm-up's lr 0 and it reaches min_lr one step after its last). Warm-up step
-    i < warmup_steps trains at lr * (i + 1) / warmup_steps, the last of them at the peak lr
-    (without warm-up, step 0 is the peak); the cosine runs from that peak step to min_lr at
-    step steps - 1, and stays there after it. A warm-up as long as the run never decays."""
-    o = cfg.optim
-    if step < o.warmup_steps:
-        return o.lr * (step + 1) / o.warmup_steps
-    peak = max(o.warmup_steps - 1, 0)
-    span = cfg.steps - 1 - peak                         # steps from the peak to the last one
-    if span <= 0:
-        return o.lr
-    progress = min((step - peak) / span, 1.0)
-    return o.min_lr + 0.5 * (o.lr - o.min_lr) * (1 + math.cos(math.pi * progress))
-
-
-def make_optimizer(params, cfg: TrainConfig, reducer: GradReducer):
-    o = cfg.optim
-
-    def adamw(ps):
-        return torch.optim.AdamW(ps, lr=o.lr, betas=o.betas, eps=o.eps,
-                                 weight_decay=o.weight_decay, foreach=False)
-
-    if reducer.zero:
-        return Zero1(params, reducer, adamw)
-    return adamw(params)
 
 
 @dataclass
@@ -373,7 +350,7 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
             if board is not None:
                 board.log_step(trainer, rec, controller.decisions if controller else ())
             if not finite:
-                raise TrainingDiverged(_diverged(rec, ckpt_root))
+                raise TrainingDiverged(diverged_message(rec, ckpt_root))
             if controller is not None:   # may switch to another plan, in memory
                 with _paused(watchdog):
                     trainer, metrics_file = controller.after_step(trainer, rec, metrics_file)
@@ -387,7 +364,7 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
                     if not check_finite_params(trainer.params, comm):
                         raise TrainingDiverged(
                             f"parameters became NaN or inf in the update of step {rec['step']} "
-                            f"(loss {rec['loss']:.4f}); not saved. " + _last_good(ckpt_root))
+                            f"(loss {rec['loss']:.4f}); not saved. " + last_good(ckpt_root))
                     path = checkpoint.save(trainer, ckpt_root)
                     saved_at = trainer.step
                     say(f"saved {path}")
@@ -449,15 +426,3 @@ def _unmonitored(trainer):
         yield
     finally:
         trainer.monitor.attach()
-
-
-def _last_good(ckpt_root: Path | None) -> str:
-    last = checkpoint.latest_in(ckpt_root) if ckpt_root is not None and ckpt_root.is_dir() else None
-    if last is None:
-        return "There is no checkpoint to go back to."
-    return f"The last good checkpoint is {last}; resume from it with a lower --lr or more --warmup."
-
-
-def _diverged(rec: dict, ckpt_root: Path | None) -> str:
-    return (f"loss is {rec['loss']} (gradient norm {rec['grad_norm']}) at step {rec['step']}; "
-            f"training stopped without applying that step. " + _last_good(ckpt_root))
