@@ -9,6 +9,7 @@ worker stopped by SIGSTOP, and a healthy run with a short timeout that must not 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from commpipe.elastic.hang import diagnose, ranks_text
-from tests.test_failures import metric_lines, wait_for_step, worker_pid
+from tests.test_failures import metric_lines, worker_pid
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--seq-len", "16", "--global-batch", "4"]
@@ -100,9 +101,9 @@ HANG_S = 8.0
 class Job:
     """`torchrun --nproc-per-node N -m commpipe train --pp N`, its stderr read line by line."""
 
-    def __init__(self, out: Path, nproc: int, *flags: str):
+    def __init__(self, out: Path, nproc: int, *flags: str, torchrun: tuple = ()):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-               str(nproc), "-m", "--", "commpipe", "train", "--pp", str(nproc), *TINY,
+               str(nproc), *torchrun, "-m", "--", "commpipe", "train", "--pp", str(nproc), *TINY,
                "--out", str(out), *flags]
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
@@ -137,6 +138,16 @@ class Job:
                 return line
         return None
 
+    def wait_for_step(self, out: Path, step: int, timeout: float = 120) -> None:
+        end = time.monotonic() + timeout
+        while not any(r["step"] >= step for r in metric_lines(out)):
+            if self.proc.poll() is not None or time.monotonic() > end:
+                self.proc.kill()
+                time.sleep(0.5)
+                raise AssertionError(f"training did not reach step {step}:\n"
+                                     + "".join(self.stderr)[-3000:])
+            time.sleep(0.05)
+
     def finish(self, timeout: float) -> int:
         try:
             self.proc.wait(timeout)
@@ -153,7 +164,7 @@ class Job:
 def test_sigstopped_rank_is_named_within_the_timeout(tmp_path):
     out = tmp_path / "run"
     job = Job(out, 3, "--steps", "5000", "--hang-timeout-s", str(HANG_S))
-    wait_for_step(job.proc, out, 2)
+    job.wait_for_step(out, 2)
     pid = worker_pid(job.proc.pid, 2)
     os.kill(pid, signal.SIGSTOP)
     t0 = time.monotonic()
@@ -161,7 +172,8 @@ def test_sigstopped_rank_is_named_within_the_timeout(tmp_path):
         line = job.wait_line("commpipe: hang:", HANG_S + 10)
         elapsed = time.monotonic() - t0
     finally:
-        os.kill(pid, signal.SIGCONT)   # let torchrun's SIGTERM end it
+        with contextlib.suppress(ProcessLookupError):   # ended by the watchdog, else by torchrun
+            os.kill(pid, signal.SIGCONT)
     assert line, f"no hang message within {HANG_S + 10} s:\n{''.join(job.stderr)[-3000:]}"
     assert elapsed < HANG_S + 10
     # the last stage froze: rank 1 waits on it (a pp send or recv, or a collective with it),
@@ -187,3 +199,28 @@ def test_watchdog_stays_quiet_on_a_healthy_run(tmp_path):
     assert code == 0, stderr[-3000:]
     assert "hang" not in stderr and "hang" not in job.stdout
     assert [r["step"] for r in metric_lines(out)] == list(range(12))
+
+
+def test_hung_rank_is_lost_and_an_elastic_job_restarts_and_finishes(tmp_path):
+    out = tmp_path / "run"
+    steps = 16
+    job = Job(out, 3, "--steps", str(steps), "--hang-timeout-s", str(HANG_S), "--save-every", "3",
+              "--elastic", torchrun=("--max-restarts", "1"))
+    job.wait_for_step(out, 4)
+    pid = worker_pid(job.proc.pid, 2)
+    os.kill(pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    assert job.wait_line("commpipe: hang:", HANG_S + 10), "".join(job.stderr)[-3000:]
+    # the frozen worker was ended by its host's ranks: torchrun restarts without its 30 s wait
+    end = time.monotonic() + 10
+    while Path(f"/proc/{pid}").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] \
+            != "Z" and time.monotonic() < end:
+        time.sleep(0.1)
+    assert time.monotonic() < end, "the stopped worker is still there"
+    code = job.finish(300)
+    log = "".join(job.stderr) + job.stdout
+    assert code == 0, log[-4000:]
+    assert time.monotonic() - t0 < 200
+    resumed = [x for x in log.splitlines() if "resumed from" in x]
+    assert len(resumed) == 1 and "commpipe: elastic:" not in log   # same world: same layout
+    assert [r["step"] for r in metric_lines(out)] == list(range(steps))

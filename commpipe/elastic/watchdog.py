@@ -11,9 +11,10 @@ records of the attempt before it.
 When the step has not advanced for `timeout_s` (evaluation and checkpoint saves excluded), the
 thread reads every rank's record twice, two ticks apart: a rank whose tick did not move is
 stopped or frozen (SIGSTOP, a lost node). commpipe.elastic.hang names the rank the others wait
-on; the lowest live rank prints it and writes it into torchrun's failure summary, and every
-rank leaves with HANG_EXIT_CODE, the job being lost as after a crash (an elastic torchrun then
-restarts it, see commpipe.elastic.restart).
+on; the lowest live rank prints it and writes it into torchrun's failure summary, the ranks on
+a frozen rank's host end it (SIGKILL, after checking that the pid is still that worker), and
+every rank leaves with HANG_EXIT_CODE: the job is lost as after a crash, and an elastic
+torchrun restarts it (see commpipe.elastic.restart).
 """
 
 from __future__ import annotations
@@ -146,7 +147,8 @@ class Watchdog:
                       f"{type(exc).__name__}: {exc}", file=self.err, flush=True)
 
     def _examine(self):
-        """(headline, lines, reporter) once a hang is confirmed; None if the step moved."""
+        """(headline, lines, reporter, its host, {frozen rank: its record}) once a hang is
+        confirmed; None if the step moved."""
         step = self.step
         first = self._read_all()
         t0 = time.monotonic()
@@ -166,9 +168,11 @@ class Watchdog:
         silent = {r: max(waited, now - second[r]["time"]) if second[r] else waited for r in stale}
         headline, lines = diagnose(second, stale, self.world, silent)
         live = [r for r in range(self.world) if r not in stale]
-        return headline, lines, (min(live) if live else self.rank)
+        frozen = {r: second[r] for r in stale if second[r] is not None}
+        reporter = min(live) if live else self.rank
+        return headline, lines, reporter, (second[reporter] or {}).get("host"), frozen
 
-    def _fire(self, headline: str, lines: list[str], reporter: int) -> None:
+    def _fire(self, headline: str, lines: list[str], reporter: int, reporter_host, frozen: dict):
         self.fired = (headline, lines)
         stuck = time.monotonic() - self._t_progress
         if self.rank == reporter:
@@ -180,11 +184,37 @@ class Watchdog:
             if os.environ.get("TORCHELASTIC_ERROR_FILE"):
                 report(text)
         else:
-            time.sleep(QUIET_EXIT_DELAY_S)
+            # after the reporter has examined (two ticks) and reported: ending a frozen worker
+            # or this rank before would close connections, and the job would end unexplained
+            time.sleep(QUIET_EXIT_DELAY_S + 3 * self.tick_s)
+        # a frozen rank cannot leave by itself; torchrun would SIGKILL it only after its 30 s
+        # shutdown wait: the reporter ends those of its host, the ranks of another host those
+        # of theirs, so a restart follows at once
+        if self.rank == reporter or reporter_host != self._host:
+            for r, rec in frozen.items():
+                if rec.get("host") == self._host:
+                    end_frozen_worker(r, rec.get("pid"))
         if self.exit_fn is not None:
             self.err.flush()
             sys.stdout.flush()
             self.exit_fn(HANG_EXIT_CODE)
+
+
+def end_frozen_worker(rank: int, pid) -> bool:
+    """SIGKILL the frozen worker `pid` of this host when it is this job's worker of `rank`
+    (its environment says so: a recycled pid is left alone)."""
+    import signal
+
+    try:
+        env = open(f"/proc/{int(pid)}/environ", "rb").read().split(b"\0")
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+        if f"RANK={rank}".encode() not in env or \
+                f"TORCHELASTIC_RUN_ID={run_id}".encode() not in env:
+            return False
+        os.kill(int(pid), signal.SIGKILL)
+        return True
+    except (OSError, TypeError, ValueError):
+        return False
 
 
 def start_watchdog(comm, timeout_s: float):
