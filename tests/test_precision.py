@@ -26,7 +26,7 @@ from commpipe.models.llama import cross_entropy_sum
 from commpipe.parallel.comm import Comm
 from commpipe.parallel.dims import ParallelDims
 from commpipe.parallel.tensor import run_steps, vocab_parallel_ce_steps
-from commpipe.runtime.weight_grad import WeightGradStore, enable_weight_grad_split
+from commpipe.parallel.weight_grad import WeightGradStore, enable_weight_grad_split
 from commpipe.train.loop import Trainer
 from tests.dist_harness import run_jobs
 from tests.reference import reference_run

@@ -1,4 +1,4 @@
-"""The I/W split of zero-bubble schedules (commpipe.runtime.weight_grad) for Linears with a bias:
+"""The I/W split of zero-bubble schedules (commpipe.parallel.weight_grad) for Linears with a bias:
 the deferred dW and db equal autograd's own gradients (fp32 and bf16 autocast), for a bias
 inside the GEMM and one added after a reduction (row-parallel TP); and under ZB-H1 every Linear
 weight and bias of blip-tiny is deferred to the W actions, with 1F1B's gradients.
@@ -21,7 +21,7 @@ from torch import nn
 
 from commpipe.parallel.comm import Comm
 from commpipe.parallel.dims import ParallelDims
-from commpipe.runtime.weight_grad import WeightGradStore, enable_weight_grad_split, route_linear
+from commpipe.parallel.weight_grad import WeightGradStore, enable_weight_grad_split, route_linear
 from commpipe.train.loop import Trainer
 from tests.reference import assert_close_to
 from tests.test_equivalence import make_cfg

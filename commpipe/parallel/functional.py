@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from commpipe.parallel.comm import Comm
-from commpipe.runtime.weight_grad import WeightGradStore, _mark_deferred, _stash_of
+from commpipe.parallel.weight_grad import WeightGradStore, _mark_deferred, _stash_of
 
 
 class TPRegion:

@@ -39,7 +39,7 @@ from commpipe.parallel.functional import (
     reduce_from,
     scatter_seq,
 )
-from commpipe.runtime.weight_grad import route_linear
+from commpipe.parallel.weight_grad import route_linear
 
 COLUMN = ("wq", "wk", "wv", "w1", "w3")   # output features split: dim 0 of the weight
 ROW = ("wo", "w2")                         # input features split: dim 1 of the weight

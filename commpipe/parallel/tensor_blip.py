@@ -28,7 +28,7 @@ from commpipe.models.blip import IGNORE, Attention, Blip, DecoderBlock
 from commpipe.parallel.comm import Comm
 from commpipe.parallel.functional import copy_to, reduce_from
 from commpipe.parallel.tensor import VocabParallelEmbedding, _shard_, run_steps, vocab_parallel_ce_steps
-from commpipe.runtime.weight_grad import route_linear
+from commpipe.parallel.weight_grad import route_linear
 
 
 def _column(linear: nn.Linear, comm: Comm) -> None:
@@ -40,7 +40,7 @@ def _column(linear: nn.Linear, comm: Comm) -> None:
 
 def _row(linear: nn.Linear, comm: Comm) -> None:
     """Input features split; the partial products are summed across TP, then the bias added.
-    Routed through commpipe.runtime.weight_grad now, so that a zero-bubble schedule's I/W split
+    Routed through commpipe.parallel.weight_grad now, so that a zero-bubble schedule's I/W split
     (which routes every other Linear later) defers this weight and bias too."""
     _shard_(linear, 1, comm)
     route_linear(linear, reduce=lambda y: reduce_from(y, comm, "tp"))
