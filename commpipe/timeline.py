@@ -73,3 +73,50 @@ def write_chrome_trace(events: list[Event], path, rank: int | None = None,
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(chrome_trace(events, rank, world_size, distributed_info)))
     return path
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    """The JSON objects of a .jsonl file, one a line; unreadable files and lines are skipped."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return out
+
+
+def load_events(run_dir: Path) -> list[dict]:
+    """Timeline events (commpipe.timeline schema) of a run: the monitor's Chrome traces
+    (trace/rank*.json: compute and the timed calls of every dimension) when present, else the
+    runtime's action timeline (trace/*.jsonl: compute and pipeline transfers of the last step),
+    else any Chrome trace in trace/."""
+    trace_dir = run_dir / "trace"
+    chrome = sorted(trace_dir.glob("rank*.json"))
+    if not chrome:
+        events = [e for path in sorted(trace_dir.glob("*.jsonl")) for e in _read_jsonl(path)]
+        if events:
+            return events
+        chrome = sorted(trace_dir.glob("*.json"))
+    events = []
+    for path in chrome:
+        try:
+            trace = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            continue
+        items = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
+        threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in items
+                   if e.get("ph") == "M" and e.get("name") == "thread_name"}
+        for e in items:
+            # the host thread (step marks, annotations, launches) repeats the device tracks
+            if e.get("ph") == "X" and threads.get((e["pid"], e.get("tid"))) != "host":
+                start = e["ts"] / 1000.0
+                events.append({"rank": e["pid"], "stream": threads.get((e["pid"], e.get("tid")), "compute"),
+                               "name": e.get("name", ""), "start_ms": start,
+                               "end_ms": start + e.get("dur", 0) / 1000.0,
+                               "step": (e.get("args") or {}).get("step", 0), "args": e.get("args") or {}})
+    return events

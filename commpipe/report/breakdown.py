@@ -94,7 +94,7 @@ def step_breakdown(events: list[dict]) -> dict[str, float]:
 def run_breakdown(run_dir, warmup: int = 1) -> dict | None:
     """Mean step_breakdown over the traced steps after `warmup` of them; None without a trace.
     Keys: PARTS, window_ms, bubble_ms (pp_wait + idle), exposed_ms (every dimension's), steps."""
-    from commpipe.report.run_figures import load_events
+    from commpipe.timeline import load_events
 
     events = [e for e in load_events(Path(run_dir)) if isinstance(e.get("rank"), int)]
     if not events:

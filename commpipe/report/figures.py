@@ -12,7 +12,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from commpipe.report.breakdown import DIM_ORDER  # noqa: E402
-from commpipe.report.run_figures import (  # noqa: E402,F401  (load_events: used by commpipe.sim)
+from commpipe.report.run_figures import (  # noqa: E402,F401  (load_events: commpipe.timeline)
     COMPUTE_COLORS,
     DIM_COLORS,
     _save,

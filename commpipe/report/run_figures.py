@@ -4,7 +4,6 @@ file and returns (path, caption), or None when the run has no data for it."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import matplotlib
@@ -17,6 +16,7 @@ from matplotlib.patches import Patch  # noqa: E402
 
 from commpipe.report.breakdown import stream_dim  # noqa: E402
 from commpipe.report.tables import read_jsonl, run_path  # noqa: E402
+from commpipe.timeline import load_events  # noqa: E402,F401  (re-exported: commpipe.report.figures)
 
 DPI = 100
 # communication in warm colours, compute in blues, so the two never read alike
@@ -95,38 +95,6 @@ def links_over_steps(sweep_dir: Path, row, out: Path, max_lines: int = 14):
     return (_save(fig, out / f"links_{row['name']}.png"),
             f"{row.get('label') or row['name']}: bandwidth and transfer time of each link and collective "
             "group, per step (line style = dimension: PP solid, TP dashed, CP dotted, DP dash-dot).")
-
-
-def load_events(run_dir: Path) -> list[dict]:
-    """Timeline events (commpipe.timeline schema) of a run: the monitor's Chrome traces
-    (trace/rank*.json: compute and the timed calls of every dimension) when present, else the
-    runtime's action timeline (trace/*.jsonl: compute and pipeline transfers of the last step),
-    else any Chrome trace in trace/."""
-    trace_dir = run_dir / "trace"
-    chrome = sorted(trace_dir.glob("rank*.json"))
-    if not chrome:
-        events = [e for path in sorted(trace_dir.glob("*.jsonl")) for e in read_jsonl(path)]
-        if events:
-            return events
-        chrome = sorted(trace_dir.glob("*.json"))
-    events = []
-    for path in chrome:
-        try:
-            trace = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            continue
-        items = trace.get("traceEvents", []) if isinstance(trace, dict) else trace
-        threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in items
-                   if e.get("ph") == "M" and e.get("name") == "thread_name"}
-        for e in items:
-            # the host thread (step marks, annotations, launches) repeats the device tracks
-            if e.get("ph") == "X" and threads.get((e["pid"], e.get("tid"))) != "host":
-                start = e["ts"] / 1000.0
-                events.append({"rank": e["pid"], "stream": threads.get((e["pid"], e.get("tid")), "compute"),
-                               "name": e.get("name", ""), "start_ms": start,
-                               "end_ms": start + e.get("dur", 0) / 1000.0,
-                               "step": (e.get("args") or {}).get("step", 0), "args": e.get("args") or {}})
-    return events
 
 
 def _event_color(e: dict) -> str:

@@ -101,7 +101,7 @@ def tp_split(run_dir) -> dict[int, dict]:
     F, B or I, its compute time and the rest, the time it waited for its TP collectives, over
     all traced steps but the first; {rank: {"compute": {(stage, op): [ms]}, "tp": [ms]}}.
     Empty when the run has no such trace."""
-    from commpipe.report.figures import load_events
+    from commpipe.timeline import load_events
 
     chrome = Path(run_dir) / "trace"
     if not any(chrome.glob("rank*.json")):
