@@ -222,7 +222,14 @@ def start_watchdog(comm, timeout_s: float):
     world = comm.dims.world_size
     if timeout_s <= 0 or world == 1 or not comm.initialized:
         return None
-    store = open_store(world)
+    try:
+        store = open_store(world)
+    except (RuntimeError, OSError, ValueError) as exc:   # training goes on, unwatched
+        if comm.rank == 0:
+            print(f"commpipe: hang watchdog off: the rendezvous store at "
+                  f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} cannot be "
+                  f"reached ({type(exc).__name__}: {exc})", file=sys.stderr, flush=True)
+        return None
     if store is None:
         return None
     return Watchdog(comm, world, timeout_s, store).start()
