@@ -32,7 +32,7 @@ Defaults and why:
                   a link's time comes from a few sampled calls per step: the detector sees the
                   median of its last 3 values (collectives are timed on every large call and
                   compute on every action, so they are not smoothed).
-  rebatch_base_s=0.1, resplit_base_s=0.3, reshard_base_s=1.0
+  rebatch_base_s=0.1, rebalance_base_s=0.1, resplit_base_s=0.3, reshard_base_s=1.0
                   before a switch of a kind has been measured, the time to rebuild stages (and,
                   for a new layout, process groups) on top of moving the state; measured on the
                   tiny models on 2 CPU cores. Replaced by the measured time after the first one.
@@ -72,6 +72,7 @@ class AdaptConfig:
     trial_warmup_steps: int = 1
     link_smooth_steps: int = 3
     rebatch_base_s: float = 0.1
+    rebalance_base_s: float = 0.1
     resplit_base_s: float = 0.3
     reshard_base_s: float = 1.0
     collective_min_bytes: int = 65536
@@ -104,8 +105,10 @@ class AdaptConfig:
             raise ValueError(f"switch_cost_s {self.switch_cost_s} must be >= 0")
         if self.trial_warmup_steps < 0 or self.link_smooth_steps < 1:
             raise ValueError("trial_warmup_steps must be >= 0 and link_smooth_steps >= 1")
-        if min(self.rebatch_base_s, self.resplit_base_s, self.reshard_base_s) < 0:
-            raise ValueError("rebatch_base_s, resplit_base_s and reshard_base_s must be >= 0")
+        if min(self.rebatch_base_s, self.rebalance_base_s, self.resplit_base_s,
+               self.reshard_base_s) < 0:
+            raise ValueError("rebatch_base_s, rebalance_base_s, resplit_base_s and "
+                             "reshard_base_s must be >= 0")
         if self.max_microbatches_per_stage < 1 or self.logged_candidates < 0 \
                 or self.collective_min_bytes < 0:
             raise ValueError("max_microbatches_per_stage must be >= 1, logged_candidates and "
@@ -116,7 +119,8 @@ class AdaptConfig:
 
     def base_switch_s(self, kind: str) -> float:
         """The allowance for rebuilding under a switch of `kind` before one was measured."""
-        return {"rebatch": self.rebatch_base_s, "resplit": self.resplit_base_s,
+        return {"rebatch": self.rebatch_base_s, "rebalance": self.rebalance_base_s,
+                "resplit": self.resplit_base_s,
                 "reshard": self.reshard_base_s}[kind]
 
 

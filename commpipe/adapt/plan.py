@@ -1,8 +1,9 @@
 """`Plan`: one way to lay training out on the same processes, and the payback rule (pure Python).
 
-A plan is (tp, cp, pp, dp, stage_layers, schedule, microbatches, micro_batch_size) with the
-global batch fixed: every plan computes the same values (commpipe's layouts are numerically
-equal), so a switch changes speed, never results.
+A plan is (tp, cp, pp, dp, stage_layers, schedule, microbatches, micro_batch_size and, for
+uneven data parallelism, the micro-batches of each DP replica) with the global batch fixed:
+every plan computes the same values (commpipe's layouts are numerically equal), so
+a switch changes speed, never results.
 """
 
 from __future__ import annotations
@@ -20,6 +21,11 @@ class Plan:
     schedule: str
     microbatches: int
     micro_batch_size: int
+    dp_microbatches: tuple[int, ...] = ()   # per DP replica (commpipe.train.dp_split); (): even
+
+    def __post_init__(self):   # read back from JSON as lists
+        object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
+        object.__setattr__(self, "dp_microbatches", tuple(self.dp_microbatches or ()))
 
     @classmethod
     def of(cls, cfg) -> Plan:
@@ -30,13 +36,16 @@ class Plan:
         n = cfg.program().num_stages
         layers = tuple(len(r) for r in split_layers(cfg.spec.layers, n, cfg.stage_layers))
         return cls(d.tp, d.cp, d.pp, d.dp, layers, cfg.schedule, cfg.microbatches,
-                   cfg.micro_batch_size)
+                   cfg.micro_batch_size, tuple(cfg.dp_microbatches or ()))
 
     @property
     def name(self) -> str:
         split = ",".join(str(x) for x in self.stage_layers)
-        return (f"tp{self.tp}-cp{self.cp}-pp{self.pp}-dp{self.dp} {self.schedule} "
+        name = (f"tp{self.tp}-cp{self.cp}-pp{self.pp}-dp{self.dp} {self.schedule} "
                 f"m{self.microbatches}x{self.micro_batch_size} layers {split}")
+        if self.dp_microbatches:
+            name += " dp-m " + ",".join(str(x) for x in self.dp_microbatches)
+        return name
 
     def same_layout(self, other: Plan) -> bool:
         """Same process groups (tp, cp, pp, dp): a switch re-splits or re-batches only."""
@@ -47,11 +56,15 @@ class Plan:
             return "reshard"
         if self.stage_layers != other.stage_layers:
             return "resplit"
+        if (self.schedule, self.microbatches, self.micro_batch_size) == \
+                (other.schedule, other.microbatches, other.micro_batch_size):
+            return "rebalance"     # only the micro-batches per DP replica change
         return "rebatch"
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["stage_layers"] = list(self.stage_layers)
+        d["dp_microbatches"] = list(self.dp_microbatches)
         d["name"] = self.name
         return d
 
@@ -67,6 +80,7 @@ class Plan:
         new.stage_layers = list(self.stage_layers)
         new.schedule, new.vpp = self.schedule, 1
         new.microbatches, new.micro_batch_size = self.microbatches, self.micro_batch_size
+        new.dp_microbatches = self.dp_microbatches or None
         new.spec = None
         return new.resolve(self.tp * self.cp * self.pp * self.dp)
 
@@ -133,4 +147,6 @@ def layout_label(cfg) -> str:
     label = f"{cfg.dims} {cfg.schedule} m{cfg.microbatches}x{cfg.micro_batch_size}"
     if cfg.stage_layers:
         label += " layers " + ",".join(str(x) for x in cfg.stage_layers)
+    if cfg.dp_microbatches:
+        label += " dp-m " + ",".join(str(x) for x in cfg.dp_microbatches)
     return label

@@ -49,6 +49,9 @@ def add_arguments(p) -> None:
     g = p.add_argument_group("batch")
     g.add_argument("--microbatches", type=int, default=None, help="micro-batches per step "
                    "per pipeline (default 2*pp, or derived from --global-batch)")
+    g.add_argument("--dp-microbatches", default=None, metavar="M0,M1,..",
+                   help="micro-batches of each DP replica (uneven: a slower replica gets "
+                        "fewer; they sum to microbatches*dp, the global batch is unchanged)")
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument("--global-batch", type=int, default=None,
                    help="sequences per optimizer step (default microbatches*mbs*dp)")
@@ -156,6 +159,13 @@ def config_from_args(args) -> TrainConfig:
         except ValueError:
             raise ValueError(f"--stage-layers {args.stage_layers!r}: write counts like 3,3,2") \
                 from None
+    dp_microbatches = None
+    if getattr(args, "dp_microbatches", None):
+        try:
+            dp_microbatches = tuple(int(x) for x in args.dp_microbatches.split(","))
+        except ValueError:
+            raise ValueError(f"--dp-microbatches {args.dp_microbatches!r}: write one count per "
+                             "DP replica, like 3,1") from None
     dims = ParallelDims(dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp)
     optim = OptimConfig(lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup, clip=args.clip,
                         zero1=args.zero1)
@@ -164,6 +174,7 @@ def config_from_args(args) -> TrainConfig:
         raise ValueError("--comm-monitor and --trace write into the run folder; give --out DIR")
     return TrainConfig(model=args.model or "tiny", dims=dims, schedule=args.schedule, vpp=args.vpp,
                        microbatches=args.microbatches, micro_batch_size=args.micro_batch_size,
+                       dp_microbatches=dp_microbatches,
                        global_batch=args.global_batch, seq_len=args.seq_len, steps=args.steps,
                        seed=args.seed, stage_layers=stage_layers, optim=optim, data=args.data,
                        tokenizer=args.tokenizer, vocab_size=args.vocab_size,

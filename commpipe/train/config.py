@@ -34,6 +34,7 @@ class TrainConfig:
     vpp: int = 1
     microbatches: int | None = None
     micro_batch_size: int = 1
+    dp_microbatches: tuple[int, ...] | None = None  # per DP replica (train.dp_split); None: even
     global_batch: int | None = None
     seq_len: int = 64
     steps: int = 10
@@ -133,8 +134,13 @@ class TrainConfig:
                              f"{self.global_batch} / (micro-batch-size {b} * dp {d.dp}) = {m}; "
                              "give one of them")
         self.microbatches = m
+        from commpipe.train.dp_split import check_dp_microbatches
+
+        self.dp_microbatches = check_dp_microbatches(self.dp_microbatches, d.dp, m, d.pp,
+                                                     self.schedule)
         # the runtime builds the step's program action by action (about 0.1 kB and 40 us each)
-        passes, most = m * d.pp * self.vpp, max(1, MAX_STEP_PASSES // (d.pp * self.vpp))
+        passes = max(self.dp_microbatches or (m,)) * d.pp * self.vpp
+        most = max(1, MAX_STEP_PASSES // (d.pp * self.vpp))
         if passes > MAX_STEP_PASSES:
             raise ValueError(f"{m} micro-batches per step through {d.pp * self.vpp} pipeline "
                              f"stages make {passes} forward passes, more than {MAX_STEP_PASSES} a "
@@ -259,10 +265,18 @@ class TrainConfig:
 
         return info(self.schedule).chunks(self.vpp)
 
-    def program(self):
+    def replica_microbatches(self, dp_rank: int) -> int:
+        """Micro-batches DP replica `dp_rank` runs per step (commpipe.train.dp_split)."""
+        from commpipe.train.dp_split import replica_microbatches
+
+        return replica_microbatches(self.dp_microbatches, self.microbatches, dp_rank)
+
+    def program(self, microbatches: int | None = None):
+        """The schedule's program for `microbatches` (default: the even count per replica)."""
         from commpipe.schedules import dry_run, generate
 
-        prog = generate(self.schedule, self.dims.pp, self.microbatches, self.vpp)
+        want = self.microbatches if microbatches is None else microbatches
+        prog = generate(self.schedule, self.dims.pp, want, self.vpp)
         if self.schedule.endswith(".csv"):  # the generators are proven; a hand-written file is
             dry_run(prog)                   # checked as `commpipe simulate` checks it
         acts = [p for rank in prog.actions for a in rank for p in a.parts]
@@ -279,9 +293,9 @@ class TrainConfig:
         if prog.pp != self.dims.pp:
             raise ValueError(f"schedule {self.schedule} is for pp={prog.pp}, layout has "
                              f"pp={self.dims.pp}; use --pp {prog.pp}")
-        if prog.microbatches != self.microbatches:
+        if prog.microbatches != want:
             raise ValueError(f"schedule {self.schedule} runs {prog.microbatches} micro-batches, "
-                             f"training has {self.microbatches}; give --microbatches "
+                             f"training has {want}; give --microbatches "
                              f"{prog.microbatches} (the default is 2*pp)")
         return prog
 

@@ -45,7 +45,7 @@ SECTIONS = {
     "model": ("model", "precision", "recompute"),
     "parallelism": ("tp", "cp", "pp", "dp", "stage_layers", "zero1", "sequence_parallel", "overlap",
                     "tp_forward_overlap", "dp_bucket_mb"),
-    "schedule": ("schedule", "vpp", "microbatches", "strict_order"),
+    "schedule": ("schedule", "vpp", "microbatches", "dp_microbatches", "strict_order"),
     "training": ("steps", "seq_len", "micro_batch_size", "global_batch", "seed", "lr", "min_lr",
                  "warmup", "clip"),
     "data": ("data", "tokenizer", "vocab_size", "eval_every", "eval_batches"),
@@ -230,6 +230,8 @@ def _from_run_config(data: dict, path) -> dict:
         elif field == "slow_rank":
             out["slow_rank"] = (field, None if value is None else
                                 f"{value['rank']}:{value['factor']}@{value['step']}")
+        elif field == "dp_microbatches":
+            out[field] = (field, None if value is None else ",".join(str(v) for v in value))
         elif field == "stage_layers":
             balance = data.get("stage_balance")
             if balance:   # --stage-layers auto: balance again (the same costs give the same split)

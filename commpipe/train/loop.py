@@ -35,6 +35,7 @@ from commpipe.runtime.recompute import ActivationMeter, apply_recompute
 from commpipe.train import checkpoint
 from commpipe.train.config import TrainConfig
 from commpipe.train.console import banner, format_balance, format_step, summary
+from commpipe.train.dp_split import replica_batch
 from commpipe.train.evaluate import evaluate, forward_program
 from commpipe.train.failures import (
     StopSignals,
@@ -110,7 +111,8 @@ class Trainer:
             cfg.resolve(comm.dims.world_size)
         comm.strict_order = comm.strict_order or cfg.strict_order
         spec = cfg.spec
-        program = cfg.program()
+        # uneven DP (commpipe.train.dp_split): this replica's pipeline runs its own count
+        program = cfg.program(cfg.replica_microbatches(comm.coords["dp"]))
         pp_rank = comm.local_rank("pp")
         # bf16: autocast, with stage boundaries (pipeline buffers) in bf16 too
         autocast = torch.bfloat16 if cfg.precision == "bf16" else None
@@ -138,7 +140,7 @@ class Trainer:
         runtime = PipelineRuntime(program, stages, comm, loss_fn, stage_io, device,
                                   act_dtype=act_dtype, autocast_dtype=autocast,
                                   prefetch=features.overlap.pp)
-        reducer = GradReducer(params, comm, cfg.dp_bucket_mb, microbatches=cfg.microbatches,
+        reducer = GradReducer(params, comm, cfg.dp_bucket_mb, microbatches=program.microbatches,
                               overlap=features.overlap.dp, zero=features.zero == 1)
         optimizer = make_optimizer(params, cfg, reducer)
         if source is None:
@@ -147,7 +149,9 @@ class Trainer:
             check_vocab(source, spec, cfg.data)
         trainer = cls(cfg, comm, stages, runtime, optimizer, reducer, params, source, device)
         trainer.meter = ActivationMeter(params, device)
-        trainer.forward_runner = PipelineRuntime(forward_program(program), stages, comm, loss_fn,
+        # validation reads even DP shares (source.validation): the even count's program
+        even = program if cfg.dp_microbatches is None else cfg.program()
+        trainer.forward_runner = PipelineRuntime(forward_program(even), stages, comm, loss_fn,
                                                  runtime.stage_io, device, act_dtype=act_dtype,
                                                  autocast_dtype=autocast, forward_only=True,
                                                  units=runtime.units)
@@ -176,8 +180,8 @@ class Trainer:
     def train_step(self) -> dict:
         cfg, comm = self.cfg, self.comm
         t0 = time.perf_counter()
-        batch = self.source.batch(self.step, cfg.global_batch, comm.local_rank("dp"),
-                                  comm.size("dp"))
+        batch = replica_batch(self.source, self.step, cfg.global_batch, cfg.dp_microbatches,
+                              cfg.micro_batch_size, comm.local_rank("dp"), comm.size("dp"))
         mb_inputs, mb_labels, positions, scale = self.prepare_batch(batch)
         lr = lr_at(self.step, cfg)
         for group in self.optimizer.param_groups:
@@ -209,6 +213,7 @@ class Trainer:
             "tp": cfg.dims.tp, "cp": cfg.dims.cp, "pp": cfg.dims.pp, "dp": cfg.dims.dp,
             "schedule": cfg.schedule, "microbatches": cfg.microbatches,
             "micro_batch_size": cfg.micro_batch_size, "global_batch": cfg.global_batch,
+            "dp_microbatches": list(cfg.dp_microbatches) if cfg.dp_microbatches else None,
             "seq_len": cfg.seq_len, "model": cfg.spec.name, "layout": layout_label(cfg),
             "activation_mb": activation_mb, "recompute": cfg.recompute, "overlap": cfg.overlap,
         }
