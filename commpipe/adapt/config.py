@@ -83,6 +83,12 @@ class AdaptConfig:
     resumed_from: dict | None = None  # set at start when resuming a relaunch request
     resume_state: dict | None = None  # the checkpoint's adaptive state (commpipe.adapt.resume)
 
+    def step_hook(self, trainer, out, log):
+        """commpipe.train.hooks.Steering: the controller that drives this run."""
+        from commpipe.adapt.controller import Controller
+
+        return Controller(trainer, out, log=log)
+
     def validate(self) -> AdaptConfig:
         if self.min_steps < 1:
             raise ValueError(f"--adapt-min-steps {self.min_steps} must be >= 1")
@@ -135,6 +141,12 @@ class SlowRank:
 
     def active(self, rank: int, step: int) -> bool:
         return rank == self.rank and step >= self.step
+
+    def install(self, trainer) -> None:
+        """commpipe.train.hooks.Drill: slow this rank's compute down."""
+        from commpipe.adapt.drills import install_slow_rank
+
+        install_slow_rank(trainer)
 
 
 def parse_slow_rank(text: str | None) -> SlowRank | None:

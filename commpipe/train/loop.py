@@ -170,10 +170,8 @@ class Trainer:
         if cfg.trace:
             runtime.events = []
             runtime.annotate = device.type == "cuda"   # action names as profiler annotations
-        if cfg.slow_rank is not None:
-            from commpipe.adapt.drills import install_slow_rank
-
-            install_slow_rank(trainer)
+        if cfg.slow_rank is not None:   # a commpipe.train.hooks.Drill
+            cfg.slow_rank.install(trainer)
         return trainer
 
     # -- one optimizer step -----------------------------------------------------------------------
@@ -316,11 +314,8 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
         cfg.save(out / "config.json")
         metrics_file = open_metrics(out / "metrics.jsonl", trainer.step)
     board = TensorBoardLog(out) if cfg.tensorboard else None   # the logging rank writes
-    controller = None
-    if cfg.adapt is not None:
-        from commpipe.adapt.controller import Controller
-
-        controller = Controller(trainer, out, log=log)
+    # --adapt: a commpipe.train.hooks.Steering field; its hook may switch the layout in memory
+    controller = cfg.adapt.step_hook(trainer, out, log) if cfg.adapt is not None else None
     signals = StopSignals().install()
     from commpipe.elastic.watchdog import start_watchdog
 

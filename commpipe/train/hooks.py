@@ -1,0 +1,37 @@
+"""What the training loop asks of the parts that steer a run from outside: a step hook.
+
+The loop knows no controller. A configuration field that wants to act on the run (`--adapt`:
+commpipe.adapt's `AdaptConfig`; the `--slow-rank` drill: `SlowRank`) implements
+`Steering` or `Drill`: the loop calls a drill's `install` once a trainer is built and a steering
+field's `step_hook` before the first step, and drives the hook it gets back
+(commpipe.adapt.controller.Controller is one).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class StepHook(Protocol):
+    decisions: list    # what the hook decided so far (logged beside the metrics)
+
+    def after_step(self, trainer, rec: dict, metrics_file):
+        """Called after every step; returns (trainer, metrics_file), either may be replaced
+        (a switch to another layout builds a new trainer in the same processes)."""
+
+    def close(self) -> None:
+        """The run ends (normally or not)."""
+
+
+class Steering(Protocol):
+    """A configuration field that steers the run (TrainConfig.adapt)."""
+
+    def step_hook(self, trainer, out, log) -> StepHook:
+        """The hook the loop drives from the first step on."""
+
+
+class Drill(Protocol):
+    """A configuration field that changes a built trainer (TrainConfig.slow_rank)."""
+
+    def install(self, trainer) -> None:
+        """Called on every built trainer (also one a switch builds)."""

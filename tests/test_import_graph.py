@@ -1,0 +1,152 @@
+"""The sub-packages of commpipe (rooms: adapt, train, parallel, runtime, sim, report, ...) import
+each other without a cycle. Every import counts, at module level or inside a function, so a
+lazy import cannot hide a cycle.
+
+    python tests/test_import_graph.py      # prints the package-level edges and any cycle
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent / "commpipe"
+
+
+def _room(module: str) -> str | None:
+    """`commpipe.train.loop` -> `train`; top-level modules (commpipe.cli, ...) are no room."""
+    parts = module.split(".")
+    if parts[0] != "commpipe" or len(parts) < 2:
+        return None
+    return parts[1] if (ROOT / parts[1]).is_dir() else None
+
+
+def _imports(path: Path, module: str) -> set[str]:
+    """Every module `path` imports (absolute names; relative imports resolved)."""
+    out: set[str] = set()
+    package = module.rsplit(".", 1)[0] if path.name != "__init__.py" else module
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            out.add(base)
+            out.update(f"{base}.{alias.name}" for alias in node.names)
+    return out
+
+
+# Imports against the direction of the rooms (models, schedules < parallel < runtime < sim <
+# report; train < adapt < cluster) that remain, each named by its importing file: a test below
+# fails when one goes away, so the list only shrinks.
+REMAINING = {
+    ("train/cli.py", "adapt"),        # the train verb adds --adapt-* flags, resumes a plan
+    ("train/config.py", "adapt"),     # TrainConfig.adapt / slow_rank are adapt's dataclasses
+    ("train/console.py", "adapt"),    # adapt.plan.layout_label
+    ("train/loop.py", "adapt"),       # adapt.plan.layout_label
+    ("cluster/grids.py", "train"),    # sweep grids build train command lines
+    ("cluster/sweep.py", "train"),
+    ("monitor/probe.py", "cluster"),  # cluster.ports.free_port
+    ("plan/calibrate.py", "cluster"),  # cluster.grids.node_of_rank
+    ("parallel/comm.py", "elastic"),  # elastic.restart.attempt_store
+}
+
+
+def file_edges() -> set[tuple[str, str, str]]:
+    """(importing file relative to commpipe/, its room, the other room it imports from)."""
+    out = set()
+    for path in sorted(ROOT.rglob("*.py")):
+        module = ".".join(("commpipe",) + path.relative_to(ROOT).with_suffix("").parts)
+        src = _room(module)
+        if src is None:
+            continue
+        for target in _imports(path, module):
+            dst = _room(target)
+            if dst is not None and dst != src:
+                out.add((path.relative_to(ROOT).as_posix(), src, dst))
+    return out
+
+
+def room_edges(leave_out: set[tuple[str, str]] = frozenset()) -> dict[str, set[str]]:
+    """room -> the other rooms it imports from (imports of `leave_out` not counted)."""
+    edges: dict[str, set[str]] = {}
+    for file, src, dst in file_edges():
+        if (file, dst) not in leave_out:
+            edges.setdefault(src, set()).add(dst)
+    return edges
+
+
+def find_cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one room (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(edges.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(set(edges) | {w for ws in edges.values() for w in ws}):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_finds_a_planted_cycle():
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert find_cycles({"a": {"b"}, "b": {"c"}}) == []
+
+
+def test_no_import_cycle_between_subpackages():
+    edges = room_edges(REMAINING)
+    assert "train" in edges and "models" in edges["train"]   # the walk sees imports at all
+    cycles = find_cycles(edges)
+    detail = "; ".join(" <-> ".join(c) for c in cycles)
+    assert not cycles, f"import cycles between commpipe sub-packages: {detail}"
+
+
+def test_named_cycles_are_gone():
+    edges = room_edges()
+    assert "runtime" not in edges["parallel"]   # the I/W split is commpipe.parallel.weight_grad
+    assert "report" not in edges["sim"]         # timelines load from commpipe.timeline
+    # the loop drives the controller through commpipe.train.hooks, never by name
+    loop = _imports(ROOT / "train" / "loop.py", "commpipe.train.loop")
+    assert not {m for m in loop if m.startswith(("commpipe.adapt.controller", "commpipe.adapt.drills"))}
+
+
+def test_remaining_back_edges_still_exist():
+    present = {(f, dst) for f, _, dst in file_edges()}
+    gone = sorted(REMAINING - present)
+    assert not gone, f"no longer imported, drop from REMAINING: {gone}"
+
+
+if __name__ == "__main__":
+    graph = room_edges()
+    print("cycles with every import:", "; ".join(" <-> ".join(c) for c in find_cycles(graph)))
+    graph = room_edges(REMAINING)
+    print("without", len(REMAINING), "remaining back edges (REMAINING):")
+    for room in sorted(graph):
+        print(f"{room:10s} -> {', '.join(sorted(graph[room]))}")
+    cycles = find_cycles(graph)
+    print("cycles:", "; ".join(" <-> ".join(c) for c in cycles) or "none")
