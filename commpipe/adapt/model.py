@@ -248,10 +248,6 @@ class CostModel:
         k = max(self.k.get(g, 1.0) for g in group)
         return self.unit * k * plan.micro_batch_size / (plan.tp * plan.cp)
 
-    def stage_time(self, plan: Plan, s: int, layers: int) -> float:
-        """F+B of one micro-batch through stage s holding `layers` layers under `plan` (ms)."""
-        return self.stage_rate(plan, s) * stage_work(self.spec, self.seq_len, layers, s == plan.pp - 1)
-
     def balanced_split(self, plan: Plan) -> tuple[int, ...]:
         """Contiguous layers per stage minimising the slowest stage, each stage's work scaled by
         its measured slowdown (the same balancer as --stage-layers auto)."""

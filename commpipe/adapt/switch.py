@@ -139,12 +139,11 @@ def switch(trainer, plan):
                                  timeout_s=cfg.timeout_s, strict_order=old.strict_order)
     new = Trainer.build(cfg, comm, source=trainer.source)
     observers, comm.observers = comm.observers, []   # the transfer is not training traffic
-    state, nbytes = redistribute(new, held, held_by)
+    state, _ = redistribute(new, held, held_by)
     comm.observers = observers
     load_state(new, state)
     new.step, new.history = trainer.step, trainer.history
     new.capture_grads = trainer.capture_grads
     torch.set_rng_state(rng)
     comm.barrier()
-    new.switch_bytes = nbytes
     return new, time.perf_counter() - t0

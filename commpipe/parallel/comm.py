@@ -61,10 +61,6 @@ class CommCall:
     blocked_s: float = 0.0        # host seconds the caller spent in wait() (CPU: the exposed
                                   # part; a blocking op waits at once, so all of it)
 
-    @property
-    def group_size(self) -> int:
-        return len(self.group) if self.group else 2
-
 
 class Handle:
     """An in-flight async op; `wait()` completes it and notifies observers exactly once."""

@@ -116,13 +116,6 @@ def braid_span(parts: tuple, f: list[float], b: list[float], i: list[float], w: 
                       None, None, None, {})[0]
 
 
-def _extend(values: list[list[float]], ms: list[int], m: int, pp: int) -> list[float]:
-    if len(ms) == 1:
-        return values[0]
-    steps = (m - ms[0]) / pp
-    return [a + steps * (b - a) for a, b in zip(values[0], values[1])]
-
-
 @lru_cache(maxsize=1024)
 def _peak_at(schedule: str, pp: int, vpp: int, m: int) -> tuple[float, ...]:
     # the in-flight counts follow each rank's action order alone: no lowering, no timing

@@ -54,13 +54,6 @@ class RuntimeFeatures:
     zero: int = 0
     zero_group: str = "dp"
 
-    @property
-    def message_dtype(self) -> str:
-        """Pipeline boundaries carry activations and gradients in the compute dtype."""
-        return self.precision
-
-    param_dtype = grad_dtype = optim_dtype = "fp32"
-
     def validate(self) -> RuntimeFeatures:
         if self.recompute not in RECOMPUTE_MODES:
             raise ValueError(f"--recompute {self.recompute!r}: use one of {', '.join(RECOMPUTE_MODES)}")

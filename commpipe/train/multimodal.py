@@ -76,11 +76,6 @@ def resolve_blip_config(cfg, world_size: int | None) -> None:
         d.check_world(world_size)
 
 
-def stage_counts(cfg) -> list[int]:
-    return [len(r) for r in split_layers(cfg.spec.layers, cfg.program().num_stages,
-                                         cfg.stage_layers)]
-
-
 def build_blip(cfg, comm, program, device, act_dtype) -> tuple[dict, object, list]:
     """This rank's BLIP stages (tensor-parallel when tp > 1), the loss and the boundary
     descriptions. With --stage-layers auto:measured, rank 0 first profiles forward + backward of
@@ -114,6 +109,8 @@ def build_blip_stages(spec: BlipSpec, program, pp_rank: int, seed: int,
 
 
 def blip_stage_io(cfg, act_dtype: torch.dtype) -> list:
+    from commpipe.train.loop import stage_counts
+
     dtype = str(act_dtype).removeprefix("torch.")
     return stage_io(cfg.spec, stage_counts(cfg), cfg.micro_batch_size, cfg.seq_len, dtype)
 
