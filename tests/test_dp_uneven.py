@@ -12,9 +12,10 @@ import functools
 
 import pytest
 
+from commpipe.adapt.candidates import proportional
 from commpipe.parallel.dims import ParallelDims
 from commpipe.train.config import OptimConfig, TrainConfig
-from commpipe.train.dp_split import check_dp_microbatches, proportional, replica_rows
+from commpipe.train.dp_split import check_dp_microbatches, replica_rows
 from tests.dist_harness import run_jobs
 from tests.test_equivalence import (
     ADAM_EPS,

@@ -1,6 +1,7 @@
 """Candidate plans for the same processes and the same global batch, cheapest switch first:
 (a) another split of layers over the pipeline stages, (b) another micro-batch count or
-schedule, (c) another tp x cp x pp x dp layout (each with its balanced split)."""
+schedule, (d) the same plan with the micro-batches shared unevenly across DP replicas (a
+rebalance: nothing moves), (c) another tp x cp x pp x dp layout (each with its balanced split)."""
 
 from __future__ import annotations
 
@@ -61,6 +62,51 @@ def rebatches(base: Plan, global_batch: int, max_per_stage: int,
     return out
 
 
+def proportional(total: int, speeds: list[float], least: int = 1) -> tuple[int, ...]:
+    """`total` micro-batches split in proportion to `speeds`, each replica at least `least`:
+    the ideal shares rounded down (raised to `least`), then one at a time to the replica
+    furthest below its share, or from the one furthest above it."""
+    n = len(speeds)
+    least = min(least, total // n)
+    ideal = [total * s / sum(speeds) for s in speeds]
+    counts = [max(least, int(x)) for x in ideal]
+    while sum(counts) > total:
+        i = max((i for i in range(n) if counts[i] > least), key=lambda i: counts[i] - ideal[i])
+        counts[i] -= 1
+    while sum(counts) < total:
+        counts[max(range(n), key=lambda i: ideal[i] - counts[i])] += 1
+    return tuple(counts)
+
+
+def rebalances(cur: Plan, model: CostModel) -> list[Plan]:
+    """Micro-batches per DP replica in proportion to each replica's measured speed (its slowest
+    rank), every one-micro-batch move from there between two replicas, and the even split;
+    counts the schedule cannot run are left out (the model prices the rest)."""
+    if cur.dp < 2:
+        return []
+    total = cur.microbatches * cur.dp
+    least = info(cur.schedule).min_m(cur.pp)
+    speeds = [1.0 / model.replica_slowdown(cur, d) for d in range(cur.dp)]
+    base = proportional(total, speeds, least)
+    found = {base, (cur.microbatches,) * cur.dp}
+    for a in range(cur.dp):
+        for b in range(cur.dp):
+            if a != b:
+                moved = list(base)
+                moved[a], moved[b] = moved[a] - 1, moved[b] + 1
+                found.add(tuple(moved))
+    out = []
+    for counts in sorted(found):
+        if any(info(cur.schedule).m_problem(cur.pp, c) for c in counts):
+            continue
+        even = len(set(counts)) == 1
+        plan = Plan(cur.tp, cur.cp, cur.pp, cur.dp, cur.stage_layers, cur.schedule,
+                    cur.microbatches, cur.micro_batch_size, () if even else counts)
+        if plan != cur:
+            out.append(plan)
+    return out
+
+
 def layouts(cur: Plan, model: CostModel, spec: ModelSpec, seq_len: int, global_batch: int,
             world: int, ranks_per_node: int) -> list[Plan]:
     """Every other tp x cp x pp x dp of this world (TP kept within a node), with the balanced
@@ -91,7 +137,7 @@ def layouts(cur: Plan, model: CostModel, spec: ModelSpec, seq_len: int, global_b
 
 def candidates(cur: Plan, model: CostModel, spec: ModelSpec, seq_len: int, global_batch: int,
                world: int, ranks_per_node: int, acfg: AdaptConfig) -> list[Plan]:
-    """Every feasible plan other than `cur`, in the order (a), (b), (c); (c) only with
+    """Every feasible plan other than `cur`, in the order (a), (b), (d), (c); (c) only with
     acfg.layouts."""
     found: list[Plan] = []
     splits = resplits(cur, model) if cur.pp > 1 else []
@@ -100,6 +146,7 @@ def candidates(cur: Plan, model: CostModel, spec: ModelSpec, seq_len: int, globa
     found += rebatches(best_split, global_batch, acfg.max_microbatches_per_stage)
     if best_split is not cur:
         found += rebatches(cur, global_batch, acfg.max_microbatches_per_stage)
+    found += rebalances(cur, model)
     if acfg.layouts:
         found += layouts(cur, model, spec, seq_len, global_batch, world, ranks_per_node)
     seen, out = {cur}, []

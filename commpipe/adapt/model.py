@@ -48,6 +48,11 @@ MEASURED_RUN = GPU("measured run", tflops=0.0, mem_gb=0.0, hbm_gbps=0.0, nvlink_
                    nic_gbps=0.0)
 
 
+def replica_m(plan: Plan, d: int) -> int:
+    """Micro-batches DP replica d runs under `plan`."""
+    return plan.dp_microbatches[d] if plan.dp_microbatches else plan.microbatches
+
+
 def stage_work(spec: ModelSpec, seq_len: int, layers: int, last: bool) -> float:
     """Forward FLOPs of one sample through `layers` blocks (and the head on the last stage):
     models/spec.py's one definition."""
@@ -94,15 +99,18 @@ class CostModel:
             fb_f.append((c.f[s] - host) / busy)
         self.unit = min(units)
         self.f_share = statistics.median(fb_f)
-        # slowdown per physical rank: its stage's unit, refined by own compute within the group
+        # slowdown per physical rank: its stage's unit (timed on DP rank 0's replica), times its
+        # own compute per micro-batch over that of the timed rank (group[0]); replicas of an
+        # uneven plan run different counts, hence per micro-batch
         self.k: dict[int, float] = {}
         for s, u in enumerate(units):
             group = [self.dims.rank_of(pp=s, dp=d, cp=q, tp=t) for d in range(cur.dp)
                      for q in range(cur.cp) for t in range(cur.tp)]
-            busy = [measured.rank_busy.get(g) for g in group]
-            top = max((b for b in busy if b), default=None)
+            busy = [(measured.rank_busy.get(g) or 0.0) / replica_m(cur, self.dims.coords(g)["dp"])
+                    for g in group]
+            ref = busy[0] or max(busy)
             for g, b in zip(group, busy):
-                rel = (b / top) if (b and top) else 1.0
+                rel = (b / ref) if (b and ref) else 1.0
                 self.k[g] = max(u / self.unit * rel, 1.0)
         lat = [v[0] for v in measured.links.values() if v[0] is not None]
         self.base_latency = min(lat) if lat else c.link(0, 1)[0] if c.num_stages > 1 else 0.0
@@ -198,15 +206,34 @@ class CostModel:
         return compute * self.scale + comm * self.comm_weight + self.other_ms
 
     def components(self, plan: Plan) -> tuple[float, float]:
-        """(simulated step without communication, the communication it adds) in ms."""
+        """(simulated step without communication, the communication it adds) in ms. Under
+        uneven DP each replica's pipeline is simulated with its own count and its own ranks'
+        slowdowns; the slowest replica sets the step."""
+        if not plan.dp_microbatches:
+            bare, makespan = self._pipeline(plan, range(plan.dp), plan.microbatches)
+        else:
+            bare, makespan = max((self._pipeline(plan, [d], c)
+                                  for d, c in enumerate(plan.dp_microbatches)),
+                                 key=lambda x: x[1])
+        return bare, makespan - bare + self._dp_ms(plan)
+
+    def replica_slowdown(self, plan: Plan, d: int) -> float:
+        """The slowest measured factor among DP replica d's ranks under `plan`."""
+        dims = ParallelDims(dp=plan.dp, pp=plan.pp, cp=plan.cp, tp=plan.tp)
+        return max(self.k.get(dims.rank_of(pp=s, dp=d, cp=q, tp=t), 1.0) for s in range(plan.pp)
+                   for q in range(plan.cp) for t in range(plan.tp))
+
+    def _pipeline(self, plan: Plan, replicas, m: int) -> tuple[float, float]:
+        """(makespan without communication, with it) of `m` micro-batches through the pipeline,
+        each stage at the slowest factor among its ranks in `replicas`."""
         spec, seq = self.spec, self.seq_len
         dims = ParallelDims(dp=plan.dp, pp=plan.pp, cp=plan.cp, tp=plan.tp)
-        program = generate(plan.schedule, plan.pp, plan.microbatches, 1)
+        program = generate(plan.schedule, plan.pp, m, 1)
         n = program.num_stages
         act_bytes = self.m.element_bytes * plan.micro_batch_size * (seq // plan.cp) * spec.hidden
         f, b, tp_comm, lat, bw = [], [], [], {}, {}
         for s, layers in enumerate(plan.stage_layers):
-            group = [dims.rank_of(pp=s, dp=d, cp=q, tp=t) for d in range(plan.dp)
+            group = [dims.rank_of(pp=s, dp=d, cp=q, tp=t) for d in replicas
                      for q in range(plan.cp) for t in range(plan.tp)]
             k = max(self.k.get(g, 1.0) for g in group)
             work = stage_work(spec, seq, layers, s == n - 1) * plan.micro_batch_size
@@ -228,13 +255,18 @@ class CostModel:
                           activation_bytes=act_bytes, tp_comm=tp_comm)
         makespan = simulate(program, costs, check=False).makespan
         bare = simulate(program, CostTable(f=f, b=b), check=False).makespan
+        return bare, makespan
+
+    def _dp_ms(self, plan: Plan) -> float:
+        n = plan.pp
+        dims = ParallelDims(dp=plan.dp, pp=plan.pp, cp=plan.cp, tp=plan.tp)
         dp_ms = 0.0
         if plan.dp * plan.cp > 1:   # gradients are summed over DP and CP ranks (GradReducer):
             # an all-reduce of the largest stage's TP shard, fp32
             stage_params = max(self._stage_params(x, s == n - 1, s == 0)
                                for s, x in enumerate(plan.stage_layers))
             dp_ms = self.all_reduce_ms(4.0 * stage_params / plan.tp, dims.group_of("dp_cp", 0))
-        return bare, makespan - bare + dp_ms
+        return dp_ms
 
     def _stage_params(self, layers: int, last: bool, first: bool) -> float:
         emb = self.spec.vocab * self.spec.hidden

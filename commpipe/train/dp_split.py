@@ -71,21 +71,5 @@ def replica_batch(source, step: int, global_batch: int, counts, micro_batch_size
     return tuple(t[start:stop] for t in batch)
 
 
-def proportional(total: int, speeds: list[float], least: int = 1) -> tuple[int, ...]:
-    """`total` micro-batches split in proportion to `speeds`, each replica at least `least`:
-    the ideal shares rounded down (raised to `least`), then one at a time to the replica
-    furthest below its share, or from the one furthest above it."""
-    n = len(speeds)
-    least = min(least, total // n)
-    ideal = [total * s / sum(speeds) for s in speeds]
-    counts = [max(least, int(x)) for x in ideal]
-    while sum(counts) > total:
-        i = max((i for i in range(n) if counts[i] > least), key=lambda i: counts[i] - ideal[i])
-        counts[i] -= 1
-    while sum(counts) < total:
-        counts[max(range(n), key=lambda i: ideal[i] - counts[i])] += 1
-    return tuple(counts)
-
-
 def _text(counts) -> str:
     return ",".join(str(c) for c in counts)
