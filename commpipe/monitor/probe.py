@@ -147,7 +147,7 @@ def run(args) -> int:
     check_ranks_per_node(args.ranks_per_node, [0] * args.nproc)   # spawned here: one node
     import torch.multiprocessing as mp
 
-    from commpipe.cluster.ports import free_port
+    from commpipe.ports import free_port
 
     mp.spawn(_spawned, args=(args.nproc, free_port(), vars(args)), nprocs=args.nproc, join=True)
     return 0
