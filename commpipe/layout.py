@@ -14,6 +14,7 @@ then passes the grid's or `commpipe sweep`'s value to `commpipe train` instead (
 
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass, field
 
@@ -150,3 +151,17 @@ def _default_vpp(schedule: str) -> int:
     from commpipe.schedules.registry import SCHEDULES, default_vpp
 
     return default_vpp(schedule) if schedule in SCHEDULES and schedule != "interleaved" else 1
+
+
+def node_of_rank(layout: Layout, ranks_per_node: int) -> list[int]:
+    """Which node hosts each global rank when ranks fill nodes in `layout.placement` order."""
+    dims = layout.dims
+    order = parse_order(layout.placement)
+    sizes = {d: getattr(layout, d) for d in order}
+    out = [0] * layout.world_size
+    # enumerate coordinates with the first-named dimension varying fastest
+    ranges = [range(sizes[d]) for d in reversed(order)]
+    for slot, coords in enumerate(itertools.product(*ranges)):
+        c = dict(zip(reversed(order), coords))
+        out[dims.rank_of(pp=c["pp"], dp=c["dp"], cp=c["cp"], tp=c["tp"])] = slot // ranks_per_node
+    return out

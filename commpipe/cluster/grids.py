@@ -29,33 +29,18 @@ the nodes; the default "tp-cp-dp-pp" is commpipe's rank grid itself (TP partners
 from __future__ import annotations
 
 import argparse
-import itertools
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from commpipe.files import read_text
-from commpipe.layout import DEFAULT_ORDER, Layout, parse_order
+from commpipe.layout import DEFAULT_ORDER, Layout, node_of_rank, parse_order
 from commpipe.schedules.registry import SCHEDULES
 
 __all__ = ["DEFAULT_ORDER", "LAYOUT_KEYS", "Layout", "Grid", "load_grid", "layouts_from_dicts",
            "node_of_rank", "parse_order", "PRESETS", "STUDY_LAYOUTS", "DEMO_MODEL", "study", "demo8"]
 
 LAYOUT_KEYS = {"name", "tp", "cp", "pp", "dp", "schedule", "vpp", "microbatches", "placement"}
-
-
-def node_of_rank(layout: Layout, ranks_per_node: int) -> list[int]:
-    """Which node hosts each global rank when ranks fill nodes in `layout.placement` order."""
-    dims = layout.dims
-    order = parse_order(layout.placement)
-    sizes = {d: getattr(layout, d) for d in order}
-    out = [0] * layout.world_size
-    # enumerate coordinates with the first-named dimension varying fastest
-    ranges = [range(sizes[d]) for d in reversed(order)]
-    for slot, coords in enumerate(itertools.product(*ranges)):
-        c = dict(zip(reversed(order), coords))
-        out[dims.rank_of(pp=c["pp"], dp=c["dp"], cp=c["cp"], tp=c["tp"])] = slot // ranks_per_node
-    return out
 
 
 def _int(value, key: str, where: str) -> int:

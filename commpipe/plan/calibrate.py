@@ -176,7 +176,7 @@ def _node_of(run: Path, layout: Layout) -> tuple[int, ...] | None:
     rpn = ((rec or {}).get("cluster") or {}).get("ranks_per_node")
     if not placement or not rpn:
         return None
-    from commpipe.cluster.grids import node_of_rank
+    from commpipe.layout import node_of_rank
 
     nodes = node_of_rank(replace(layout, placement=placement), rpn)
     return None if nodes == [r // rpn for r in range(layout.gpus)] else tuple(nodes)
