@@ -110,7 +110,7 @@ def test_report_draws_step_time_with_degrade_and_switch(tmp_path):
                                                  "switch_time_s": 0.2}) + "\n")
     (tmp_path / "scenario.json").write_text(json.dumps({"degrade_step": 5, "link": "node 1",
                                                         "blip_steps": [2]}))
-    assert degrade_steps(run) == [(5, "degrade node 1"), (2, "blip (1 steps)")]
+    assert degrade_steps(run) == [(5, "degrade node 1"), (2, "blip (1 step)")]
     path, caption = step_time_figure(run, tmp_path / "fig.png")
     assert path.stat().st_size > 10_000 and "switches (1)" in caption
 

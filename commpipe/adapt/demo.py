@@ -314,18 +314,12 @@ def run_adaptive_demo(out, sc: Scenario | None = None, log=print) -> dict:
 
 
 def write_demo_report(out: Path, summary: dict) -> str:
-    """The sweep report of the three runs, with the comparison figure and the summary first."""
-    from commpipe.report.adaptive import compare_figure, oracle_figure
+    """The sweep report of the three runs (the comparison figures come first), with the summary
+    as its notes."""
     from commpipe.report.cli import write_report
-    from commpipe.report.figures import make_figures
-    from commpipe.report.html import write_html
-    from commpipe.report.tables import collect
 
-    write_report(out, warmup=2, title="commpipe adaptive demo")   # csv, markdown, figures
-    rows = collect(out, 2)
-    figures = [f for f in [compare_figure(out), oracle_figure(out)] if f] + make_figures(out, rows)
-    notes = format_summary(summary).splitlines()
-    return str(write_html(out / "report.html", "commpipe adaptive demo", rows, figures, notes))
+    return write_report(out, warmup=2, title="commpipe adaptive demo",
+                        notes=format_summary(summary).splitlines())["html"]
 
 
 def format_summary(s: dict) -> str:

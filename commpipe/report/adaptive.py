@@ -36,7 +36,7 @@ def degrade_steps(run: Path) -> list[tuple[int, str]]:
                 marks.append((sc["degrade_step"], f"degrade {sc.get('link', '')}".strip()))
             blip = sc.get("blip_steps") or []
             if blip:
-                marks.append((blip[0], f"blip ({len(blip)} steps)"))
+                marks.append((blip[0], f"blip ({len(blip)} step{'s' if len(blip) != 1 else ''})"))
             break
     return marks
 
@@ -179,6 +179,26 @@ def adaptive_label(run: Path, name: str) -> str | None:
     if first is None or settled is None:
         return None if first is None else f"{name}: {plan_label(first)}, no switch"
     return f"{name}: {plan_label(first)} → {plan_label(settled)}"
+
+
+# The runs of an adaptive demo folder (`commpipe demo --adaptive`) beside the adaptive one: the
+# start layout kept through the fault, and the best static layout under the degraded network.
+ROLES = {"static": "static", "oracle": "best static (oracle)"}
+
+
+def mark_roles(root, rows: list[dict]) -> None:
+    """Give each row of a folder with an adaptive run its role ("adaptive", "static", "oracle"),
+    and the static and oracle rows labels that say so ("static: TP1/CP1/PP1/DP4"). A folder
+    without an adaptive run keeps its rows as they are: every row is one more layout."""
+    adaptive = [r for r in rows if (run_path(root, r) / "adapt.jsonl").exists()]
+    if not adaptive:
+        return
+    for r in adaptive:
+        r["role"] = "adaptive"
+    for r in rows:
+        if r["name"] in ROLES and r not in adaptive:
+            r["role"] = r["name"]
+            r["label"] = f"{ROLES[r['name']]}: {r.get('label') or r['name']}"
 
 
 def oracle_figure(out_dir, out_png=None):

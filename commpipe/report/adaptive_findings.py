@@ -45,8 +45,9 @@ def run_story(run: Path) -> list[str]:
     text = (f"At step {switch['step']} it switched from {plan_label(switch['from'])} "
             f"({fmt(switch.get('measured_step_ms'))} ms per step) to {plan_label(switch['to'])}, predicted "
             f"{fmt(switch.get('predicted_best_ms'))} ms")
-    if switch.get("trial_plans"):
-        text += f", as the first of {len(switch['trial_plans'])} layouts to try"
+    n_trials = len(switch.get("trial_plans") or [])
+    if n_trials:
+        text += f", as the first of {n_trials} layouts to try" if n_trials > 1 else ", to try it"
     out.append(text + ".")
     trials = [d for d in decisions if d.get("action") == "trial"]
     if trials:
@@ -66,8 +67,57 @@ def run_story(run: Path) -> list[str]:
     return out
 
 
-def oracle_story(out_dir: Path) -> list[str]:
-    """The settled layout against the oracle's every static layout and the static run."""
+def fault_start(marks: list[tuple[int, str]]) -> tuple[int, str] | None:
+    """(step, label) where the lasting fault began: the last injected fault that is not a blip."""
+    lasting = [m for m in marks if not m[1].startswith("blip")]
+    return max(lasting) if lasting else None
+
+
+def recovery_story(root: Path, rows: list[dict]) -> list[str]:
+    """The headline of an adaptive report: over the steps from the lasting fault to the end, the
+    adaptive run's mean step time against the static run's (the start layout kept through the
+    fault) and the oracle's (the best static layout under the degraded network), and the share
+    of the fault's cost the controller won back, (T_static - T_adaptive) / (T_static - T_oracle).
+    Means, not medians: the time lost is the sum over steps, trials and slow steps included."""
+    from commpipe.report.tables import run_path
+
+    role = {r.get("role"): r for r in rows if r.get("role") and r["status"] == "ok"}
+    if "adaptive" not in role or "static" not in role:
+        return []
+    adaptive = {m["step"]: m["step_time_s"] * 1e3 for m in read_jsonl(run_path(root, role["adaptive"])
+                                                                        / "metrics.jsonl")}
+    static = {m["step"]: m["step_time_s"] * 1e3 for m in read_jsonl(run_path(root, role["static"])
+                                                                      / "metrics.jsonl")}
+    fault = fault_start(degrade_steps(run_path(root, role["adaptive"])))
+    if fault is None:
+        return []
+    steps = sorted(s for s in adaptive.keys() & static.keys() if s >= fault[0])
+    if not steps:
+        return []
+    t_adaptive = statistics.mean(adaptive[s] for s in steps)
+    t_static = statistics.mean(static[s] for s in steps)
+    rec = read_json(root / "oracle" / "candidates.json")
+    t_oracle = rec["best"]["median_ms"] if rec else (role.get("oracle") or {}).get("step_time_ms")
+    span = f"Over steps {steps[0]}–{steps[-1]} ({fault[1]} to the end of the run, {len(steps)} steps)"
+    text = (f"{span} the adaptive run took {fmt(t_adaptive)} ms per step on average, the static run "
+            f"({role['static'].get('label')}) {fmt(t_static)} ms")
+    if t_oracle is None:
+        return [text + "; no oracle was measured, so the share of the loss recovered is unknown."]
+    text += f" and the best static layout (oracle) {fmt(t_oracle)} ms"
+    if t_static - t_oracle <= 0:
+        return [text + ": the static run was no slower than the oracle, so there was nothing to recover."]
+    share = (t_static - t_adaptive) / (t_static - t_oracle)
+    return [text + f": the controller recovered {share:.0%} of the time the fault cost the static run "
+            "((T_static − T_adaptive) / (T_static − T_oracle), step-time means)."]
+
+
+def read_json(path: Path):
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def oracle_story(out_dir: Path, static_told: bool = False) -> list[str]:
+    """The settled layout against the oracle's every static layout and, unless the headline
+    told it (static_told), the static run."""
     path = out_dir / "oracle" / "candidates.json"
     if not path.exists():
         return []
@@ -75,7 +125,7 @@ def oracle_story(out_dir: Path) -> list[str]:
     best = rec["best"]
     settled = settled_layout(read_jsonl(out_dir / "adaptive" / "adapt.jsonl"))
     out = [f"The best static layout under the degraded network (the oracle, every layout measured from "
-           f"step 0) is {best['name']}: {fmt(best['median_ms'])} ms per step."]
+           f"step 0) is {plan_label(best)}: {fmt(best['median_ms'])} ms per step."]
     if settled is not None:
         mine = next((c for c in rec["candidates"] if plan_key(c) == plan_key(settled)), None)
         if mine is None:
@@ -92,7 +142,7 @@ def oracle_story(out_dir: Path) -> list[str]:
                        f"(number {rank + 1} of {len(rec['candidates'])}).")
     static = read_jsonl(out_dir / "static" / "metrics.jsonl")
     marks = degrade_steps(out_dir / "static")
-    if static and marks:
+    if static and marks and not static_told:
         step = max(s for s, label in marks if not label.startswith("blip")) if any(
             not label.startswith("blip") for _, label in marks) else marks[0][0]
         ms = _median_ms(static, step + 1)
@@ -106,9 +156,10 @@ def adaptive_findings(root, rows: list[dict]) -> list[str]:
     from commpipe.report.tables import run_path
 
     root = Path(root)
-    out = []
+    headline = recovery_story(root, rows)
+    out = list(headline)
     for r in rows:
         run = run_path(root, r)
         if (run / "adapt.jsonl").exists():
             out += run_story(run)
-    return out + oracle_story(root)
+    return out + oracle_story(root, static_told=bool(headline))

@@ -123,7 +123,9 @@ DEFINITIONS = [
     "Times are medians over the steps after the first {warmup}; efficiency is throughput relative to the "
     "best layout. PP lat. is transfer time per pipeline call (waiting for the peer excluded), PP wait the "
     "time blocked on the neighbour stage, PP raw their sum, as a timer around the whole call sees it (all "
-    "three per call over the same timed calls). Collective bandwidth is nccl-tests bus bandwidth.",
+    "three per call over the same timed calls). Collective bandwidth is nccl-tests bus bandwidth. "
+    "Bandwidth counts only timed calls of at least 4 KiB: smaller ones (the loss and gradient-norm "
+    "reductions) time the per-call latency, not the link.",
     "Where the time goes: each rank's traced step cut at every event boundary; a piece is compute when an "
     "action runs, exposed communication of a dimension when only that dimension's calls move data or wait "
     "for a late member, bubble when a pipeline call waits for its neighbour stage or nothing runs; mean "
@@ -131,8 +133,11 @@ DEFINITIONS = [
 ]
 
 
-def write_report(sweep_dir, warmup: int = 1, study: str | None = None, title: str | None = None) -> dict:
-    """Write every report file; returns their paths and the markdown table."""
+def write_report(sweep_dir, warmup: int = 1, study: str | None = None, title: str | None = None,
+                 notes: list[str] = ()) -> dict:
+    """Write every report file; returns their paths and the markdown table. notes: statements of
+    the caller's own (the adaptive demo's summary), shown in the Notes section."""
+    from commpipe.report.adaptive import compare_figure, oracle_figure
     from commpipe.report.adaptive_findings import adaptive_findings
     from commpipe.report.figures import make_figures
     from commpipe.report.findings import findings, loss_finding
@@ -142,11 +147,13 @@ def write_report(sweep_dir, warmup: int = 1, study: str | None = None, title: st
     rows = collect(root, warmup)
     single = len(rows) == 1 and rows[0].get("dir")
     meta = describe_sweep(root)
-    notes = compare_study(rows, study) if study else []
+    notes = list(notes) + (compare_study(rows, study) if study else [])
     failed = [r for r in rows if r["status"] != "ok"]
     csv_path = write_csv(rows, root / "results.csv")
     table = markdown_table(rows)
     figures = make_figures(root, rows)
+    if any(r.get("role") == "adaptive" for r in rows):   # adaptive, static and oracle side by side
+        figures = [f for f in (compare_figure(root), oracle_figure(root)) if f] + figures
     title = title or f"commpipe {'run' if single else 'sweep'}: {root.resolve().name}"
     found = adaptive_findings(root, rows) + findings(root, rows, warmup)
     loss = loss_finding(root, rows)

@@ -158,7 +158,10 @@ def findings(sweep_dir, rows: list[dict], warmup: int = 1) -> list[str]:
                    f"tokens/s, {fmt(None if tf is None else tf * scale)} {unit} per GPU (medians after "
                    f"{warmup} warm-up step{'s' if warmup != 1 else ''}).")
     else:
-        out += ranking(ok)
+        # the adaptive run and its static and oracle runs are compared over the faulty period
+        # (commpipe.report.adaptive_findings), not ranked as layouts: their medians span
+        # different layouts and network states
+        out += ranking([r for r in ok if not r.get("role")])
     out += time_findings(ok)
     out += link_findings(sweep_dir, ok, warmup)
     best = max((r.get("tflops_per_gpu") or 0.0 for r in ok), default=0.0)

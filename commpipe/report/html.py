@@ -66,6 +66,21 @@ def _anchor(text: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-")
 
 
+def layouts_caption(rows: list[dict], anchors: set[str]) -> str:
+    """The note under the layouts table, linking only to sections the page has."""
+    spent = _anchor("Where the time goes")
+    text = ("Compute, bubble and exposed communication: shares of the traced step (see "
+            f"<a href='#{spent}'>where the time goes</a>)" if spent in anchors else
+            "Compute, bubble and exposed communication: shares of the traced step (none here: train "
+            "with --trace to record a timeline)")
+    text += "; every measured column is in <a href='#details'>every column</a>."
+    if any(r.get("role") for r in rows):
+        text += (" Step (ms) is a median over each whole run: the adaptive and static runs span the "
+                 "fault and the adaptive one several layouts, so the findings compare them over the "
+                 "faulty steps.")
+    return text
+
+
 def write_html(path, title: str, rows: list[dict], figures: list[tuple[Path, str]], notes: list[str],
                sections: list[tuple[str, list[str], list[list[str]]]] = (), findings: list[str] | None = None,
                meta: list[str] = (), definitions: list[str] = ()) -> Path:
@@ -96,9 +111,7 @@ def write_html(path, title: str, rows: list[dict], figures: list[tuple[Path, str
         "<ul class='findings'>" + "".join(f"<li>{html.escape(f)}</li>" for f in findings) + "</ul>",
         "<nav>Contents: " + "".join(f"<a href='#{a}'>{html.escape(t)}</a>" for t, a in toc) + "</nav>",
         "<h2 id='layouts'>Layouts</h2>", main_table(rows),
-        "<p class='notes'>Compute, bubble and exposed communication: shares of the traced step (see "
-        "<a href='#where-the-time-goes'>where the time goes</a>); every measured column is in "
-        "<a href='#details'>every column</a>.</p>",
+        f"<p class='notes'>{layouts_caption(rows, {a for _, a in toc})}</p>",
     ]
     for heading, header, cells in sections:
         parts += [f"<h2 id='{_anchor(heading)}'>{html.escape(heading)}</h2>", cells_table(header, cells)]

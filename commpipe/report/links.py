@@ -7,7 +7,9 @@ and transfer time are medians over the steps after warm-up in which it had timed
 class's, over all its links' steps): on a shared host a sender's I/O thread is sometimes not
 scheduled for tens of milliseconds, which the median leaves out. Point-to-point links (PP) give the
 receiver's per-message bandwidth; collective groups (TP, CP, DP) the nccl-tests bus bandwidth
-of the group's slowest member, entered in the matrix for every pair of the group.
+of the group's slowest member, entered in the matrix for every pair of the group. Steps whose
+timed calls were smaller than MIN_BANDWIDTH_BYTES (scalar reductions) time latency, not the
+link, and are left out of bandwidth.
 """
 
 from __future__ import annotations
@@ -26,6 +28,25 @@ def _median(values):
     return statistics.median(values) if values else None
 
 LINK_DIMS = {"pp": "pp", "tp": "tp", "cp": "cp", "dp": "dp", "dp_cp": "dp"}
+
+# A call this small times the per-call latency, not the link: the 8-byte loss and gradient-norm
+# all-reduces share the gradient all-reduce's stream, and 8 bytes over a 10 ms call read as
+# 0.0008 MB/s on a 1 Gbit/s link. Bandwidth counts only calls of at least this many bytes.
+MIN_BANDWIDTH_BYTES = 4096
+
+
+def bytes_per_timed_call(rec: dict) -> float | None:
+    """The size of a record's timed calls (nccl-tests S for collectives): the monitor's
+    bandwidth_gbps is their bytes over their summed transfer time and transfer_ms that time per
+    call, so their product is bytes per call (None when the record lacks either)."""
+    bw, ms = rec.get("bandwidth_gbps"), rec.get("transfer_ms", rec.get("latency_ms"))
+    return None if bw is None or ms is None else bw * 1e9 * ms / 1e3
+
+
+def measures_bandwidth(rec: dict) -> bool:
+    """False for a record whose timed calls were too small to say anything about bandwidth."""
+    size = bytes_per_timed_call(rec)
+    return size is None or size >= MIN_BANDWIDTH_BYTES
 
 
 def link_rows(run_dir, warmup: int = 1) -> list[dict]:
@@ -48,7 +69,7 @@ def link_rows(run_dir, warmup: int = 1) -> list[dict]:
             key = (dim, r["op"], tuple(r["group"]))
             n, bw = r.get("sampled") or 0, r.get("busbw_gbps")
         a = acc.setdefault(key, {"link_class": r.get("link_class"), "steps": [], "n": 0})
-        if n and bw and r.get("transfer_ms"):
+        if n and bw and r.get("transfer_ms") and measures_bandwidth(r):
             a["steps"].append((bw, r["transfer_ms"]))
             a["n"] += n
     out = []

@@ -8,7 +8,8 @@ Per dimension and step, from the monitor's records (commpipe/monitor/records.py)
   bandwidth   median over the dimension's records of bandwidth_gbps for p2p (pp, receivers'
               records: a recv completes when the data is there, an isend only when waited on), of the
               nccl-tests bus bandwidth busbw_gbps for collectives (tp, cp, dp), so group sizes
-              compare;
+              compare; only from timed calls of at least links.MIN_BANDWIDTH_BYTES (a scalar
+              reduction's bytes over its time measure latency, not the link);
   latency     transfer time per call once every peer had posted (wait excluded);
   wait        time per call blocked on the peer (pipeline bubbles show up here, not in latency);
   raw         the study's "latency": post-to-done time per call, wait + latency;
@@ -83,6 +84,8 @@ SELECT = {"pp": (("pp",), P2P), "tp": (("tp",), None), "cp": (("cp",), None), "d
 
 def dim_step_stats(records: list[dict], dim: str) -> dict[int, dict]:
     """{step: {"bw", "latency", "wait", "raw", "calls"}} of one column (see SELECT)."""
+    from commpipe.report.links import measures_bandwidth
+
     dims, ops = SELECT[dim]
     by_step: dict[int, list[dict]] = {}
     for r in records:
@@ -113,7 +116,9 @@ def dim_step_stats(records: list[dict], dim: str) -> dict[int, dict]:
             wait = _median(r.get("wait_ms") for r in recs)
             latency = _median(r.get("transfer_ms", r.get("latency_ms")) for r in recs)
             raw = _median(r.get("raw_ms") for r in recs)
-        out[step] = {"bw": _median(r.get(bw_key, r.get("bandwidth_gbps")) for r in recs),
+        # bandwidth only from calls big enough to measure it (scalar reductions time latency)
+        out[step] = {"bw": _median(r.get(bw_key, r.get("bandwidth_gbps")) for r in recs
+                                   if measures_bandwidth(r)),
                      "latency": latency, "wait": wait, "raw": raw, "calls": calls}
     return out
 
@@ -225,6 +230,9 @@ def collect(sweep_dir, warmup: int = 1) -> list[dict]:
         if len(seen.get(r.get("label"), ())) > 1 and r.get("schedule"):
             vpp = f" v{r['vpp']}" if r.get("schedule") == "interleaved" and r.get("vpp") else ""
             r["label"] = f"{r['label']} {r['schedule']}{vpp}"
+    from commpipe.report.adaptive import mark_roles
+
+    mark_roles(root, rows)
     best = max((r["tflops_per_gpu"] for r in rows if r["status"] == "ok" and r.get("tflops_per_gpu")),
                default=None)
     for r in rows:
