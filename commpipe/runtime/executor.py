@@ -18,6 +18,11 @@ Stages on the same rank (the turn of a V schedule) hand tensors over locally. Un
 program (STP, DualPipeV) LLaMA stages run unit by unit (commpipe.runtime.units) and a braid
 alternates its two passes' units, each unit's TP collective in flight while the other computes.
 Communication goes through the chokepoint (`Comm`); nothing here calls torch.distributed.
+
+A step's state lives in a `_StepRun`, with one method per action kind dispatched from a table
+(as torch pipelining's `_perform_action`); what each stage's actions need (its module and how to
+call it, its messages, peers and tags) is worked out once, in `RuntimeStage` (runtime/stage.py).
+An action that fails raises with the rank's program attached, the failed action marked `>>`.
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ from contextlib import nullcontext
 
 import torch
 
-from commpipe.models.boundary import StageIO, TensorDesc
+from commpipe.models.boundary import StageIO
 from commpipe.parallel.comm import Comm
-from commpipe.runtime.messages import as_stage_io, numel, pack, unpack
+from commpipe.runtime.messages import as_stage_io, pack, unpack
+from commpipe.runtime.stage import RuntimeStage, format_program, grad_of
 from commpipe.runtime.units import UnitPass, supports_units, use_unit_collectives
 from commpipe.runtime.weight_grad import WeightGradStore, enable_weight_grad_split
 from commpipe.schedules.actions import Action, Program, lower
@@ -98,39 +104,13 @@ class PipelineRuntime:
         if any(p.op in ("I", "W") for a in self.actions for p in a.parts):
             for module in stages.values():
                 enable_weight_grad_split(module, self.wstore)
+        self.runtime_stages = {s: RuntimeStage(s, stages.get(s), self.stage_io, self.program, comm)
+                               for s in self.program.stages_of(self.pp_rank)}
 
-    def _peer(self, stage: int) -> int:
-        return self.comm.pp_peer(self.program.rank_of(stage))
-
-    def _tag(self, kind: str, boundary: int, mb: int) -> int:
-        """One tag per (direction, stage boundary, micro-batch) within a step."""
-        return (boundary * 2 + (kind == "B")) * self.program.microbatches + mb
-
-    def _autocast(self):
+    def autocast(self):
         if self.autocast_dtype is None:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
-
-    def _message(self, kind: str, stage: int) -> tuple[TensorDesc, ...]:
-        """What travels to `stage` (kind F: its inputs) or back from `stage` (kind B: the
-        gradients of the tensors it sent), in packing order."""
-        if kind == "F":
-            return self.stage_io[stage].recv
-        return tuple(d for d in self.stage_io[stage].send if d.has_grad)
-
-    def _pack(self, tensors: dict, descs: tuple[TensorDesc, ...]) -> torch.Tensor:
-        return pack(tensors, descs, self.act_dtype)
-
-    _unpack = staticmethod(unpack)
-
-    def _forward(self, s: int, received: dict, batch: dict, positions) -> dict:
-        """Stage s on its received tensors and the batch fields its description lists."""
-        module = self.stages[s]
-        if getattr(module, "io_dict", False):
-            fields = {d.name: batch[d.name] for d in self.stage_io[s].data if d.name != "labels"}
-            return module(**received, **fields)
-        x = batch["tokens"] if s == 0 else received["hidden"]   # a LLaMA stage
-        return {"logits" if s == self.last_stage else "hidden": module(x, positions)}
 
     def run_step(self, tokens: list, labels: list | None, positions: torch.Tensor | None,
                  loss_scale: float, step: int = 0) -> torch.Tensor:
@@ -141,230 +121,274 @@ class PipelineRuntime:
         batches = [t if isinstance(t, dict) else {"tokens": t, "labels": labels[m]}
                    for m, t in enumerate(tokens)]
         with torch.set_grad_enabled(not self.forward_only):
-            return self._run_actions(batches, positions, loss_scale, step)
+            return _StepRun(self, batches, positions, loss_scale, step).run()
 
-    def _run_actions(self, batches, positions, loss_scale, step):
-        recvs, sends = {}, []
-        inputs, outputs, grads_to_send = {}, {}, {}
-        local_fwd, local_bwd, deferred = {}, {}, {}
-        unit_passes = {}     # (stage, micro-batch) -> UnitPass awaiting its backward
-        loss_total = torch.zeros((), device=self.device)
+
+class _StepRun:
+    """One step of the rank's program: its state, and one method per action kind, dispatched by
+    `_ACTIONS` (torch pipelining's `_perform_action`). The state, keyed by (stage, micro-batch):
+        recvs          posted receives, by (kind, stage, micro-batch), until their consumer
+        inputs         a stage's received inputs (leaves whose .grad its backward produces)
+        outputs        a stage's outputs, kept for its backward or until its SEND_F
+        local_fwd/bwd  tensors handed to the next/previous stage on this rank
+        grads_to_send  input gradients until their SEND_B
+        deferred       weight gradients an I left for its W
+        unit_passes    unit-by-unit forwards awaiting their backward
+    """
+
+    def __init__(self, rt: PipelineRuntime, batches: list, positions, loss_scale: float,
+                 step: int):
+        self.rt, self.batches, self.positions = rt, batches, positions
+        self.loss_scale, self.step = loss_scale, step
+        self.stages = rt.runtime_stages
+        self.recvs, self.sends = {}, []
+        self.inputs, self.outputs, self.grads_to_send = {}, {}, {}
+        self.local_fwd, self.local_bwd, self.deferred, self.unit_passes = {}, {}, {}, {}
+        self.loss_total = torch.zeros((), device=rt.device)
         # a recorded timeline on CUDA is read from events on the compute stream (when the
         # kernels ran, the profiler's clock), not from perf_counter around asynchronous launches
-        gpu_clock = self.events is not None and self.device.type == "cuda"
-        stamps = []   # (stream, name, start, end), converted to ms once the step is done
+        self.recording = rt.events is not None
+        self.gpu_clock = self.recording and rt.device.type == "cuda"
+        self.timed = self.recording or rt.on_compute is not None or rt.slowdown is not None
+        self.stamps = []   # (stream, name, start, end), converted to ms once the step is done
+        self.t_origin = self.now()
 
-        def now():
-            if not gpu_clock:
-                return time.perf_counter()
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
+    def now(self):
+        if not self.gpu_clock:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
 
-        t_origin = now()
-
-        def record(stream, a, t0, t1):
-            if self.events is not None:
-                stamps.append((stream, str(a), t0, t1))
-
-        def wait(key, a):
-            t0 = now()
-            value = recvs.pop(key).wait()
-            record("pp", Action("RECV_" + key[0], a.stage, a.microbatch), t0, now())
-            return value
-
-        def post(a):
-            descs = self._message(a.op[-1], a.stage)
-            shape = descs[0].shape if len(descs) == 1 else (sum(numel(d) for d in descs),)
-            buf = torch.empty(shape, dtype=self.act_dtype, device=self.device)
-            src = a.stage - 1 if a.op == "RECV_F" else a.stage + 1
-            tag = self._tag(a.op[-1], min(a.stage, src), a.microbatch)
-            recvs[(a.op[-1], a.stage, a.microbatch)] = self.comm.irecv(buf, self._peer(src), tag=tag)
-
-        def prepare(a):
-            """One plain compute action: its inputs gathered (waited for), its work a _Pass."""
-            s, m = a.stage, a.microbatch
-            if a.op == "F":
-                x = {}
-                if s > 0:
-                    x = self._unpack(wait(("F", s, m), a), self._message("F", s)) \
-                        if ("F", s, m) in recvs else local_fwd.pop((s, m))
-                    x = {k: v.detach() for k, v in x.items()}
-                    if not self.forward_only:
-                        for d in self.stage_io[s].recv:
-                            x[d.name].requires_grad_(d.has_grad)
-                        inputs[(s, m)] = x
-                return forward(a, x)
-            if a.op in ("B", "I"):
-                grad = None
-                if s != self.last_stage:
-                    grad = self._unpack(wait(("B", s, m), a), self._message("B", s)) \
-                        if ("B", s, m) in recvs else local_bwd.pop((s, m))
-                return backward(a, grad)
-            return run_w(a)
-
-        def forward(a, x):
-            s, m = a.stage, a.microbatch
-            # a received input widens to fp32, the dtype of the embedding's output, so the
-            # residual stream is fp32 on every stage, as on one device
-            x = {k: v.float() for k, v in x.items()}
-
-            def tail(out, loss=None):
-                nonlocal loss_total
-                if s == self.last_stage:            # the loss in fp32, outside autocast
-                    if loss is None:
-                        loss = self.loss_fn(out["logits"], batches[m]["labels"])
-                    out = loss * loss_scale
-                    loss_total = loss_total + out.detach()
-                local_next = (s != self.last_stage
-                              and self.program.rank_of(s + 1) == self.program.rank_of(s))
-                if local_next:
-                    local_fwd[(s + 1, m)] = {d.name: out[d.name].detach().to(self.act_dtype)
-                                             for d in self.stage_io[s].send}
-                if not self.forward_only or not (local_next or s == self.last_stage):
-                    outputs[(s, m)] = out  # kept for its backward, or until its SEND_F
-                return out
-
-            def tail_steps(out):
-                """tail(), with a vocabulary-parallel loss's collectives yielded to the braid's
-                other pass while they travel (`steps` of the loss function)."""
-                steps = getattr(self.loss_fn, "steps", None)
-                if s == self.last_stage and steps is not None:
-                    return tail(out, (yield from steps(out["logits"], batches[m]["labels"])))
-                return tail(out)
-
-            if self.units:
-                key = "logits" if s == self.last_stage else "hidden"
-                unit = UnitPass(self.stages[s], batches[m]["tokens"] if s == 0 else x["hidden"],
-                                positions, lambda out: tail_steps({key: out}), self._autocast,
-                                grad=not self.forward_only)
-                if not self.forward_only:
-                    unit_passes[(s, m)] = unit
-                return _Pass(unit.forward_steps(), len(unit.steps))
-
-            def whole():
-                with self._autocast():
-                    out = self._forward(s, x, batches[m], positions)
-                tail(out)
-                yield "F"
-            return _Pass(whole())
-
-        def backward(a, grad):
-            s, m = a.stage, a.microbatch
-            out = outputs.pop((s, m))
-            if self.units:
-                g = None if s == self.last_stage else grad["hidden"]
-                steps = unit_passes.pop((s, m)).backward_steps(g)
-            else:
-                steps = iter([lambda: whole_backward(s, out, grad)])
-            return _Pass(backward_steps(a, steps), 0)
-
-        def whole_backward(s, out, grad):
-            if s == self.last_stage:
-                out.backward()
-            else:
-                # every sent tensor that carries a gradient, e.g. text hidden states and the
-                # image features a decoder stage passes on (autograd adds that gradient to the
-                # one of its own cross-attention)
-                sent = [(out[d.name], grad[d.name]) for d in self.stage_io[s].send
-                        if d.has_grad and out[d.name].requires_grad]
-                torch.autograd.backward([t for t, _ in sent], [g.to(t.dtype) for t, g in sent])
-
-        def backward_steps(a, steps):
-            s, m = a.stage, a.microbatch
-            while True:
-                # weight gradients are deferred during this pass's steps only (a braid's
-                # forward steps run in between)
-                self.wstore.deferring = a.op == "I"
-                try:
-                    step = next(steps)
-                    if callable(step):
-                        step()
-                except StopIteration:
-                    break
-                finally:
-                    self.wstore.deferring = False
-                yield a.op
-            if a.op == "I":
-                deferred[(s, m)] = self.wstore.take()
-            if s > 0:
-                received = inputs.pop((s, m))
-                g = {d.name: _grad_of(received[d.name]) for d in self.stage_io[s].recv
-                     if d.has_grad}
-                if self.program.rank_of(s - 1) == self.program.rank_of(s):
-                    local_bwd[(s - 1, m)] = g
-                else:
-                    grads_to_send[(s, m)] = g
-
-        def run_w(a, chunks: int = 1):
-            """The deferred weight gradients, in `chunks` slices (a braid's forward steps run
-            in between)."""
-            items = deferred.pop((a.stage, a.microbatch))
-            size = max(1, -(-len(items) // max(1, chunks)))
-
-            def steps():
-                for k in range(0, len(items), size):
-                    WeightGradStore.flush(items[k:k + size])
-                    yield "W"
-            return _Pass(steps())
-
-        for idx in self.order:
-            a = self.actions[idx]
-            s, m = a.stage, a.microbatch
-            if a.op in ("RECV_F", "RECV_B"):
-                post(a)
-                continue
-            if a.op == "SEND_F":
-                out = outputs.pop((s, m)) if self.forward_only else outputs[(s, m)]
-                # stage boundaries carry the activation dtype (bf16 under autocast)
-                sends.append(self.comm.isend(self._pack(out, self._message("F", s + 1)),
-                                             self._peer(s + 1), tag=self._tag("F", s, m)))
-                continue
-            if a.op == "SEND_B":
-                sends.append(self.comm.isend(self._pack(grads_to_send.pop((s, m)),
-                                                        self._message("B", s - 1)),
-                                             self._peer(s - 1), tag=self._tag("B", s - 1, m)))
-                continue
-
-            # compute actions (a braid runs its two passes step by step, alternating): inputs
-            # are gathered first so the timed interval excludes waits
-            passes = []
-            for part in a.parts:      # a braid's W is sliced to interleave with its forward
-                passes.append(run_w(part, passes[0].steps) if part.op == "W" and passes
-                              else prepare(part))
-            mark = torch.profiler.record_function(str(a)) if self.annotate else None
-            if mark is not None:
-                mark.__enter__()
-            t0 = now()
-            _alternate([p.run for p in passes])
-            if self.slowdown is not None:
-                self.slowdown(t0)
-            t1 = now()
-            if mark is not None:
-                mark.__exit__(None, None, None)
-            record("compute", a, t0, t1)
-            if self.on_compute is not None and not gpu_clock:   # host seconds only
-                self.on_compute(str(a), t0, t1)
-
-        for h in sends:
+    def run(self) -> torch.Tensor:
+        rt, actions = self.rt, self.rt.actions
+        for pos, idx in enumerate(rt.order):
+            a = actions[idx]
+            try:
+                _ACTIONS.get(a.op, _StepRun.compute)(self, a)
+            except Exception as e:
+                e.add_note(format_program(
+                    actions, rt.order, pos,
+                    header=f"pp rank {rt.pp_rank}, step {self.step}: action {a} failed "
+                           f"({pos} of {len(rt.order)} in schedule {rt.program.name}'s issue order):"))
+                raise
+        for h in self.sends:
             h.wait()
-        if stamps:
-            if gpu_clock:
-                torch.cuda.current_stream(self.device).synchronize()   # tracing only
-                ms = t_origin.elapsed_time
+        self._flush_timeline()
+        if self.recvs or self.outputs or self.deferred:
+            raise RuntimeError(f"schedule left work undone on pp rank {rt.pp_rank}: "
+                               f"receives {list(self.recvs)}, outputs {list(self.outputs)}, "
+                               f"deferred W {list(self.deferred)}")
+        return self.loss_total
+
+    # -- communication actions ----------------------------------------------------------------
+    def recv_f(self, a: Action) -> None:
+        st = self.stages[a.stage]
+        buf = torch.empty(st.recv_f_shape, dtype=self.rt.act_dtype, device=self.rt.device)
+        self.recvs[("F", a.stage, a.microbatch)] = self.rt.comm.irecv(
+            buf, st.prev_peer, tag=st.tag_recv_f + a.microbatch)
+
+    def recv_b(self, a: Action) -> None:
+        st = self.stages[a.stage]
+        buf = torch.empty(st.recv_b_shape, dtype=self.rt.act_dtype, device=self.rt.device)
+        self.recvs[("B", a.stage, a.microbatch)] = self.rt.comm.irecv(
+            buf, st.next_peer, tag=st.tag_recv_b + a.microbatch)
+
+    def send_f(self, a: Action) -> None:
+        st, key = self.stages[a.stage], (a.stage, a.microbatch)
+        out = self.outputs.pop(key) if self.rt.forward_only else self.outputs[key]
+        # stage boundaries carry the activation dtype (bf16 under autocast)
+        self.sends.append(self.rt.comm.isend(pack(out, st.next_descs, self.rt.act_dtype),
+                                             st.next_peer, tag=st.tag_send_f + a.microbatch))
+
+    def send_b(self, a: Action) -> None:
+        st = self.stages[a.stage]
+        grads = self.grads_to_send.pop((a.stage, a.microbatch))
+        self.sends.append(self.rt.comm.isend(pack(grads, st.prev_grad_descs, self.rt.act_dtype),
+                                             st.prev_peer,
+                                             tag=st.tag_send_b + a.microbatch))
+
+    def wait(self, kind: str, a: Action):
+        """A posted receive's buffer, the wait recorded on the timeline."""
+        if not self.recording:
+            return self.recvs.pop((kind, a.stage, a.microbatch)).wait()
+        t0 = self.now()
+        value = self.recvs.pop((kind, a.stage, a.microbatch)).wait()
+        self.stamps.append(("pp", str(Action("RECV_" + kind, a.stage, a.microbatch)), t0,
+                            self.now()))
+        return value
+
+    # -- compute actions: F, B, I, W, and a braid of two (F&B, F&I, F&W) -----------------------
+    def compute(self, a: Action) -> None:
+        """A compute action; a braid runs its two passes step by step, alternating. Inputs are
+        gathered first, so the timed interval excludes waits."""
+        if a.pair is None:
+            passes = [_PREPARE[a.op](self, a)]
+        else:
+            first = self.forward(a.parts[0])
+            # a braid's W is sliced to interleave with its forward's steps
+            other = (self.weight(a.pair, first.steps) if a.pair.op == "W"
+                     else _PREPARE[a.pair.op](self, a.pair))
+            passes = [first, other]
+        rt = self.rt
+        if not (self.timed or rt.annotate):
+            _alternate([p.run for p in passes])
+            return
+        mark = torch.profiler.record_function(str(a)) if rt.annotate else None
+        if mark is not None:
+            mark.__enter__()
+        t0 = self.now()
+        _alternate([p.run for p in passes])
+        if rt.slowdown is not None:
+            rt.slowdown(t0)
+        t1 = self.now()
+        if mark is not None:
+            mark.__exit__(None, None, None)
+        if self.recording:
+            self.stamps.append(("compute", str(a), t0, t1))
+        if rt.on_compute is not None and not self.gpu_clock:   # host seconds only
+            rt.on_compute(str(a), t0, t1)
+
+    def forward(self, a: Action) -> _Pass:
+        """F: the stage's inputs gathered (a receive waited for, or a local hand-over), its
+        forward a pass of one step, or of one step per unit."""
+        s, m, rt = a.stage, a.microbatch, self.rt
+        st = self.stages[s]
+        x = {}
+        if not st.is_first:
+            x = unpack(self.wait("F", a), st.recv_descs) if ("F", s, m) in self.recvs \
+                else self.local_fwd.pop((s, m))
+            x = {k: v.detach() for k, v in x.items()}
+            if not rt.forward_only:
+                for d in st.recv_descs:
+                    x[d.name].requires_grad_(d.has_grad)
+                self.inputs[(s, m)] = x
+        # a received input widens to fp32, the dtype of the embedding's output, so the
+        # residual stream is fp32 on every stage, as on one device
+        x = {k: v.float() for k, v in x.items()}
+        if rt.units:
+            return self._forward_units(st, m, x)
+
+        def whole():
+            with rt.autocast():
+                out = st.forward(x, self.batches[m], self.positions)
+            self._forward_tail(st, m, out)
+            yield "F"
+        return _Pass(whole())
+
+    def _forward_units(self, st: RuntimeStage, m: int, x: dict) -> _Pass:
+        """F unit by unit (runtime/units.py), the loss's collectives (a vocabulary-parallel
+        loss's `steps`) yielded to a braid's other pass while they travel."""
+        rt, key = self.rt, st.output_key
+        steps = getattr(rt.loss_fn, "steps", None) if st.is_last else None
+
+        def tail(out):
+            out = {key: out}
+            if steps is not None:
+                return self._forward_tail(
+                    st, m, out, (yield from steps(out["logits"], self.batches[m]["labels"])))
+            return self._forward_tail(st, m, out)
+
+        unit = UnitPass(st.module, self.batches[m]["tokens"] if st.is_first else x["hidden"],
+                        self.positions, tail, rt.autocast, grad=not rt.forward_only)
+        if not rt.forward_only:
+            self.unit_passes[(st.index, m)] = unit
+        return _Pass(unit.forward_steps(), len(unit.steps))
+
+    def _forward_tail(self, st: RuntimeStage, m: int, out: dict, loss=None):
+        """What a stage's output becomes: the scaled loss on the last stage (in fp32, outside
+        autocast), a local hand-over to the next stage on this rank, and kept for the backward
+        or until its SEND_F."""
+        if st.is_last:
+            if loss is None:
+                loss = self.rt.loss_fn(out["logits"], self.batches[m]["labels"])
+            out = loss * self.loss_scale
+            self.loss_total = self.loss_total + out.detach()
+        if st.local_next:
+            act_dtype = self.rt.act_dtype
+            self.local_fwd[(st.index + 1, m)] = {d.name: out[d.name].detach().to(act_dtype)
+                                                 for d in st.io.send}
+        if not self.rt.forward_only or not (st.local_next or st.is_last):
+            self.outputs[(st.index, m)] = out
+        return out
+
+    def backward(self, a: Action) -> _Pass:
+        """B (full backward) or I (input gradient only, the weight gradients deferred to W)."""
+        s, m = a.stage, a.microbatch
+        st = self.stages[s]
+        grad = None
+        if not st.is_last:
+            grad = unpack(self.wait("B", a), st.grad_descs) if ("B", s, m) in self.recvs \
+                else self.local_bwd.pop((s, m))
+        out = self.outputs.pop((s, m))
+        if self.rt.units:
+            steps = self.unit_passes.pop((s, m)).backward_steps(
+                None if st.is_last else grad["hidden"])
+        else:
+            steps = iter([lambda: st.backward(out, grad)])
+        return _Pass(self._backward_steps(a, st, steps), 0)
+
+    def _backward_steps(self, a: Action, st: RuntimeStage, steps):
+        wstore = self.rt.wstore
+        while True:
+            # weight gradients are deferred during this pass's steps only (a braid's forward
+            # steps run in between)
+            wstore.deferring = a.op == "I"
+            try:
+                step = next(steps)
+                if callable(step):
+                    step()
+            except StopIteration:
+                break
+            finally:
+                wstore.deferring = False
+            yield a.op
+        key = (st.index, a.microbatch)
+        if a.op == "I":
+            self.deferred[key] = wstore.take()
+        if not st.is_first:
+            received = self.inputs.pop(key)
+            g = {d.name: grad_of(received[d.name]) for d in st.recv_descs if d.has_grad}
+            if st.local_prev:
+                self.local_bwd[(st.index - 1, a.microbatch)] = g
             else:
-                ms = lambda t: (t - t_origin) * 1e3
-            self.events.extend(Event(self.comm.rank, stream, name, ms(t0), ms(t1), step)
-                               for stream, name, t0, t1 in stamps)
-        if recvs or outputs or deferred:
-            raise RuntimeError(f"schedule left work undone on pp rank {self.pp_rank}: "
-                               f"receives {list(recvs)}, outputs {list(outputs)}, "
-                               f"deferred W {list(deferred)}")
-        return loss_total
+                self.grads_to_send[key] = g
+
+    def weight(self, a: Action, chunks: int = 1) -> _Pass:
+        """W: the weight gradients its I deferred, in `chunks` slices (a braid's forward steps
+        run in between)."""
+        items = self.deferred.pop((a.stage, a.microbatch))
+        size = max(1, -(-len(items) // max(1, chunks)))
+
+        def steps():
+            for k in range(0, len(items), size):
+                WeightGradStore.flush(items[k:k + size])
+                yield "W"
+        return _Pass(steps())
+
+    def _flush_timeline(self) -> None:
+        if not self.stamps:
+            return
+        if self.gpu_clock:
+            torch.cuda.current_stream(self.rt.device).synchronize()   # tracing only
+            ms = self.t_origin.elapsed_time
+        else:
+            def ms(t):
+                return (t - self.t_origin) * 1e3
+        self.rt.events.extend(Event(self.rt.comm.rank, stream, name, ms(t0), ms(t1), self.step)
+                              for stream, name, t0, t1 in self.stamps)
+
+
+_ACTIONS = {"RECV_F": _StepRun.recv_f, "RECV_B": _StepRun.recv_b,
+            "SEND_F": _StepRun.send_f, "SEND_B": _StepRun.send_b}   # the rest: compute
+_PREPARE = {"F": _StepRun.forward, "B": _StepRun.backward, "I": _StepRun.backward,
+            "W": _StepRun.weight}
 
 
 class _Pass:
     """One plain action's work as a generator of steps (`steps`: how many, where known)."""
+
+    __slots__ = ("run", "steps")
 
     def __init__(self, run, steps: int = 1):
         self.run, self.steps = run, steps
@@ -372,14 +396,13 @@ class _Pass:
 
 def _alternate(runs: list) -> None:
     """Run generators to the end, one step of each in turn."""
+    if len(runs) == 1:
+        for _ in runs[0]:
+            pass
+        return
     while runs:
         for r in list(runs):
             try:
                 next(r)
             except StopIteration:
                 runs.remove(r)
-
-
-def _grad_of(t: torch.Tensor) -> torch.Tensor:
-    """The gradient of a received tensor; zeros when the stage did not use it."""
-    return t.grad if t.grad is not None else torch.zeros_like(t)
