@@ -124,8 +124,8 @@ DEFINITIONS = [
     "best layout. PP lat. is transfer time per pipeline call (waiting for the peer excluded), PP wait the "
     "time blocked on the neighbour stage, PP raw their sum, as a timer around the whole call sees it (all "
     "three per call over the same timed calls). Collective bandwidth is nccl-tests bus bandwidth. "
-    "Bandwidth counts only timed calls of at least 4 KiB: smaller ones (the loss and gradient-norm "
-    "reductions) time the per-call latency, not the link.",
+    "Bandwidth counts only timed calls of at least 4 KiB: smaller ones (scalar reductions such as the "
+    "loss) time the per-call latency, not the link.",
     "Where the time goes: each rank's traced step cut at every event boundary; a piece is compute when an "
     "action runs, exposed communication of a dimension when only that dimension's calls move data or wait "
     "for a late member, bubble when a pipeline call waits for its neighbour stage or nothing runs; mean "

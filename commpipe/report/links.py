@@ -29,9 +29,9 @@ def _median(values):
 
 LINK_DIMS = {"pp": "pp", "tp": "tp", "cp": "cp", "dp": "dp", "dp_cp": "dp"}
 
-# A call this small times the per-call latency, not the link: the 8-byte loss and gradient-norm
-# all-reduces share the gradient all-reduce's stream, and 8 bytes over a 10 ms call read as
-# 0.0008 MB/s on a 1 Gbit/s link. Bandwidth counts only calls of at least this many bytes.
+# A call this small times the per-call latency, not the link: the training loop's 8-byte loss
+# all-reduce shares the gradient all-reduce's stream (dp_cp), and 8 bytes over a 10 ms call read
+# as 0.0008 MB/s on a 1 Gbit/s link. Bandwidth counts only calls of at least this many bytes.
 MIN_BANDWIDTH_BYTES = 4096
 
 
