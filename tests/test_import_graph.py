@@ -44,7 +44,6 @@ def _imports(path: Path, module: str) -> set[str]:
 # shrinks.
 REMAINING = {
     ("train/cli.py", "adapt"),        # the train verb adds --adapt-* flags, resumes a plan
-    ("train/config.py", "adapt"),     # TrainConfig.adapt / slow_rank are adapt's dataclasses
     ("train/console.py", "adapt"),    # adapt.plan.layout_label
     ("train/loop.py", "adapt"),       # adapt.plan.layout_label
     ("parallel/comm.py", "elastic"),  # elastic.restart.attempt_store

@@ -99,15 +99,10 @@ def family_for_config(config: dict) -> Family:
 
 
 def spec_from_dict(d: dict):
-    """The spec a checkpoint's commpipe.json records (`spec.to_dict()`), rebuilt."""
-    from commpipe.models.blip_spec import BlipSpec
-    from commpipe.models.spec import ModelSpec
+    """The spec a checkpoint's commpipe.json records (`spec.to_dict()`), rebuilt by its family."""
+    from commpipe.models.family import spec_from_dict
 
-    d = dict(d)
-    if d.get("arch") == "blip":
-        d.pop("arch")
-        return BlipSpec(**d).validate()
-    return ModelSpec(**d).validate()
+    return spec_from_dict(d)
 
 
 def model_fields(spec) -> str:

@@ -104,14 +104,11 @@ def resolve_resume(cfg, source=None) -> Path | None:
     meta = read_meta(found)
     check_compatible(meta, cfg, found)
     read_metadata(found)   # refused or damaged: said now, before any process group starts
-    if source is None and not cfg.data and cfg.spec.arch == "blip":
-        from commpipe.train.multimodal import SyntheticCaptions
+    if source is None and not cfg.data:
+        from commpipe.models.family import family_of
+        from commpipe.train.families import training_for
 
-        source = SyntheticCaptions(cfg.spec, cfg.seed)
-    elif source is None and not cfg.data:
-        from commpipe.data import SyntheticTokens
-
-        source = SyntheticTokens(vocab=cfg.spec.vocab, seed=cfg.seed, seq_len=cfg.seq_len)
+        source = training_for(family_of(cfg.spec)).synthetic_source(cfg)
     if source is not None:
         try:  # the same tokenizer, corpus, --seq-len and --seed (the position is set again on load)
             source.load_state_dict(meta["data"])

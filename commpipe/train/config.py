@@ -6,10 +6,9 @@ import json
 import os
 from dataclasses import asdict, dataclass, field
 
-from commpipe.adapt.config import AdaptConfig, SlowRank
-from commpipe.models.blip_spec import is_blip
-from commpipe.models.spec import ModelSpec, resolve_model, with_vocab
+from commpipe.models.spec import ModelSpec
 from commpipe.parallel.dims import ParallelDims
+from commpipe.train.hooks import Drill, Steering
 
 MAX_STEP_PASSES = 65536   # micro-batches x pipeline stages per step (TrainConfig.resolve_batch)
 
@@ -63,8 +62,8 @@ class TrainConfig:
     device: str = "auto"
     precision: str | None = None      # fp32 | bf16 (autocast); default bf16 on CUDA, fp32 on CPU
     strict_order: bool = False        # match point-to-point messages in issue order, as NCCL does
-    adapt: AdaptConfig | None = None  # --adapt: the adaptive controller (commpipe.adapt)
-    slow_rank: SlowRank | None = None  # fault drill: one rank's compute FACTOR times slower
+    adapt: Steering | None = None     # --adapt: commpipe.adapt.config.AdaptConfig
+    slow_rank: Drill | None = None    # fault drill (adapt.config.SlowRank): a slower rank
     sequence_parallel: bool = True    # with tp > 1 (commpipe.runtime.features)
     overlap: bool = True              # --no-overlap: every overlap off, for A/B measurement
     recompute: str = "none"           # none | selective | full
@@ -78,42 +77,11 @@ class TrainConfig:
     def resolve(self, world_size: int | None = None) -> TrainConfig:
         """Derive micro-batches / global batch and validate everything that can be checked
         without starting processes. Raises ValueError naming the fix."""
-        if is_blip(self.model):    # the BLIP-style captioner (commpipe.train.multimodal)
-            from commpipe.train.multimodal import resolve_blip_config
+        from commpipe.models.family import family_for_model
+        from commpipe.train.families import training_for
 
-            resolve_blip_config(self, world_size)
-            return self
-        spec = resolve_model(self.model)
-        if self.vocab:
-            spec = with_vocab(spec, self.vocab)
-        spec.validate()
-        if spec.arch != "llama":
-            raise ValueError(f"training builds arch=llama models, got arch={spec.arch}; "
-                             "gpt shapes work with plan and estimate")
-        d = self.dims
-        if self.vpp < 1:
-            raise ValueError(f"vpp={self.vpp} must be >= 1")
-        if isinstance(self.stage_layers, str):
-            from commpipe.parallel.balance import llama_layer_costs
-
-            if self.stage_layers == "auto:measured":
-                raise ValueError("--stage-layers auto:measured profiles the layers of blip models; "
-                                 "LLaMA's layers are identical, use --stage-layers auto")
-            if self.schedule.endswith(".csv"):
-                raise ValueError("--stage-layers auto needs a named schedule (the stage count of "
-                                 "a CSV is known once loaded); give explicit counts")
-            self.set_balanced_split(llama_layer_costs(spec, self.seq_len),
-                                    d.pp * self._stage_multiplier(), "flops")
-        if not self.schedule.endswith(".csv"):  # a CSV's stage count is known once loaded
-            d.check_model(spec, self.seq_len, self.stage_layers, self._stage_multiplier())
-        self.resolve_batch()
-        self._check_run_options()
-        self.spec = spec
-        prog = self.program()  # the schedule validates m against p and v
-        d.check_model(spec, self.seq_len, self.stage_layers, prog.num_stages // d.pp)
-        if world_size is not None:  # last: a wrong layout is worth more to hear about
-            d.check_world(world_size)
-        self._check_adapt(d.world_size)
+        # the model family's part (commpipe.train.decoder, commpipe.train.multimodal)
+        training_for(family_for_model(self.model)).resolve_config(self, world_size)
         return self
 
     def resolve_batch(self) -> None:
@@ -241,10 +209,12 @@ class TrainConfig:
     def features(self):
         """The runtime features this run uses (validated): the one definition the trainer
         reads and the planner prices."""
+        from commpipe.models.family import family_for_model
         from commpipe.runtime.features import Overlap, RuntimeFeatures
 
-        # the LLaMA stages run sequence-parallel TP; blip's towers keep whole sequences
-        sp = self.sequence_parallel and self.dims.tp > 1 and resolve_model(self.model).arch == "llama"
+        # LLaMA's stages run sequence-parallel TP; blip's towers keep whole sequences
+        sp = self.sequence_parallel and self.dims.tp > 1 and \
+            family_for_model(self.model).sequence_parallel
         if sp and self.seq_len % (self.dims.cp * self.dims.tp):
             fits = [t for t in (1, 2, 4, 8) if self.seq_len % (self.dims.cp * t) == 0]
             raise ValueError(f"sequence parallelism splits the {self.seq_len // self.dims.cp} "

@@ -85,14 +85,12 @@ def format_balance(b: dict) -> str:
 
 def model_size(cfg) -> tuple[int, float, str]:
     """(parameters, training FLOPs per unit, unit): per token, per image-caption sample (BLIP)."""
+    from commpipe.models.family import family_of
+
     spec = cfg.spec
-    if spec.arch == "blip":
-        from commpipe.models.blip_spec import flops_per_sample, param_count
-
-        return param_count(spec), float(flops_per_sample(spec, cfg.seq_len)), "sample"
-    from commpipe.models.spec import flops_per_token, param_count
-
-    return param_count(spec, cfg.seq_len), flops_per_token(spec, cfg.seq_len), "token"
+    family = family_of(spec)
+    return (family.param_count(spec, cfg.seq_len), family.flops_per_unit(spec, cfg.seq_len),
+            family.unit)
 
 
 def schedule_bubble(cfg) -> float | None:

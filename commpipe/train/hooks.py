@@ -26,12 +26,17 @@ class StepHook(Protocol):
 class Steering(Protocol):
     """A configuration field that steers the run (TrainConfig.adapt)."""
 
+    def validate(self):
+        """Checked when the configuration resolves (raises ValueError naming the fix)."""
+
     def step_hook(self, trainer, out, log) -> StepHook:
         """The hook the loop drives from the first step on."""
 
 
 class Drill(Protocol):
     """A configuration field that changes a built trainer (TrainConfig.slow_rank)."""
+
+    rank: int    # the rank it acts on (checked against the world size)
 
     def install(self, trainer) -> None:
         """Called on every built trainer (also one a switch builds)."""

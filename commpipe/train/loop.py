@@ -22,16 +22,12 @@ from pathlib import Path
 import torch
 
 from commpipe.adapt.plan import layout_label
-from commpipe.models.boundary import llama_stage_io
-from commpipe.models.spec import flops_per_token
+from commpipe.models.family import family_of
 from commpipe.parallel.comm import Comm, init_distributed
-from commpipe.parallel.context import apply_cp, cp_positions, cp_split
+from commpipe.parallel.context import cp_positions, cp_split
 from commpipe.parallel.data import GradReducer, Zero1, clip_grad_norm_
-from commpipe.parallel.dims import split_layers
-from commpipe.parallel.pipeline import build_stages
-from commpipe.parallel.tensor import apply_tp, make_loss_fn
 from commpipe.runtime.executor import PipelineRuntime
-from commpipe.runtime.recompute import ActivationMeter, apply_recompute
+from commpipe.runtime.recompute import ActivationMeter
 from commpipe.train import checkpoint
 from commpipe.train.config import TrainConfig
 from commpipe.train.console import banner, format_balance, format_step, summary
@@ -45,6 +41,7 @@ from commpipe.train.failures import (
     is_finite,
     last_good,
 )
+from commpipe.train.families import training_for
 from commpipe.train.optim import lr_at, make_optimizer
 from commpipe.train.run_files import TRACE_STEPS, kineto_trace, open_metrics
 from commpipe.train.source import check_vocab, make_source
@@ -53,17 +50,7 @@ from commpipe.train.tensorboard import TensorBoardLog
 
 def step_flops(cfg: TrainConfig) -> float:
     """Model FLOPs of one optimizer step (forward + backward)."""
-    if cfg.spec.arch == "blip":
-        from commpipe.models.blip_spec import flops_per_sample
-
-        return float(flops_per_sample(cfg.spec, cfg.seq_len) * cfg.global_batch)
-    return flops_per_token(cfg.spec, cfg.seq_len) * cfg.global_batch * cfg.seq_len
-
-
-def stage_counts(cfg: TrainConfig) -> list[int]:
-    """Layers per virtual stage of the run's split."""
-    return [len(r) for r in split_layers(cfg.spec.layers, cfg.program().num_stages,
-                                         cfg.stage_layers)]
+    return family_of(cfg.spec).step_flops(cfg.spec, cfg.seq_len, cfg.global_batch)
 
 
 def pick_device(name: str) -> torch.device:
@@ -113,29 +100,13 @@ class Trainer:
         spec = cfg.spec
         # uneven DP (commpipe.train.dp_split): this replica's pipeline runs its own count
         program = cfg.program(cfg.replica_microbatches(comm.coords["dp"]))
-        pp_rank = comm.local_rank("pp")
         # bf16: autocast, with stage boundaries (pipeline buffers) in bf16 too
         autocast = torch.bfloat16 if cfg.precision == "bf16" else None
         act_dtype = autocast or torch.float32
         features = cfg.features()
-        if spec.arch == "blip":   # vision encoder + text decoder (commpipe.train.multimodal)
-            from commpipe.train.multimodal import build_blip
-
-            stages, loss_fn, stage_io = build_blip(cfg, comm, program, device, act_dtype)
-        else:
-            stages = build_stages(spec, program, pp_rank, cfg.seed, cfg.stage_layers, device)
-            for module in stages.values():
-                apply_tp(module, comm, features.sequence_parallel, features.overlap.tp,
-                         features.overlap.tp_forward)
-                apply_cp(module, comm, features.overlap.cp)
-                apply_recompute(module, features.recompute)
-            last = stages.get(program.num_stages - 1)
-            loss_fn = make_loss_fn(comm, last.output if last is not None else None)
-            seq_local = cfg.seq_len // cfg.dims.cp
-            if features.sequence_parallel:     # stage boundaries carry sequence shards
-                seq_local //= cfg.dims.tp
-            stage_io = llama_stage_io(spec, stage_counts(cfg), cfg.micro_batch_size, seq_local,
-                                      str(act_dtype).removeprefix("torch."))
+        # the family's stages with the parallel dimensions applied (commpipe.train.families)
+        stages, loss_fn, stage_io = training_for(family_of(spec)).build(
+            cfg, comm, program, device, act_dtype, features)
         params = [p for s in sorted(stages) for p in stages[s].parameters()]
         runtime = PipelineRuntime(program, stages, comm, loss_fn, stage_io, device,
                                   act_dtype=act_dtype, autocast_dtype=autocast,

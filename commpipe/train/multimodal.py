@@ -1,4 +1,5 @@
-"""Training the BLIP-style captioner (commpipe.models.blip) with the same trainer as LLaMA.
+"""Training the BLIP-style captioner (commpipe.models.blip) with the same trainer as LLaMA: the
+family's training glue (commpipe.train.families), registered at the end of this file.
 
 What differs from a decoder-only model, and lives here:
 - configuration: a `blip-*` model trains on `spec.text_len` caption tokens per image (the
@@ -25,11 +26,12 @@ import torch
 from commpipe.models.blip import IGNORE, caption_loss_sum
 from commpipe.models.blip_spec import BlipSpec, resolve_blip, stage_io
 from commpipe.parallel.dims import split_layers
+from commpipe.train.families import Training, register_training, stage_counts
 
 SYNTHETIC_CLASSES = 8   # synthetic images come in this many kinds, each with its caption
 
 
-def resolve_blip_config(cfg, world_size: int | None) -> None:
+def resolve_config(cfg, world_size: int | None) -> None:
     """TrainConfig.resolve for a blip-* model: validates and fills cfg in place."""
     spec = resolve_blip(cfg.model)
     if cfg.vocab:
@@ -76,7 +78,7 @@ def resolve_blip_config(cfg, world_size: int | None) -> None:
         d.check_world(world_size)
 
 
-def build_blip(cfg, comm, program, device, act_dtype) -> tuple[dict, object, list]:
+def build(cfg, comm, program, device, act_dtype, features=None) -> tuple[dict, object, list]:
     """This rank's BLIP stages (tensor-parallel when tp > 1), the loss and the boundary
     descriptions. With --stage-layers auto:measured, rank 0 first profiles forward + backward of
     every layer on this device and all ranks balance on its costs (one split everywhere)."""
@@ -109,8 +111,6 @@ def build_blip_stages(spec: BlipSpec, program, pp_rank: int, seed: int,
 
 
 def blip_stage_io(cfg, act_dtype: torch.dtype) -> list:
-    from commpipe.train.loop import stage_counts
-
     dtype = str(act_dtype).removeprefix("torch.")
     return stage_io(cfg.spec, stage_counts(cfg), cfg.micro_batch_size, cfg.seq_len, dtype)
 
@@ -240,3 +240,11 @@ def make_blip_source(cfg):
     if cfg.data:
         return open_coco(cfg, cfg.dims.world_size)
     return SyntheticCaptions(cfg.spec, cfg.seed)
+
+
+def synthetic_source(cfg):
+    return SyntheticCaptions(cfg.spec, cfg.seed)
+
+
+register_training("blip", Training(resolve_config, build, open_coco, make_blip_source,
+                                   synthetic_source))

@@ -31,39 +31,19 @@ def open_data(cfg, world_size: int):
     One process (world_size 1) may train the tokenizer and tokenize missing splits; a
     multi-process job only reads, so no two ranks race to write the same cache.
     """
-    from commpipe import data
-    from commpipe.models.blip_spec import is_blip
+    from commpipe.models.family import family_for_model
+    from commpipe.train.families import training_for
 
-    if is_blip(cfg.model):   # image-caption pairs in the COCO captions layout
-        from commpipe.train.multimodal import open_coco
-
-        return open_coco(cfg, world_size)
-    source = data.open_source(cfg.data, seq_len=cfg.seq_len, seed=cfg.seed,
-                              tokenizer=cfg.tokenizer, vocab_size=cfg.vocab_size,
-                              build=world_size == 1, progress=False if world_size > 1 else None)
-    if cfg.eval_every and "valid" not in source.prepared.caches:
-        raise ValueError(f"--eval-every needs a valid split in {cfg.data} (e.g. wiki.valid.raw, "
-                         f"valid.txt or valid.jsonl); add one or drop --eval-every")
-    cfg.vocab = padded_vocab(source.vocab_size, cfg.dims.tp)
-    return source
+    # a tokenized corpus (commpipe.train.decoder), COCO captions (commpipe.train.multimodal)
+    return training_for(family_for_model(cfg.model)).open_data(cfg, world_size)
 
 
 def make_source(cfg, spec: ModelSpec):
     """A batch source with `batch(step, global_batch, dp_rank, dp_size) -> (inputs, labels)`."""
-    from commpipe import data
+    from commpipe.models.family import family_of
+    from commpipe.train.families import training_for
 
-    if spec.arch == "blip":
-        from commpipe.train.multimodal import make_blip_source
-
-        return make_blip_source(cfg)
-    if cfg.data:
-        world = cfg.dims.world_size
-        source = data.open_source(cfg.data, seq_len=cfg.seq_len, seed=cfg.seed,
-                                  tokenizer=cfg.tokenizer, vocab_size=cfg.vocab_size,
-                                  build=world == 1, progress=False if world > 1 else None)
-        check_vocab(source, spec, cfg.data)
-        return source
-    return data.SyntheticTokens(vocab=spec.vocab, seq_len=cfg.seq_len, seed=cfg.seed)
+    return training_for(family_of(spec)).make_source(cfg)
 
 
 def check_vocab(source, spec: ModelSpec, data_dir) -> None:

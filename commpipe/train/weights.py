@@ -79,10 +79,9 @@ def init_model(init_from: str, model: str | None) -> str:
     saved = spec_from_dict(read_meta(path)["model"])
     if model is None:
         return model_fields(saved)
-    from commpipe.models.blip_spec import is_blip, resolve_blip
-    from commpipe.models.spec import resolve_model
+    from commpipe.models.family import resolve
 
-    given = resolve_blip(model) if is_blip(model) else resolve_model(model)
+    given = resolve(model)
     diffs = _diffs(saved, given)
     if diffs:
         raise ValueError(f"--model {given.name} is not the model of --init-from {path} "
