@@ -44,8 +44,6 @@ def _imports(path: Path, module: str) -> set[str]:
 # shrinks.
 REMAINING = {
     ("train/cli.py", "adapt"),        # the train verb adds --adapt-* flags, resumes a plan
-    ("train/console.py", "adapt"),    # adapt.plan.layout_label
-    ("train/loop.py", "adapt"),       # adapt.plan.layout_label
     ("parallel/comm.py", "elastic"),  # elastic.restart.attempt_store
 }
 

@@ -140,13 +140,3 @@ def payback(current_ms: float, candidate_ms: float, switch_cost_s: float, steps_
     return Verdict(True, saving, steps,
                    f"saving {saving:.2f} s over {steps} steps >= {margin:g} x switch cost "
                    f"{switch_cost_s:.2f} s (gain {gain:.1%})")
-
-
-def layout_label(cfg) -> str:
-    """The `layout` of a metrics record: tp/cp/pp/dp, schedule, micro-batching, stage split."""
-    label = f"{cfg.dims} {cfg.schedule} m{cfg.microbatches}x{cfg.micro_batch_size}"
-    if cfg.stage_layers:
-        label += " layers " + ",".join(str(x) for x in cfg.stage_layers)
-    if cfg.dp_microbatches:
-        label += " dp-m " + ",".join(str(x) for x in cfg.dp_microbatches)
-    return label

@@ -304,3 +304,13 @@ class TrainConfig:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump(self.to_dict(), f, indent=2, default=str)
+
+
+def layout_label(cfg) -> str:
+    """The `layout` of a metrics record: tp/cp/pp/dp, schedule, micro-batching, stage split."""
+    label = f"{cfg.dims} {cfg.schedule} m{cfg.microbatches}x{cfg.micro_batch_size}"
+    if cfg.stage_layers:
+        label += " layers " + ",".join(str(x) for x in cfg.stage_layers)
+    if cfg.dp_microbatches:
+        label += " dp-m " + ",".join(str(x) for x in cfg.dp_microbatches)
+    return label

@@ -112,7 +112,7 @@ def ranks_per_node(world: int) -> int:
 
 def banner(cfg, comm, device) -> list[str]:
     """The start banner: resolved layout, ranks, backend, model size, precision, schedule."""
-    from commpipe.adapt.plan import layout_label
+    from commpipe.train.config import layout_label
 
     world = cfg.dims.world_size
     params, flops, unit = model_size(cfg)

@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-from commpipe.adapt.plan import layout_label
 from commpipe.models.family import family_of
 from commpipe.parallel.comm import Comm, init_distributed
 from commpipe.parallel.context import cp_positions, cp_split
@@ -29,7 +28,7 @@ from commpipe.parallel.data import GradReducer, Zero1, clip_grad_norm_
 from commpipe.runtime.executor import PipelineRuntime
 from commpipe.runtime.recompute import ActivationMeter
 from commpipe.train import checkpoint
-from commpipe.train.config import TrainConfig
+from commpipe.train.config import TrainConfig, layout_label
 from commpipe.train.console import banner, format_balance, format_step, summary
 from commpipe.train.dp_split import replica_batch
 from commpipe.train.evaluate import evaluate, forward_program
