@@ -53,10 +53,12 @@ def hot_path_ns(sample: float, steps: int = 200, calls_per_step: int = 100) -> f
         for step in range(steps):
             t0 = time.perf_counter()
             for i in range(calls_per_step):
-                CommCall("pp", "send", 4096, peer=1, seq=step * calls_per_step + i)
+                seq = step * calls_per_step + i   # one size class: its position is seq too
+                CommCall("pp", "send", 4096, peer=1, seq=seq, size_class=13, size_seq=seq)
             t1 = time.perf_counter()
             for i in range(calls_per_step):
-                call = CommCall("pp", "send", 4096, peer=1, seq=step * calls_per_step + i)
+                seq = step * calls_per_step + i
+                call = CommCall("pp", "send", 4096, peer=1, seq=seq, size_class=13, size_seq=seq)
                 ctx = mon.begin(call)
                 mon.end(ctx, call)
             t2 = time.perf_counter()

@@ -30,6 +30,7 @@ from commpipe.monitor.records import (
     build_links,
     build_records,
     busbw_factor,
+    class_base,
     link_class,
     sampled_seqs,
     stream_base,
@@ -40,6 +41,7 @@ from commpipe.parallel.dims import ParallelDims
 from tests.dist_harness import free_port
 
 STALL = 0.3
+MIXED_STEPS, MIXED_NUMEL = 16, 1 << 18    # a 1 MiB float32 all-reduce and an 8-byte one per step
 HTA_ARGS = ("Collective name", "In msg nelems", "Out msg nelems", "Group size", "dtype",
             "In split size", "Out split size", "Process Group Name", "Process Group Ranks")
 
@@ -182,6 +184,16 @@ def _worker(rank, port, out):
         after = (torch.random.get_rng_state(), random.getstate(), np.random.get_state()[1])
         checks["rng_unchanged"] = bool(torch.equal(before[0], after[0]) and before[1] == after[1]
                                        and np.array_equal(before[2], after[2]))
+
+        # a data-parallel step's pattern on one stream: the gradient all-reduce issued async, the
+        # 8-byte loss all-reduce while it is in flight, then the wait; one call in four timed
+        mixed = Monitor(comm, out / "mixed", sample=0.25).attach()
+        for step in range(MIXED_STEPS):
+            grads = comm.all_reduce(torch.ones(MIXED_NUMEL), "pp", async_op=True)
+            comm.all_reduce(torch.ones((), dtype=torch.float64), "pp")
+            grads.wait()
+            mixed.end_step(step)
+        mixed.close()
 
         # Megatron adapter on the stand-in: rank 1 receives with wait_on_reqs=False and waits
         # on the returned requests; rank 0 stalls once the call has returned, then sends
@@ -357,6 +369,32 @@ def test_sampling_agrees_between_both_ends(run2):
     assert any(lk["sampled"] == 0 and lk["transfer_ms"] is None for lk in links) or sampled == total
 
 
+def test_every_size_class_of_a_stream_is_timed(run2):
+    # one stream, two calls per step (1 MiB async, then 8 bytes), sample=0.25: in every four
+    # steps exactly one large and one small call are timed, on both ranks alike, so the stream
+    # has timed calls of the large size and its bandwidth is not the scalar's latency
+    big = MIXED_NUMEL * 4
+    for rank in (0, 1):
+        recs = [r for r in _read_jsonl(run2 / f"mixed/monitor/rank{rank}.jsonl")
+                if r["op"] == "all_reduce"]
+        assert [(r["step"], r["calls"], r["bytes"]) for r in recs] == \
+            [(s, 2, big + 8) for s in range(MIXED_STEPS)]
+        large, small = [], []
+        for r in recs:
+            assert r["matched"] == r["sampled"], r
+            # bytes of the step's timed calls: raw bandwidth is their bytes over their raw time
+            timed = r["raw_bandwidth_gbps"] * r["raw_ms_total"] * 1e6 if r["sampled"] else 0.0
+            large.append(round(timed / big))
+            small.append(r["sampled"] - large[-1])
+            assert timed == pytest.approx(large[-1] * big + small[-1] * 8, abs=1e-3), r
+        for w in range(0, MIXED_STEPS, 4):
+            assert sum(large[w:w + 4]) == 1 and sum(small[w:w + 4]) == 1, (rank, large, small)
+        # bytes per timed call (bandwidth x transfer time) of the steps that timed the large one
+        sizes = [r["bandwidth_gbps"] * r["transfer_ms"] * 1e6 for r, n, m in zip(recs, large, small)
+                 if n == 1 and m == 0]
+        assert sizes and all(size == pytest.approx(big) for size in sizes), sizes
+
+
 def test_rng_untouched_and_megatron_adapter(run2):
     checks = [json.loads((run2 / f"checks{r}.json").read_text()) for r in (0, 1)]
     assert all(c["rng_unchanged"] and c["patched"] and c["restored"] for c in checks)
@@ -450,7 +488,9 @@ def test_sampling_decision_is_shared_and_uses_its_own_rng(tmp_path):
     b_side = stream_base(7, "pp", "recv", 5, 3, ())
     assert a_side == b_side != stream_base(8, "pp", "send", 3, 5, ())
     picks = sampled_seqs(a_side, 0.1, 5000)
-    assert 0.08 < len(picks) / 5000 < 0.12 and picks == sorted(set(picks))
+    # one call in each window of ten: exactly a tenth, never more than 19 calls apart
+    assert len(picks) == 500 and picks == sorted(set(picks))
+    assert all(10 * w <= p < 10 * (w + 1) for w, p in enumerate(picks))
     assert sampled_seqs(a_side, 1.0, 50) == list(range(50)) and sampled_seqs(a_side, 0.0, 50) == []
     # a real single-rank Monitor fed real CommCalls: global RNGs untouched, per-step tallies
     torch.manual_seed(1)
@@ -461,7 +501,8 @@ def test_sampling_decision_is_shared_and_uses_its_own_rng(tmp_path):
     timed = []
     for step, n in enumerate((5, 2)):
         for seq in seqs[:n] if step == 0 else seqs[5:]:
-            call = CommCall("world", "all_reduce", 8, group=(0,), seq=seq, dtype="torch.float32")
+            call = CommCall("world", "all_reduce", 8, group=(0,), seq=seq, size_class=4,
+                            size_seq=seq, dtype="torch.float32")
             ctx = mon.begin(call)
             call.t_post = time.perf_counter()
             call.t_done = time.perf_counter()
@@ -474,7 +515,8 @@ def test_sampling_decision_is_shared_and_uses_its_own_rng(tmp_path):
     recs = _read_jsonl(tmp_path / "monitor/rank0.jsonl")
     assert [(r["step"], r["calls"], r["bytes"]) for r in recs] == [(0, 5, 40), (1, 2, 16)]
     # it times exactly the calls the shared chain picks, also after skipping ahead
-    chain = sampled_seqs(stream_base(1234, "world", "all_reduce", 0, None, (0,)), 0.1, 1002)
+    chain = sampled_seqs(class_base(stream_base(1234, "world", "all_reduce", 0, None, (0,)), 4),
+                         0.1, 1002)
     assert timed == [s for s in seqs if s in chain]
     assert [r["sampled"] for r in recs] == [sum(s < 5 for s in timed), sum(s >= 5 for s in timed)]
 

@@ -94,7 +94,10 @@ def install(monitor=None, *, target=None, out_dir=None, comm=None, **monitor_kwa
         key = ("pp", op, peer)
         seq = seqs.get(key, 0)
         seqs[key] = seq + 1
-        return CommCall(dim="pp", op=op, nbytes=nbytes, peer=peer, seq=seq, dtype=str(dtype))
+        # one size class: with variable_seq_lengths a receive learns its size only after the
+        # call, so both ends could not agree on a class up front
+        return CommCall(dim="pp", op=op, nbytes=nbytes, peer=peer, seq=seq, size_seq=seq,
+                        dtype=str(dtype))
 
     def _communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next,
                      tensor_shape, wait_on_reqs=True, **kwargs):

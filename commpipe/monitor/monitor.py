@@ -17,8 +17,11 @@ or inter_node (a collective is inter_node when its group spans nodes). Every
 `exchange_every` steps (default 20) and at close the ranks exchange the post times of their
 sampled calls (one all_gather_object over the world, sampled calls only), so each side of a
 transfer can separate waiting for its peer from moving data (see commpipe.monitor.records).
-Sampling decisions are a function of (seed, stream, seq) alone, so both ends of a send/recv,
-and all members of a collective, time the same calls. Messages are matched by (dim, src, dst,
+Sampling decisions are a function of (seed, stream, size class, position in that class) alone
+(CommCall.size_class, size_seq; commpipe.monitor.records.next_sampled), so both ends of a
+send/recv, and all members of a collective, time the same calls, and every size class of a
+stream gets its share: a large gradient all-reduce and a scalar one on one stream are both
+timed, each at `sample` of its calls. Messages are matched by (dim, src, dst,
 seq), or (dim, src, dst, tag, seq) for tagged point-to-point messages (CommCall.tag, when the
 Comm provides it).
 
@@ -43,7 +46,8 @@ from commpipe.monitor.records import (
     P2P_OPS,
     build_links,
     build_records,
-    next_sampled,
+    class_base,
+    next_window,
     split_times,
     stream_base,
     tagged_sampled,
@@ -53,14 +57,24 @@ from commpipe.timeline import Event
 
 
 class _Stream:
-    """All calls of one (dim, op, peer, group) on this rank: the cheap, always-on tally, and
-    the sequence number of its next sampled call."""
+    """All calls of one (dim, op, peer, group) on this rank: the cheap, always-on tally."""
 
-    __slots__ = ("key", "base", "calls", "bytes", "next", "blocked")
+    __slots__ = ("key", "base", "calls", "bytes", "blocked")
 
-    def __init__(self, key, base, first):
-        self.key, self.base, self.calls, self.bytes, self.next = key, base, 0, 0, first
+    def __init__(self, key, base):
+        self.key, self.base, self.calls, self.bytes = key, base, 0, 0
         self.blocked = 0.0      # seconds callers spent in wait(), every call
+
+
+class _Sampler:
+    """One size class of a stream: its chain's key, its next sampled CommCall.size_seq and the
+    window holding it (commpipe.monitor.records.next_window)."""
+
+    __slots__ = ("stream", "base", "window", "next")
+
+    def __init__(self, stream, base, fraction):
+        self.stream, self.base = stream, base
+        self.window, self.next = next_window(base, -1, fraction, 0)
 
 
 class _Timed:
@@ -98,7 +112,8 @@ class Monitor:
         # monitor adds to training is paid once per batch instead of once per step
         self.exchange_every = exchange_every
         self._closings: list = []             # (step, counts) of steps not yet exchanged
-        self._streams: dict = {}
+        self._streams: dict = {}              # (dim, op, peer, group) -> _Stream
+        self._samplers: dict = {}             # (dim, op, peer, group, size class) -> _Sampler
         self._finished: list[_Timed] = []     # sampled calls completed since the last end_step
         self._inflight: list[_Timed] = []     # sampled calls begun, post not yet shared
         self._unresolved: list[_Timed] = []   # completed, device times not read yet (GPU)
@@ -181,27 +196,27 @@ class Monitor:
 
     # -- hot path: Comm calls these around every op -------------------------------------------------
     def begin(self, call):
-        stream = self._streams.get((call.dim, call.op, call.peer, call.group))
-        if stream is None:
-            stream = self._new_stream(call)
-        seq = call.seq
+        sampler = self._samplers.get((call.dim, call.op, call.peer, call.group, call.size_class))
+        if sampler is None:
+            sampler = self._new_sampler(call)
+        stream = sampler.stream
         tag = getattr(call, "tag", 0)
         if tag:
-            if not tagged_sampled(stream.base, tag, seq, self.sample):
+            if not tagged_sampled(stream.base, tag, call.seq, self.sample):
                 return stream
-            mid = (tag, seq)
+            mid = (tag, call.seq)
         else:
-            if seq < stream.next:
+            k = call.size_seq
+            if k < sampler.next:
                 return stream                    # not sampled: the common case, one compare
-            if seq > stream.next:                # calls went by unobserved (detached): catch up
-                nxt = stream.next
-                while nxt < seq:
-                    nxt = next_sampled(stream.base, nxt, self.sample)
-                stream.next = nxt
-                if seq < nxt:
+            if k > sampler.next:                 # calls went by unobserved (detached): catch up
+                sampler.window, sampler.next = next_window(
+                    sampler.base, k - 1, self.sample, max(sampler.window + 1, int((k - 1) * self.sample)))
+                if k < sampler.next:
                     return stream
-            stream.next = next_sampled(stream.base, seq, self.sample)
-            mid = seq
+            sampler.window, sampler.next = next_window(sampler.base, k, self.sample,
+                                                       sampler.window + 1)
+            mid = call.seq
         timed = _Timed(stream, call, mid)
         # completion is observed when the data has arrived, not when the consumer waits
         # (commpipe.parallel.completion): a watcher stamps call.t_done, or on CUDA the comm
@@ -239,12 +254,16 @@ class Monitor:
             ctx.post, ctx.done = call.t_post, call.t_done
         self._finished.append(ctx)
 
-    def _new_stream(self, call) -> _Stream:
+    def _new_sampler(self, call) -> _Sampler:
         key = (call.dim, call.op, call.peer, call.group)
-        base = stream_base(self.seed, call.dim, call.op, self.rank, call.peer, call.group)
-        stream = _Stream(key, base, next_sampled(base, -1, self.sample))
-        self._streams[key] = stream
-        return stream
+        stream = self._streams.get(key)
+        if stream is None:
+            base = stream_base(self.seed, call.dim, call.op, self.rank, call.peer, call.group)
+            stream = self._streams[key] = _Stream(key, base)
+        base = class_base(stream.base, call.size_class)
+        sampler = _Sampler(stream, base, self.sample)
+        self._samplers[(*key, call.size_class)] = sampler
+        return sampler
 
     def record_compute(self, name: str, start_s: float, end_s: float) -> None:
         """A compute interval for the trace (perf_counter seconds on this rank)."""

@@ -52,21 +52,46 @@ def stream_base(seed: int, dim: str, op: str, rank: int, peer, group) -> int:
     return random.Random(text).getrandbits(64)
 
 
-def next_sampled(base: int, seq: int, fraction: float) -> int:
-    """The first sampled sequence number after `seq` (seq = -1: the stream's first).
+def class_base(base: int, size_class: int) -> int:
+    """The key of one size class (CommCall.size_class) of a stream: its own chain of samples."""
+    return splitmix64((base + size_class) & MASK64)
 
-    The gaps between sampled calls are drawn Geometric(fraction) from hash(key + seq), which
-    makes every call sampled independently with probability `fraction` (a Bernoulli process)
-    while the hot path only compares call.seq with the next sampled number. The chain starts
-    at seq -1 for every rank, so both ends of a stream find the same sampled calls whenever
-    they start looking (see `sampled_seqs`).
+
+def next_sampled(base: int, seq: int, fraction: float) -> int:
+    """The first sampled sequence number after `seq` (seq = -1: the first) in one size class of
+    a stream (`base` from class_base, seq = CommCall.size_seq).
+
+    Jittered systematic sampling: the class's calls are cut into windows of 1/fraction calls
+    and one call per window, at a position hashed from (key, window), is timed. Every size
+    class of a stream is then timed at `fraction` of its calls, fewer than 2/fraction + 1 calls
+    apart, whatever order the classes interleave in. A stream that issues a 4 MB gradient
+    all-reduce and an 8-byte loss all-reduce each step has both timed, each in one step out of
+    1/fraction; one Bernoulli draw per position of the mixed stream could fall on the 8-byte
+    call every time (a fixed two-call pattern, and positions restarting with every relaunch).
+    The windows start at seq 0 for every rank, so both ends of a stream find the same sampled
+    calls whenever they start looking (see `sampled_seqs`).
     """
+    return next_window(base, seq, fraction, int(max(seq, 0) * fraction))[1]
+
+
+def next_window(base: int, seq: int, fraction: float, window: int) -> tuple[int, int]:
+    """(window, position) of the first sampled position after `seq`, looking from `window` on
+    (no earlier window may hold one): after sampling window w's position, window w + 1 holds
+    the next, so a sampled call costs one hash."""
     if fraction >= 1.0:
-        return seq + 1
+        return seq + 1, seq + 1
     if fraction <= 0.0:
-        return 1 << 62
-    u = (splitmix64((base + seq + 1) & MASK64) + 0.5) / (1 << 64)   # uniform in (0, 1)
-    return seq + 1 + int(math.log(u) / math.log1p(-fraction))
+        return 0, 1 << 62
+    # window w holds the positions [ceil(w/f), ceil((w+1)/f)): disjoint, none empty (f < 1);
+    # the epsilon keeps 1/f = 10 windows exactly 10 long despite 3/0.1 = 30.000000000000004
+    lo = math.ceil(window / fraction - 1e-9)
+    while True:
+        hi = math.ceil((window + 1) / fraction - 1e-9)
+        u = (splitmix64((base + window) & MASK64) >> 11) / (1 << 53)   # uniform in [0, 1)
+        pick = lo + int(u * (hi - lo))
+        if pick > seq:
+            return window, pick
+        window, lo = window + 1, hi
 
 
 def tagged_sampled(base: int, tag: int, seq: int, fraction: float) -> bool:

@@ -49,6 +49,9 @@ class CommCall:
     group: tuple[int, ...] = ()   # global ranks of the group (collectives)
     peer: int | None = None       # global rank of the peer (point-to-point)
     seq: int = 0                  # per (dim, op, peer/group) sequence number on this rank
+    size_class: int = 0           # nbytes.bit_length(): calls of [2^(c-1), 2^c) bytes share one
+    size_seq: int = 0             # sequence number among this stream's calls of size_class
+                                  # (the monitor samples each size class on its own)
     t_post: float = 0.0           # time.perf_counter() when issued
     t_done: float = 0.0           # when observed complete (the data has arrived, if watched)
     dtype: str = ""
@@ -120,6 +123,7 @@ class Comm:
         self.device = device or torch.device("cpu")
         self.observers: list = []
         self._seq: dict[tuple, int] = {}
+        self._size_seq: dict[tuple, int] = {}     # ((dim, op, peer/group, tag), size class) -> n
         self._last_p2p: dict[tuple, weakref.ref] = {}   # (dim, op, peer) -> latest p2p Handle
         self.last_call: CommCall | None = None     # the latest call issued (hang watchdog)
         self.waiting: CommCall | None = None       # the call the caller is blocked on, if any
@@ -159,8 +163,12 @@ class Comm:
         key = (dim, op, peer if peer is not None else group, tag)
         seq = self._seq.get(key, 0)
         self._seq[key] = seq + 1
-        call = CommCall(dim=dim, op=op, nbytes=tensor.numel() * tensor.element_size(),
-                        group=tuple(group), peer=peer, seq=seq, dtype=str(tensor.dtype), tag=tag)
+        nbytes = tensor.numel() * tensor.element_size()
+        size_key = (key, nbytes.bit_length())
+        size_seq = self._size_seq.get(size_key, 0)
+        self._size_seq[size_key] = size_seq + 1
+        call = CommCall(dim=dim, op=op, nbytes=nbytes, group=tuple(group), peer=peer, seq=seq,
+                        size_class=size_key[1], size_seq=size_seq, dtype=str(tensor.dtype), tag=tag)
         # the observers present now are the ones told of the end, even if the list changes
         pairs = [(o, o.begin(call)) for o in self.observers] if self.observers else []
         call.t_post = time.perf_counter()
