@@ -111,7 +111,8 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
         out = Path(outdir) / "slow"
         scfg = _cfg(pp=2, dp=2, steps=STEPS, seq_len=64, out=str(out),
                     slow_rank=SlowRank(2, 6.0, 6),
-                    adapt=AdaptConfig(min_steps=4, baseline_steps=3, layouts=False))
+                    adapt=AdaptConfig(min_steps=4, baseline_steps=3, layouts=False,
+                                      rebalance=False))
         scfg.resolve(world)
         train(scfg, Comm(scfg.dims, rank), log=None)
     finally:

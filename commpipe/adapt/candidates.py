@@ -137,8 +137,8 @@ def layouts(cur: Plan, model: CostModel, spec: ModelSpec, seq_len: int, global_b
 
 def candidates(cur: Plan, model: CostModel, spec: ModelSpec, seq_len: int, global_batch: int,
                world: int, ranks_per_node: int, acfg: AdaptConfig) -> list[Plan]:
-    """Every feasible plan other than `cur`, in the order (a), (b), (d), (c); (c) only with
-    acfg.layouts."""
+    """Every feasible plan other than `cur`, in the order (a), (b), (d), (c); (d) only with
+    acfg.rebalance, (c) only with acfg.layouts."""
     found: list[Plan] = []
     splits = resplits(cur, model) if cur.pp > 1 else []
     found += splits
@@ -146,7 +146,8 @@ def candidates(cur: Plan, model: CostModel, spec: ModelSpec, seq_len: int, globa
     found += rebatches(best_split, global_batch, acfg.max_microbatches_per_stage)
     if best_split is not cur:
         found += rebatches(cur, global_batch, acfg.max_microbatches_per_stage)
-    found += rebalances(cur, model)
+    if acfg.rebalance:
+        found += rebalances(cur, model)
     if acfg.layouts:
         found += layouts(cur, model, spec, seq_len, global_batch, world, ranks_per_node)
     seen, out = {cur}, []

@@ -32,7 +32,8 @@ def add_adapt_arguments(p) -> None:
     g.add_argument("--adapt-switch-cost", type=float, default=None, metavar="SECONDS",
                    help="assume this switch cost instead of the predicted, then measured one")
     g.add_argument("--adapt-resplit-only", action="store_true",
-                   help="consider re-splits and re-batching only, no tp/cp/pp/dp change")
+                   help="consider re-splits and re-batching only: no tp/cp/pp/dp change and "
+                        "no uneven DP micro-batches")
     g.add_argument("--adapt-relaunch", action="store_true",
                    help="switch by checkpoint and relaunch instead of in memory: the job "
                         "stops (ranks exit with code 75) and the same command, run again, "
@@ -63,5 +64,6 @@ def adapt_options(args) -> dict:
                             horizon=args.adapt_horizon, margin=args.adapt_margin,
                             switch_cost_s=args.adapt_switch_cost, trials=args.adapt_trials,
                             layouts=not args.adapt_resplit_only,
+                            rebalance=not args.adapt_resplit_only,
                             relaunch=args.adapt_relaunch).validate()
     return {"adapt": adapt, "slow_rank": parse_slow_rank(args.slow_rank)}

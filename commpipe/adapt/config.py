@@ -64,6 +64,7 @@ class AdaptConfig:
     margin: float = 2.0
     min_gain: float = 0.05
     layouts: bool = True              # also consider tp/cp/pp/dp changes, not only re-splits
+    rebalance: bool = True            # also consider uneven micro-batches across DP replicas
     switch_cost_s: float | None = None  # fixed switch cost; default: predicted, then measured
     trials: int = 3                   # candidates trialled by measurement (0: trust the model)
     trial_steps: int = 3              # measured steps per trial (after one warm-up step)
