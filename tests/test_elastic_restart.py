@@ -70,11 +70,27 @@ def agent(out: Path, port: int, log: Path) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True)
 
 
+def wait_for_store(port: int, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    """Until the first agent listens on the rendezvous port: the agent that binds it hosts the
+    c10d store, and the test may only kill the other one (a fixed sleep lost that race on a
+    loaded host, where importing torch alone takes seconds)."""
+    import socket
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        assert proc.poll() is None, "the first agent exited before hosting the store"
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"no rendezvous store on port {port} after {timeout:.0f} s")
+
+
 def test_lost_node_shrinks_the_job_and_training_continues(tmp_path):
     out = tmp_path / "run"
     port = free_port()
     a = agent(out, port, tmp_path / "a.log")
-    time.sleep(1.0)                      # a hosts the rendezvous store
+    wait_for_store(port, a)              # a hosts the rendezvous store, so b may be lost
     b = agent(out, port, tmp_path / "b.log")
     try:
         end = time.monotonic() + 240
