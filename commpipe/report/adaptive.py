@@ -42,11 +42,15 @@ def degrade_steps(run: Path) -> list[tuple[int, str]]:
 
 
 def step_time_figure(run, out_png, title: str | None = None):
-    """Step time over steps of one adaptive run; returns (path, caption) or None."""
+    """Step time over steps of one adaptive or elastic run (the restarts marked:
+    commpipe.report.elastic); returns (path, caption) or None."""
+    from commpipe.report.elastic import draw_marks, elastic_marks
+
     run = Path(run)
     metrics = read_jsonl(run / "metrics.jsonl")
     decisions = read_jsonl(run / "adapt.jsonl")
-    if not metrics or not (run / "adapt.jsonl").exists():
+    restarts = elastic_marks(run)
+    if not metrics or not ((run / "adapt.jsonl").exists() or restarts):
         return None
     steps = [m["step"] for m in metrics]
     ms = [m["step_time_s"] * 1e3 for m in metrics]
@@ -71,10 +75,12 @@ def step_time_figure(run, out_png, title: str | None = None):
         if d.get("action") == "switch":
             ax.text(d["step"], 0.02, f" switch ({d.get('switch_time_s', 0):.2f} s)",
                     transform=ax.get_xaxis_transform(), color=color, fontsize=8)
+    draw_marks(ax, restarts)
     ax.set_xlabel("step")
     ax.set_ylabel("step time (ms)")
     ax.set_ylim(bottom=0)
-    ax.set_title(title or f"{run.name}: step time, detections (dotted: stay, green: switch)")
+    ax.set_title(title or (f"{run.name}: step time, detections (dotted: stay, green: switch)"
+                           if decisions else f"{run.name}: step time, restarts"))
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, fontsize=7, frameon=False,
               title="layout in use", title_fontsize=7)
     fig.tight_layout()
@@ -83,6 +89,11 @@ def step_time_figure(run, out_png, title: str | None = None):
     fig.savefig(out_png, dpi=100)
     plt.close(fig)
     n_switch = sum(d.get("action") == "switch" for d in decisions)
+    if not decisions:
+        return out_png, (f"{run.name}: step time over steps; dashed: where the job stopped (red: "
+                         "a lost node or rank, grey: a node joining), solid: where it resumed "
+                         "(orange: on the ranks that remain, green: grown back); steps after a "
+                         "dashed line that a solid one precedes were run again; shading: layout.")
     return out_png, (f"{run.name}: step time over steps; red dashed: injected degrade, dotted: "
                      f"evaluations that stayed, green: switches ({n_switch}); shading: layout in use.")
 

@@ -282,7 +282,7 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
     if out is not None and trainer.is_logger:
         out.mkdir(parents=True, exist_ok=True)
         cfg.save(out / "config.json")
-        metrics_file = open_metrics(out / "metrics.jsonl", trainer.step)
+        metrics_file = open_metrics(out / "metrics.jsonl", trainer.step, restart=True)
     board = TensorBoardLog(out) if cfg.tensorboard else None   # the logging rank writes
     # --adapt: a commpipe.train.hooks.Steering field; its hook may switch the layout in memory
     controller = cfg.adapt.step_hook(trainer, out, log) if cfg.adapt is not None else None

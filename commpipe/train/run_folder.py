@@ -18,7 +18,7 @@ from commpipe.files import check_out_dir
 
 # everything `commpipe train` writes into OUT (what --overwrite removes)
 RUN_FILES = ("config.json", "metrics.jsonl", "metrics.replaced.jsonl", "metrics.jsonl.tmp",
-             "checkpoints", "monitor", "trace", "tensorboard", "adapt.jsonl",
+             "restarts.jsonl", "checkpoints", "monitor", "trace", "tensorboard", "adapt.jsonl",
              "adapt_relaunch.json")
 # config.json fields that say where and how a run is observed, not what it computes
 NOT_THE_RUN = {"out", "resume", "init_from", "overwrite", "timeout_s", "log_every", "fail_at", "monitor",
