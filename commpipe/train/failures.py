@@ -14,8 +14,10 @@ consequence, not a cause, so they leave with code 1 without printing, 2 s later,
 torchrun sees the failed rank exit first. torchrun terminates the remaining workers (SIGTERM,
 then SIGKILL after 30 s) and names the first failed rank as the root cause in its summary,
 which is also the only report for a rank that was killed outright (SIGKILL, out of memory).
-A rank that hangs without dying is caught by the process-group timeout (`--timeout-s`): its
-peers' waits raise, and they report the timeout like any other error.
+A rank that hangs without dying is named by the hang watchdog (commpipe.elastic.watchdog,
+`--hang-timeout-s`, 60 s by default): every rank leaves with exit code 4 after the report, and
+an elastic torchrun restarts the job; the process-group timeout (`--timeout-s`) remains the
+backstop when the watchdog is off or has no store to publish to.
 """
 
 from __future__ import annotations
