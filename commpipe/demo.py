@@ -29,9 +29,20 @@ def add_arguments(p) -> None:
     p.add_argument("--adaptive", action="store_true",
                    help="the adaptive-training story instead (docs/adaptive.md): a link blip to "
                         "ignore, then a lasting degrade; adaptive, static and oracle runs")
+    p.add_argument("--elastic", action="store_true",
+                   help="elastic training (docs/checkpoints.md): a node lost, a rank hung, the "
+                        "node back; the job continues on the ranks there are")
+    p.add_argument("--kill-node", default="1@10", metavar="NODE@STEP",
+                   help="--elastic: SIGKILL this node's agent and workers after STEP (default 1@10)")
+    p.add_argument("--stop-rank", default="1@30", metavar="RANK@STEP",
+                   help="--elastic: SIGSTOP this rank of the survivors at STEP (default 1@30)")
+    p.add_argument("--hang-timeout-s", type=float, default=10.0,
+                   help="--elastic: the hang watchdog's timeout (default 10)")
 
 
 def run(args) -> int:
+    if getattr(args, "elastic", False):
+        return run_elastic(args)
     if args.adaptive:
         from commpipe.adapt.demo import format_summary, run_adaptive_demo
 
@@ -57,4 +68,41 @@ def run(args) -> int:
     rows = json.loads((out / "results.json").read_text())
     print()
     print(terminal_table(rows, width=100, report=str(html)))
+    return 0
+
+
+def run_elastic(args) -> int:
+    from commpipe.elastic.demo import format_summary, parse_at, run_elastic_demo
+
+    try:
+        kill = parse_at(args.kill_node, "--kill-node")
+        stop = parse_at(args.stop_rank, "--stop-rank")
+    except ValueError as e:
+        print(f"commpipe demo: error: {e}", file=sys.stderr)
+        return 2
+    if kill[0] != 1:
+        print("commpipe demo: error: --kill-node: the demo's nodes are 0 (it hosts the "
+              "rendezvous) and 1; kill node 1", file=sys.stderr)
+        return 2
+    from commpipe.elastic.demo import SAVE_EVERY
+
+    if kill[1] < SAVE_EVERY:
+        print(f"commpipe demo: error: --kill-node step {kill[1]} comes before the first "
+              f"checkpoint (step {SAVE_EVERY}), which the survivors resume from; use a step "
+              f">= {SAVE_EVERY}", file=sys.stderr)
+        return 2
+    if stop[1] <= kill[1]:
+        print(f"commpipe demo: error: --stop-rank step {stop[1]} must come after the --kill-node "
+              f"step {kill[1]}", file=sys.stderr)
+        return 2
+    out = Path(args.out if args.out != "runs/demo" else "runs/demo-elastic")
+    print(f"commpipe demo --elastic -> {out}")
+    try:
+        summary = run_elastic_demo(out, kill, stop, args.hang_timeout_s, args.cluster)
+    except RuntimeError as e:
+        print(f"commpipe demo: error: {e}", file=sys.stderr)
+        return 1
+    print()
+    print(format_summary(summary))
+    print(f"report: {summary['report']}")
     return 0
