@@ -40,7 +40,8 @@ def elastic_marks(run) -> list[tuple[int, str, str]]:
         world, before = world_of(after), rec.get("world_before")
         grew = before is not None and world > before
         stop = replaced[1] + 1 if replaced else step
-        again = f", steps {replaced[0]}-{replaced[1]} run again" if replaced else ""
+        again = "" if not replaced else (f", step {replaced[0]} run again" if replaced[0] ==
+                                         replaced[1] else f", steps {replaced[0]}-{replaced[1]} run again")
         if grew:
             marks.append((stop, "stopped", f"node joined at step {stop}"))
             marks.append((step, "regrown", f"{world} ranks ({after.get('layout')})"))
