@@ -72,7 +72,7 @@ def run(args) -> int:
 
 
 def run_elastic(args) -> int:
-    from commpipe.elastic.demo import format_summary, parse_at, run_elastic_demo
+    from commpipe.elastic_demo import format_summary, parse_at, run_elastic_demo
 
     try:
         kill = parse_at(args.kill_node, "--kill-node")
@@ -84,7 +84,7 @@ def run_elastic(args) -> int:
         print("commpipe demo: error: --kill-node: the demo's nodes are 0 (it hosts the "
               "rendezvous) and 1; kill node 1", file=sys.stderr)
         return 2
-    from commpipe.elastic.demo import SAVE_EVERY
+    from commpipe.elastic_demo import SAVE_EVERY
 
     if kill[1] < SAVE_EVERY:
         print(f"commpipe demo: error: --kill-node step {kill[1]} comes before the first "

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from commpipe.cli import main
-from commpipe.elastic.demo import parse_at, run_elastic_demo
+from commpipe.elastic_demo import parse_at, run_elastic_demo
 from commpipe.report.elastic import world_of
 
 
