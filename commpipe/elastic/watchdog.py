@@ -8,13 +8,17 @@ serves it at MASTER_ADDR:MASTER_PORT), reached through a client connection of it
 under this attempt's prefix (commpipe.elastic.restart), so a restarted job never reads the
 records of the attempt before it.
 
-When the step has not advanced for `timeout_s` (evaluation and checkpoint saves excluded), the
-thread reads every rank's record twice, two ticks apart: a rank whose tick did not move is
-stopped or frozen (SIGSTOP, a lost node). commpipe.elastic.hang names the rank the others wait
-on; the lowest live rank prints it and writes it into torchrun's failure summary, the ranks on
-a frozen rank's host end it (SIGKILL, after checking that the pid is still that worker), and
-every rank leaves with HANG_EXIT_CODE: the job is lost as after a crash, and an elastic
-torchrun restarts it (see commpipe.elastic.restart).
+When the step has not advanced for `timeout_s`, the thread reads every rank's record twice, two
+ticks apart: a rank whose tick did not move is stopped or frozen (SIGSTOP, a lost node).
+commpipe.elastic.hang names the rank the others wait on; the lowest live rank prints it and
+writes it into torchrun's failure summary, the ranks on a frozen rank's host end it (SIGKILL,
+after checking that the pid is still that worker), and every rank leaves with HANG_EXIT_CODE:
+the job is lost as after a crash, and an elastic torchrun restarts it (see
+commpipe.elastic.restart).
+
+Work between steps that may rightly take longer than a step (evaluation, a checkpoint save, a
+layout switch) runs inside `between_steps(what)`: it is timed too, against BETWEEN_STEPS_FACTOR
+times the timeout from its start, so a rank lost in the middle of a save still ends the job.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from commpipe.elastic.hang import diagnose
 HANG_EXIT_CODE = 4
 STORE_TIMEOUT_S = 10.0
 QUIET_EXIT_DELAY_S = 2.0   # the reporting rank leaves first: torchrun names it the root cause
+BETWEEN_STEPS_FACTOR = 10  # saves, evaluation, layout switches: allowed this many timeouts
 
 
 def store_prefix(world: int) -> str:
@@ -84,7 +89,7 @@ class Watchdog:
         self.tick = 0
         self.fired: tuple[str, list[str]] | None = None
         self._t_progress = time.monotonic()
-        self._paused = 0
+        self._phase: str | None = None    # the work between steps under way, if any
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="commpipe-hang-watchdog",
                                         daemon=True)
@@ -101,14 +106,21 @@ class Watchdog:
         self._t_progress = time.monotonic()
 
     @contextmanager
-    def paused(self):
-        """Evaluation and checkpoint saves may take longer than a step: not timed."""
-        self._paused += 1
+    def between_steps(self, what: str):
+        """Evaluation, a checkpoint save, a layout switch: timed from their start against
+        BETWEEN_STEPS_FACTOR times the timeout (nested calls keep the outer one)."""
+        if self._phase is not None:
+            yield
+            return
+        self._phase, self._t_progress = what, time.monotonic()
         try:
             yield
         finally:
-            self._paused -= 1
-            self._t_progress = time.monotonic()
+            self._phase, self._t_progress = None, time.monotonic()
+
+    def limit_s(self) -> float:
+        """How long the current step, or work between steps, may go without progress."""
+        return self.timeout_s * (BETWEEN_STEPS_FACTOR if self._phase is not None else 1)
 
     def stop(self) -> None:
         self._stop.set()
@@ -135,7 +147,7 @@ class Watchdog:
         try:
             while not self._stop.wait(self.tick_s):
                 self._publish()
-                if self._paused or time.monotonic() - self._t_progress < self.timeout_s:
+                if time.monotonic() - self._t_progress < self.limit_s():
                     continue
                 found = self._examine()
                 if found is not None:
@@ -149,14 +161,14 @@ class Watchdog:
     def _examine(self):
         """(headline, lines, reporter, its host, {frozen rank: its record}) once a hang is
         confirmed; None if the step moved."""
-        step = self.step
+        since = self._t_progress
         first = self._read_all()
         t0 = time.monotonic()
         for _ in range(2):                 # two ticks: a live rank's tick moves meanwhile
             if self._stop.wait(self.tick_s):
                 return None
             self._publish()
-        if self.step != step or self._paused:
+        if self._t_progress != since:   # a step finished, or work between steps began or ended
             return None
         second = self._read_all()
         waited = time.monotonic() - t0
@@ -176,8 +188,11 @@ class Watchdog:
         self.fired = (headline, lines)
         stuck = time.monotonic() - self._t_progress
         if self.rank == reporter:
-            text = (f"commpipe: hang: no step finished for {stuck:.0f} s (--hang-timeout-s "
-                    f"{self.timeout_s:g}): {headline}")
+            where = "no step finished" if self._phase is None else \
+                f"the {self._phase} after {self.step} steps did not finish"
+            allowed = "" if self._phase is None else f" x {BETWEEN_STEPS_FACTOR} between steps"
+            text = (f"commpipe: hang: {where} for {stuck:.0f} s (--hang-timeout-s "
+                    f"{self.timeout_s:g}{allowed}): {headline}")
             print("\n".join([text, *("  " + x for x in lines)]), file=self.err, flush=True)
             from commpipe.errors import report
 

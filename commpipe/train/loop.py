@@ -308,7 +308,7 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
             finite = is_finite(rec["loss"], rec["grad_norm"])
             done = trainer.step == cfg.steps
             if finite and cfg.eval_every and (trainer.step % cfg.eval_every == 0 or done):
-                with _unmonitored(trainer), _paused(watchdog):
+                with _unmonitored(trainer), _between(watchdog, "evaluation"):
                     rec["val_loss"] = trainer.evaluate()
             trainer.history.append(rec)
             if trainer.is_logger:
@@ -322,15 +322,16 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
             if not finite:
                 raise TrainingDiverged(diverged_message(rec, ckpt_root))
             if controller is not None:   # may switch to another plan, in memory
-                with _paused(watchdog):
+                with _between(watchdog, "adaptive controller's turn"):
                     trainer, metrics_file = controller.after_step(trainer, rec, metrics_file)
                 comm = trainer.comm
                 if watchdog is not None:
                     watchdog.comm = comm
-            with _unmonitored(trainer), _paused(watchdog):
-                stop = signals.agreed(comm)
-                due = cfg.save_every and (trainer.step % cfg.save_every == 0 or done)
-                if ckpt_root is not None and (due or stop) and saved_at != trainer.step:
+            with _unmonitored(trainer):
+                stop = signals.agreed(comm)   # a step-sized all-reduce: timed as a step
+            due = cfg.save_every and (trainer.step % cfg.save_every == 0 or done)
+            if ckpt_root is not None and (due or stop) and saved_at != trainer.step:
+                with _unmonitored(trainer), _between(watchdog, "checkpoint save"):
                     if not check_finite_params(trainer.params, comm):
                         raise TrainingDiverged(
                             f"parameters became NaN or inf in the update of step {rec['step']} "
@@ -375,12 +376,12 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
 
 
 @contextmanager
-def _paused(watchdog):
-    """Evaluation, checkpoint saves and layout switches are not timed as steps."""
+def _between(watchdog, what: str):
+    """Evaluation, checkpoint saves and layout switches get the watchdog's longer allowance."""
     if watchdog is None:
         yield
         return
-    with watchdog.paused():
+    with watchdog.between_steps(what):
         yield
 
 
