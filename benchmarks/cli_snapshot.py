@@ -6,7 +6,7 @@ one file per command, so a refactoring can show its outputs are byte-identical.
 
 Each file holds the command line, its exit status, stdout and stderr (a command that is
 refused is recorded too: its message is part of the behaviour). LLaMA, GPT and BLIP shapes;
-fused and eager kernels, per-op recompute, FP8, tied heads, the CPU runtime's pricing.
+fused and eager kernels, per-op recompute, FP8, tied heads, commpipe's own runtime priced.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ COMMANDS = [
     f"plan --model {GPT} --gpus 16 --gpu h100 --json",
     f"plan --model {GPT} --gpus 16 --gpu h100 --recompute op --precision fp8 --json",
     f"plan --model {GPT} --gpus 8 --gpu h100 --eager-ops --json",
-    "plan --model small --global-batch 16 --seq-len 128 --gpus 4 --gpu cpu --json",
+    "plan --model small --global-batch 16 --seq-len 128 --gpus 4 --framework commpipe --json",
     "plan --model blip-base --global-batch 256 --gpus 8 --gpu h100 --json",
     "plan --model blip-large --global-batch 512 --gpus 16 --gpu h100 --json",
     "plan --model blip-base --global-batch 256 --gpus 8 --gpu h100 --eager-ops --json",
