@@ -138,6 +138,59 @@ def test_remaining_back_edges_still_exist():
     assert not gone, f"no longer imported, drop from REMAINING: {gone}"
 
 
+# -- architecture branches: only commpipe/models/ may ask which family a spec belongs to; the
+# rest asks the family (commpipe.models.family: planner_of, layer_form, sequence_parallel, ...)
+
+def arch_names() -> set[str]:
+    """Every registered family's spec.arch values ("llama", "gpt", "blip", ...)."""
+    from commpipe.models.family import families
+
+    return {a for f in families() for a in f.archs}
+
+
+def arch_branches(source: str, names: set[str]) -> list[tuple[int, str]]:
+    """(line, code) of each comparison against a family's name (`spec.arch == "llama"`,
+    `arch in ("gpt", "llama")`), of one spec's arch against another's (`p.arch == q.arch`),
+    and of each call of a family test such as `is_blip(model)`."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            consts = [c for s in sides for c in ast.walk(s) if isinstance(c, ast.Constant)]
+            archs = [s for s in sides if isinstance(s, ast.Attribute) and s.attr == "arch"]
+            equality = all(isinstance(op, (ast.Eq, ast.NotEq)) for op in node.ops)
+            if any(c.value in names for c in consts) or (equality and archs):
+                out.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(
+                node.func, "id", "")
+            if name.startswith("is_") and name[3:] in names:
+                out.append((node.lineno, ast.unparse(node)))
+    return sorted(out)
+
+
+def test_finds_planted_arch_branches():
+    names = {"llama", "gpt", "blip"}
+    src = ("if spec.arch != 'llama': pass\n"
+           "x = [p for p in ps if p.arch == spec.arch]\n"
+           "if cfg.arch in ('gpt', 'moe'): pass\n"
+           "if is_blip(model): pass\n"
+           "y = TRAINING[family.arch] if family.arch in TRAINING else None\n"
+           "if framework == 'llama3' or gpu.name == 'cpu': pass\n")
+    assert [line for line, _ in arch_branches(src, names)] == [1, 2, 3, 4]
+
+
+def test_nothing_outside_models_branches_on_the_architecture():
+    names = arch_names()
+    assert {"llama", "gpt", "blip"} <= names
+    found = [f"{path.relative_to(ROOT).as_posix()}:{line}: {code}"
+             for path in sorted(ROOT.rglob("*.py")) if path.relative_to(ROOT).parts[0] != "models"
+             for line, code in arch_branches(path.read_text(), names)]
+    assert not found, ("outside commpipe/models/, code branches on the model architecture; ask "
+                       "the family instead (commpipe.models.family, docs/models.md):\n"
+                       + "\n".join(found))
+
+
 if __name__ == "__main__":
     graph = room_edges()
     print("cycles with every import:", "; ".join(" <-> ".join(c) for c in find_cycles(graph)))

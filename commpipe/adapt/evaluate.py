@@ -17,6 +17,7 @@ from commpipe.adapt.model import CostModel, Measured
 from commpipe.adapt.plan import Plan, moved_bytes, payback
 from commpipe.adapt.records import Decision
 from commpipe.adapt.trial import plan_trials
+from commpipe.models.family import layout_planned
 
 
 def switch_cost(cur: Plan, plan: Plan, model: CostModel, spec, acfg: AdaptConfig,
@@ -70,7 +71,7 @@ def evaluate(cfg, acfg: AdaptConfig, measured: Measured, *, step: int, steps_lef
     current_ms = model.predict(cur)
     rows, over_memory = [], 0
     capacity = None
-    if free_gb is not None and spec.arch == "llama":
+    if free_gb is not None and layout_planned(spec):
         capacity = free_gb + memory_need_gb(cfg, cur, on_cpu, ranks_per_node)
     for plan in candidates(cur, model, spec, cfg.seq_len, cfg.global_batch, world,
                            ranks_per_node, acfg):

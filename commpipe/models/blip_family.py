@@ -15,6 +15,7 @@ class BlipFamily:
     archs = ("blip",)
     unit = "sample"
     sequence_parallel = False   # boundaries and norms keep whole captions on every TP rank
+    planner = "towers"          # its own planner: commpipe.plan.blip
 
     def presets(self) -> dict:
         return dict(B.BLIP_PRESETS)

@@ -5,7 +5,9 @@ names and fields are its own (`owns`, `resolve`, named shapes in `presets`), how
 reads back (`spec_from_dict`), its parameter count and FLOPs (`param_count`, `step_flops`,
 `flops_per_unit`), the per-layer costs the stage balancer splits by (`layer_costs`), what
 crosses each stage boundary (`stage_io`), its plain stage modules and loss (`build_stages`,
-`loss_sum`), whether its stages run sequence-parallel TP, and its Hugging Face mapping (`hf`).
+`loss_sum`), whether its stages run sequence-parallel TP, its Hugging Face mapping (`hf`), and
+what `commpipe plan` asks of it: which planner prices it (`planner`) and, for the layout search
+over a stack of decoder layers, the form of those layers (`layer_form`, a `LayerForm`).
 The trainer, checkpoint, balancer, planner, simulator costs and `commpipe convert` ask the
 family; the training glue of a family (data source, tensor parallelism) is registered beside
 it in commpipe.train.families. Adding a family: docs/models.md.
@@ -18,7 +20,24 @@ it in commpipe.train.families. Adding a family: docs/models.md.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from functools import lru_cache
 from typing import Protocol
+
+
+@dataclass(frozen=True)
+class LayerForm:
+    """What the layout planner's cost and memory models (commpipe.plan) read of a decoder layer
+    beyond its sizes. The defaults are LLaMA's form."""
+    # SwiGLU MLP (gate and up GEMMs, 2 x ffn_hidden wide), RMSNorm, and torchtitan's
+    # separate wq/wk/wv and w1/w3 GEMMs when unfused; else GPT-3's GELU fc1/fc2 and LayerNorm
+    gated_mlp: bool = True
+    # LayerNorm biases and the row-parallel GEMMs' output biases (replicated across TP ranks)
+    biases: bool = False
+    learned_positions: bool = False   # a [seq, hidden] position table beside the embedding
+    tied_head: bool = False           # the head reuses the embedding (synced across the pipeline)
+    # --eager-ops' op-by-op count of torchtitan's Llama kernels describes this layer
+    eager_ops: bool = True
 
 
 class ModelFamily(Protocol):
@@ -26,6 +45,10 @@ class ModelFamily(Protocol):
     archs: tuple[str, ...]          # every spec.arch the family serves ("llama", "gpt")
     unit: str                       # what training FLOPs are counted per: "token" or "sample"
     sequence_parallel: bool         # its stages run sequence-parallel TP (boundaries sharded)
+    # which planner `commpipe plan` runs (commpipe.plan.cli.PLANNERS): "layers", the layout
+    # search over a stack of decoder layers (commpipe.plan.search), or "towers", an encoder and
+    # a decoder tower (commpipe.plan.blip); a family without one is not planned (`planner_of`)
+    planner: str
 
     def presets(self) -> dict:
         """Named shapes: {name: spec}."""
@@ -63,6 +86,9 @@ class ModelFamily(Protocol):
 
     def loss_sum(self, logits, labels):
         """Summed loss of one micro-batch; callers divide by the global label count."""
+
+    def layer_form(self, spec) -> LayerForm:
+        """The form of `spec`'s layers, for planner "layers" (default: `LayerForm()`)."""
 
     @property
     def hf(self):
@@ -116,3 +142,21 @@ def resolve(model: str):
 def spec_from_dict(d: dict):
     """The spec a checkpoint's commpipe.json records, rebuilt by its family."""
     return family_for_arch(d.get("arch", "llama")).spec_from_dict(d)
+
+
+def planner_of(family: ModelFamily) -> str | None:
+    """The planner `commpipe plan` runs for `family` (None: the family is not planned)."""
+    return getattr(family, "planner", None)
+
+
+def layout_planned(spec) -> bool:
+    """Does the layout search (its memory and time models) price `spec`?"""
+    return planner_of(family_of(spec)) == "layers"
+
+
+@lru_cache(maxsize=256)
+def layer_form(spec) -> LayerForm:
+    """The form of `spec`'s decoder layers, asked of its family (cached: the planner's search
+    asks for every layout it prices)."""
+    family = family_of(spec)
+    return family.layer_form(spec) if hasattr(family, "layer_form") else LayerForm()

@@ -8,7 +8,12 @@ from __future__ import annotations
 
 from commpipe.models import spec as S
 from commpipe.models.boundary import llama_stage_io
-from commpipe.models.family import register
+from commpipe.models.family import LayerForm, register
+
+# GPT-3's layer (Brown et al. 2020, as Megatron-LM builds it): GELU MLP, LayerNorm with biases,
+# biased linear maps, learned positions, the head tied to the embedding
+GPT_FORM = LayerForm(gated_mlp=False, biases=True, learned_positions=True, tied_head=True,
+                     eager_ops=False)
 
 
 class LlamaFamily:
@@ -16,6 +21,7 @@ class LlamaFamily:
     archs = ("llama", "gpt")
     unit = "token"
     sequence_parallel = True
+    planner = "layers"
 
     def presets(self) -> dict:
         return dict(S.PRESETS)
@@ -68,6 +74,9 @@ class LlamaFamily:
         from commpipe.models.llama import cross_entropy_sum
 
         return cross_entropy_sum(logits, labels)
+
+    def layer_form(self, spec) -> LayerForm:
+        return GPT_FORM if spec.arch == "gpt" else LayerForm()
 
     @property
     def hf(self):

@@ -16,6 +16,7 @@ import json
 import sys
 from dataclasses import replace
 
+from commpipe.models.family import family_for_model, layer_form, planner_of
 from commpipe.models.spec import resolve_model
 from commpipe.plan.cluster import apply_links, apply_probe, default_cluster, override_links
 from commpipe.plan.frameworks import FRAMEWORKS, default_framework, framework_job_fields
@@ -137,7 +138,7 @@ def job_from_args(args) -> Job:
 def check_framework_flags(args, spec, zero: int | None) -> None:
     """--eager-ops and --fsdp-copies describe a PyTorch-eager / FSDP2 stack; fail where they would
     price nothing. `zero`: the ZeRO stage the command fixes (None: searched)."""
-    if getattr(args, "eager_ops", False) and spec.arch != "llama":
+    if getattr(args, "eager_ops", False) and not layer_form(spec).eager_ops:
         raise ValueError(f"--eager-ops counts the kernels of torchtitan's Llama op by op; this model is "
                          f"arch={spec.arch}, priced with fused kernels (drop --eager-ops)")
     if getattr(args, "fsdp_copies", False) and zero is not None and zero != 3:
@@ -232,15 +233,25 @@ def run(args) -> int:
         raise ValueError("--model is required (a named shape or arch=...,layers=... fields)")
     if args.top < 1:
         raise ValueError("--top must be >= 1")
-    from commpipe.models.blip_spec import is_blip
+    family = family_for_model(args.model)
+    planner = PLANNERS.get(planner_of(family))
+    if planner is None:
+        raise ValueError(f"commpipe plan has no planner for arch={family.arch} models "
+                         f"(planners: {', '.join(PLANNERS)})")
+    return planner(args)
 
-    if is_blip(args.model):   # a vision encoder + text decoder (commpipe.plan.blip)
-        from commpipe.plan.blip import run_blip_cli
 
-        if args.eager_ops or args.fsdp_copies:
-            raise ValueError("--eager-ops and --fsdp-copies price torchtitan's Llama; not a BLIP model")
+def _plan_towers(args) -> int:
+    """A vision encoder and a text decoder, each a stack of its own (commpipe.plan.blip)."""
+    from commpipe.plan.blip import run_blip_cli
 
-        return run_blip_cli(args)
+    if args.eager_ops or args.fsdp_copies:
+        raise ValueError("--eager-ops and --fsdp-copies price torchtitan's Llama; not a BLIP model")
+    return run_blip_cli(args)
+
+
+def _plan_layers(args) -> int:
+    """The layout search over a stack of decoder layers (commpipe.plan.search)."""
     from commpipe.plan.report import print_plan
     from commpipe.plan.search import search
 
@@ -267,3 +278,7 @@ def run(args) -> int:
     else:
         print_plan(result, spec, job, cluster)
     return 0 if result.top else 1
+
+
+# what a family's `planner` names (commpipe.models.family.ModelFamily.planner)
+PLANNERS = {"layers": _plan_layers, "towers": _plan_towers}

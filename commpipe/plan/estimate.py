@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from commpipe.models.family import layer_form
 from commpipe.models.spec import ModelSpec, flops_per_token
 from commpipe.plan import host
 from commpipe.plan.cluster import Cluster
@@ -105,7 +106,8 @@ def hardware_flops_per_token(spec: ModelSpec, seq_len: int, recompute: str, flas
         # torchtitan's per-op SAC replays every other matmul (kernels.py): Llama's wk, wo, w3,
         # GPT's attention projection and fc2
         h, kv, f = spec.hidden, spec.kv_dim, spec.ffn_hidden
-        base += spec.layers * 2 * (h * kv + h * h + h * f if spec.arch == "llama" else h * h + f * h)
+        gated = layer_form(spec).gated_mlp
+        base += spec.layers * 2 * (h * kv + h * h + h * f if gated else h * h + f * h)
     return base
 
 

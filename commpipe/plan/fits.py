@@ -23,6 +23,7 @@ from __future__ import annotations
 import os
 from dataclasses import replace
 
+from commpipe.models.family import layer_form, layout_planned
 from commpipe.models.spec import PRESETS, ModelSpec, param_count
 from commpipe.plan.layout import Job, Layout
 from commpipe.plan.memory import GIB, RESERVE_FIXED_GIB, stage_memory
@@ -97,7 +98,7 @@ def _alternatives(spec: ModelSpec, layout: Layout, job: Job, on_cpu: bool):
                 yield (f"--pp {pp} ({layout.gpus * k} GPUs)", spec, replace(layout, pp=pp),
                        job)
     smaller = sorted((p for p in PRESETS.values()
-                      if p.arch == spec.arch and param_count(p) < param_count(spec)),
+                      if layer_form(p) == layer_form(spec) and param_count(p) < param_count(spec)),
                      key=param_count, reverse=True)
     for p in smaller:
         yield f"--model {p.name}", p, layout, job
@@ -134,14 +135,15 @@ def fit_problem(spec: ModelSpec, layout: Layout, job: Job, on_cpu: bool,
 
 def train_fit_problem(cfg, world: int, rank: int = 0, local_world: int | None = None,
                       capacity_gb: float | None = None) -> str | None:
-    """`fit_problem` for a resolved TrainConfig of LLaMA shape on a named schedule (a CSV's
-    placement is not a planner layout; blip towers have their own model, plan/blip.py).
+    """`fit_problem` for a resolved TrainConfig the layout search prices (`layout_planned`;
+    BLIP's towers have their own model, plan/blip.py) on a named schedule (a CSV's placement
+    is not a planner layout).
     `local_world` ranks share this host, starting at this rank's node; `capacity_gb` defaults
     to what is free now."""
     from commpipe.plan.layout import runtime_job
     from commpipe.schedules.registry import SCHEDULES
 
-    if cfg.spec is None or cfg.spec.arch != "llama" or cfg.schedule not in SCHEDULES:
+    if cfg.spec is None or not layout_planned(cfg.spec) or cfg.schedule not in SCHEDULES:
         return None
     on_cpu = not (cfg.device.startswith("cuda") or cfg.device == "auto" and _has_cuda())
     d = cfg.dims

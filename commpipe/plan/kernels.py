@@ -38,6 +38,7 @@ torchtitan, each counted from the framework's code, none fitted:
 
 from __future__ import annotations
 
+from commpipe.models.family import layer_form
 from commpipe.models.spec import ModelSpec
 from commpipe.plan.layout import Job, Layout
 
@@ -56,7 +57,7 @@ def layer_gemms(spec: ModelSpec, layout: Layout, job: Job, fused: bool = True) -
     t, h = layout.tp, spec.hidden
     tokens = layout.micro_batch_size * job.seq_len / layout.cp
     kv, f = spec.kv_dim, spec.ffn_hidden
-    if spec.arch != "llama":
+    if not layer_form(spec).gated_mlp:
         return [(tokens, h, (h + 2 * kv) / t), (tokens, h / t, h), (tokens, h, f / t), (tokens, f / t, h)]
     if fused:
         return [(tokens, h, (h + 2 * kv) / t), (tokens, h / t, h), (tokens, h, 2 * f / t), (tokens, f / t, h)]
@@ -110,8 +111,9 @@ def cp_ring_merge_bytes(spec: ModelSpec, layout: Layout, job: Job) -> tuple[floa
 
 
 def op_sac_recomputed(spec: ModelSpec, layout: Layout, job: Job) -> list[tuple]:
-    """The GEMMs per-op SAC recomputes in the backward: every other matmul (2nd, 4th, ...)."""
-    return layer_gemms(spec, layout, job, fused=spec.arch != "llama")[1::2]
+    """The GEMMs per-op SAC recomputes in the backward: every other matmul (2nd, 4th, ...), of
+    the matmuls as torchtitan runs them (unfused; a GELU layer's are fused either way)."""
+    return layer_gemms(spec, layout, job, fused=False)[1::2]
 
 
 def op_sac_activation_bytes(spec: ModelSpec, layout: Layout, job: Job) -> float:
@@ -121,7 +123,7 @@ def op_sac_activation_bytes(spec: ModelSpec, layout: Layout, job: Job) -> float:
     t = layout.tp
     tokens = layout.micro_batch_size * job.seq_len / layout.cp
     h, kv, f = spec.hidden, spec.kv_dim, spec.ffn_hidden
-    if spec.arch == "llama":
+    if layer_form(spec).gated_mlp:
         split = 2 * h + 2 * kv + 2 * f + 2 * h + 2 * h     # wq, wv, w1, w2 outputs, attention out
     else:
         split = 2 * (h + 2 * kv) + 2 * f + 2 * h           # QKV, fc1 outputs, attention out
@@ -133,8 +135,8 @@ def op_sac_activation_bytes(spec: ModelSpec, layout: Layout, job: Job) -> float:
 
 def eager_elementwise_bytes(spec: ModelSpec, layout: Layout, job: Job) -> tuple[float, float] | None:
     """(forward, backward) HBM bytes of one layer's eager non-GEMM ops, one micro-batch
-    (module docstring); None for architectures other than torchtitan's Llama."""
-    if spec.arch != "llama":
+    (module docstring); None for layers other than torchtitan's Llama."""
+    if not layer_form(spec).eager_ops:
         return None
     t = layout.tp
     tokens = layout.micro_batch_size * job.seq_len / layout.cp
@@ -185,7 +187,7 @@ def fp8_cast_time(spec: ModelSpec, layout: Layout, job: Job, gpu) -> float:
     t = layout.tp
     tokens = layout.micro_batch_size * job.seq_len / layout.cp
     h, f = spec.hidden, spec.ffn_hidden
-    f_in = 2 * f if spec.arch == "llama" else f
+    f_in = 2 * f if layer_form(spec).gated_mlp else f
     # inputs of QKV and fc1 (gathered [T, h] under SP), of the output projection [T, h/t] and of
     # fc2 [T, f/t]
     elements = tokens * (2 * h + h / t + f_in / 2 / t)

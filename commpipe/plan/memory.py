@@ -56,6 +56,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
+from commpipe.models.family import layer_form
 from commpipe.models.spec import ModelSpec, layer_param_count
 from commpipe.parallel.dims import split_layers
 from commpipe.plan.kernels import op_sac_activation_bytes
@@ -97,7 +98,7 @@ def _replicated_layer_params(spec: ModelSpec) -> int:
     """Per-layer parameters TP does not split: norm weights (and GPT's LN biases and the biases
     of the row-parallel output and second MLP matrix, which are added after the reduction)."""
     h = spec.hidden
-    return 2 * h if spec.arch == "llama" else 4 * h + 2 * h
+    return 4 * h + 2 * h if layer_form(spec).biases else 2 * h
 
 
 def layer_params_per_rank(spec: ModelSpec, tp: int) -> float:
@@ -107,7 +108,7 @@ def layer_params_per_rank(spec: ModelSpec, tp: int) -> float:
 
 def stage_params(spec: ModelSpec, layout: Layout, job: Job) -> list[tuple[int, float]]:
     """(layers, parameters) per pipeline rank, chunks placed as the schedule places them."""
-    seq = job.seq_len if spec.arch == "gpt" else 0       # learned positions (gpt only)
+    seq = job.seq_len if layer_form(spec).learned_positions else 0   # the position table
     return list(_stage_params(spec, layout.schedule, layout.pp, layout.vpp, layout.tp, seq))
 
 
@@ -118,6 +119,7 @@ def _stage_params(spec: ModelSpec, schedule: str, pp: int, vpp: int, tp: int,
     counts = stage_layer_counts(spec.layers, stages)
     per_layer = layer_params_per_rank(spec, tp)
     h, v, t = spec.hidden, spec.vocab, tp
+    form = layer_form(spec)
     out = []
     for chunks in rank_chunks(schedule, pp, vpp):
         layers = sum(counts[s] for s in chunks)
@@ -125,11 +127,9 @@ def _stage_params(spec: ModelSpec, schedule: str, pp: int, vpp: int, tp: int,
         if 0 in chunks:
             params += v * h / t + seq_len * h
         if stages - 1 in chunks:
-            # llama: untied head + final norm; gpt: a copy of the tied embedding when pp > 1
-            if spec.arch == "llama":
-                params += v * h / t + h
-            else:
-                params += (v * h / t if pp > 1 else 0) + 2 * h
+            # the head (a tied one: a copy of the embedding when pp > 1) and the final norm
+            head = v * h / t if not form.tied_head or pp > 1 else 0
+            params += head + (2 * h if form.biases else h)
         out.append((layers, params))
     return tuple(out)
 
@@ -164,7 +164,7 @@ def layer_activation_bytes(spec: ModelSpec, layout: Layout, job: Job, recompute:
         return 2 * tokens * h / (t if sp else 1)
     if rc == "op":
         return op_sac_activation_bytes(spec, layout, job)
-    if spec.arch == "gpt":
+    if not layer_form(spec).gated_mlp:
         # under fp8 TE keeps FP8 copies of the GEMM inputs: QKV and fc1 inputs 2 -> 1, fc2's
         # input 8 -> 4, plus an FP8 copy of the attention output (1): 34 -> 29
         per_h = 29.0 if job.precision == "fp8" else 34.0

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+from commpipe.models.family import layer_form
 from commpipe.models.spec import ModelSpec
 from commpipe.plan.cluster import Cluster
 from commpipe.plan.kernels import (
@@ -395,7 +396,7 @@ def _dp_and_optimizer(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluste
             opt += layers * lin / shard * FP8_CAST_BYTES / hbm
         costs.optimizer.append(opt)
         costs.step_sync.append(sync)
-    if spec.arch == "gpt" and layout.pp > 1:
+    if layer_form(spec).tied_head and layout.pp > 1:
         # tied embedding: first and last stage all-reduce the word-embedding gradient
         pp_size, pp_stride = groups["pp"]
         last = (pp_size - 1) * pp_stride
