@@ -10,11 +10,13 @@ records of the attempt before it.
 
 When the step has not advanced for `timeout_s`, the thread reads every rank's record twice, two
 ticks apart: a rank whose tick did not move is stopped or frozen (SIGSTOP, a lost node).
-commpipe.elastic.hang names the rank the others wait on; the lowest live rank prints it and
-writes it into torchrun's failure summary, the ranks on a frozen rank's host end it (SIGKILL,
-after checking that the pid is still that worker), and every rank leaves with HANG_EXIT_CODE:
-the job is lost as after a crash, and an elastic torchrun restarts it (see
-commpipe.elastic.restart).
+commpipe.elastic.hang names the rank the others wait on. The first rank to confirm the hang
+claims the report in the store: it prints it, writes it into torchrun's failure summary and the
+store, and ends the frozen workers of its host (SIGKILL, after checking that the pid is still
+that worker); every other rank follows that verdict at its next tick, whatever it was doing (a
+rank inside a save would otherwise wait out its longer allowance), ends the frozen workers of
+its own host and leaves after the reporter. Every rank leaves with HANG_EXIT_CODE: the job is
+lost as after a crash, and an elastic torchrun restarts it (see commpipe.elastic.restart).
 
 Work between steps that may rightly take longer than a step (evaluation, a checkpoint save, a
 layout switch) runs inside `between_steps(what)`: it is timed too, against BETWEEN_STEPS_FACTOR
@@ -38,6 +40,7 @@ HANG_EXIT_CODE = 4
 STORE_TIMEOUT_S = 10.0
 QUIET_EXIT_DELAY_S = 2.0   # the reporting rank leaves first: torchrun names it the root cause
 BETWEEN_STEPS_FACTOR = 10  # saves, evaluation, layout switches: allowed this many timeouts
+CLAIM_KEY, VERDICT_KEY = "reporter", "verdict"
 
 
 def store_prefix(world: int) -> str:
@@ -147,20 +150,29 @@ class Watchdog:
         try:
             while not self._stop.wait(self.tick_s):
                 self._publish()
+                verdict = self._verdict()
+                if verdict is not None:       # another rank found the hang and reported it
+                    self._follow(verdict)
+                    return
                 if time.monotonic() - self._t_progress < self.limit_s():
                     continue
                 found = self._examine()
-                if found is not None:
-                    self._fire(*found)
-                    return
+                if found is None:
+                    continue
+                if self.store.add(CLAIM_KEY, 1) == 1:   # the first rank to confirm it reports
+                    self._report(*found)
+                else:
+                    self._follow(self._wait_verdict() or {"headline": found[0], "host": None,
+                                                           "frozen": found[2]})
+                return
         except Exception as exc:  # noqa: BLE001 - the store gone means the job is gone
             if not self._stop.is_set():
                 print(f"commpipe: rank {self.rank}: hang watchdog stopped: "
                       f"{type(exc).__name__}: {exc}", file=self.err, flush=True)
 
     def _examine(self):
-        """(headline, lines, reporter, its host, {frozen rank: its record}) once a hang is
-        confirmed; None if the step moved."""
+        """(headline, lines, {frozen rank: its record}) once a hang is confirmed; None if
+        this rank made progress meanwhile."""
         since = self._t_progress
         first = self._read_all()
         t0 = time.monotonic()
@@ -179,36 +191,61 @@ class Watchdog:
         now = time.time()
         silent = {r: max(waited, now - second[r]["time"]) if second[r] else waited for r in stale}
         headline, lines = diagnose(second, stale, self.world, silent)
-        live = [r for r in range(self.world) if r not in stale]
         frozen = {r: second[r] for r in stale if second[r] is not None}
-        reporter = min(live) if live else self.rank
-        return headline, lines, reporter, (second[reporter] or {}).get("host"), frozen
+        return headline, lines, frozen
 
-    def _fire(self, headline: str, lines: list[str], reporter: int, reporter_host, frozen: dict):
+    def _verdict(self) -> dict | None:
+        if not self.store.check([VERDICT_KEY]):
+            return None
+        return json.loads(self.store.get(VERDICT_KEY))
+
+    def _wait_verdict(self) -> dict | None:
+        """The reporter's verdict: it claimed the report a moment ago and is printing it."""
+        end = time.monotonic() + STORE_TIMEOUT_S
+        while time.monotonic() < end:
+            verdict = self._verdict()
+            if verdict is not None:
+                return verdict
+            time.sleep(self.tick_s)
+        return None
+
+    def _report(self, headline: str, lines: list[str], frozen: dict) -> None:
+        """This rank confirmed the hang first: print it, put it into torchrun's failure summary
+        and the store (the other ranks follow it), end the frozen workers of this host, leave."""
         self.fired = (headline, lines)
         stuck = time.monotonic() - self._t_progress
-        if self.rank == reporter:
-            where = "no step finished" if self._phase is None else \
-                f"the {self._phase} after {self.step} steps did not finish"
-            allowed = "" if self._phase is None else f" x {BETWEEN_STEPS_FACTOR} between steps"
-            text = (f"commpipe: hang: {where} for {stuck:.0f} s (--hang-timeout-s "
-                    f"{self.timeout_s:g}{allowed}): {headline}")
-            print("\n".join([text, *("  " + x for x in lines)]), file=self.err, flush=True)
-            from commpipe.errors import report
+        where = "no step finished" if self._phase is None else \
+            f"the {self._phase} after {self.step} steps did not finish"
+        allowed = "" if self._phase is None else f" x {BETWEEN_STEPS_FACTOR} between steps"
+        text = (f"commpipe: hang: {where} for {stuck:.0f} s (--hang-timeout-s "
+                f"{self.timeout_s:g}{allowed}): {headline}")
+        print("\n".join([text, *("  " + x for x in lines)]), file=self.err, flush=True)
+        from commpipe.errors import report
 
-            if os.environ.get("TORCHELASTIC_ERROR_FILE"):
-                report(text)
-        else:
-            # after the reporter has examined (two ticks) and reported: ending a frozen worker
-            # or this rank before would close connections, and the job would end unexplained
-            time.sleep(QUIET_EXIT_DELAY_S + 3 * self.tick_s)
-        # a frozen rank cannot leave by itself; torchrun would SIGKILL it only after its 30 s
-        # shutdown wait: the reporter ends those of its host, the ranks of another host those
-        # of theirs, so a restart follows at once
-        if self.rank == reporter or reporter_host != self._host:
-            for r, rec in frozen.items():
-                if rec.get("host") == self._host:
-                    end_frozen_worker(r, rec.get("pid"))
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+            report(text)
+        self.store.set(VERDICT_KEY, json.dumps({"headline": headline, "rank": self.rank,
+                                                "host": self._host, "frozen": frozen}))
+        self._end_frozen(frozen)
+        self._leave()
+
+    def _follow(self, verdict: dict) -> None:
+        """Another rank reported the hang: end the frozen workers of this host (when the
+        reporter runs on another one), then leave after it, so torchrun names its report."""
+        self.fired = (verdict["headline"], [])
+        # a frozen rank cannot leave by itself, and torchrun would SIGKILL it only after its
+        # 30 s shutdown wait: the ranks of each host end those of theirs, so a restart follows
+        if verdict.get("host") != self._host:
+            self._end_frozen({int(r): rec for r, rec in verdict["frozen"].items()})
+        time.sleep(QUIET_EXIT_DELAY_S)
+        self._leave()
+
+    def _end_frozen(self, frozen: dict) -> None:
+        for r, rec in frozen.items():
+            if rec.get("host") == self._host:
+                end_frozen_worker(r, rec.get("pid"))
+
+    def _leave(self) -> None:
         if self.exit_fn is not None:
             self.err.flush()
             sys.stdout.flush()
