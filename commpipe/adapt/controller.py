@@ -73,6 +73,7 @@ class Controller:
         self.is_logger = False
         self.timer = CollectiveTimer(a.collective_min_bytes)
         self.trials: Trials | None = None   # the running trial phase, if any
+        self.switch_phases: dict | None = None   # parts of the last switch, until recorded
         self.running = self.command_plan = Plan.of(trainer.cfg)
         self.plan_baselines: dict[str, dict] = {}   # plan name -> its first settled levels
         resumed = self.acfg.resume_state
@@ -296,8 +297,12 @@ class Controller:
         if metrics_file is not None:
             metrics_file.close()
             metrics_file = None
-        new, seconds = switch(trainer, plan)
-        took = max(new.comm.gather_objects(seconds, "world"))
+        phases: dict[str, float] = {}
+        new, seconds = switch(trainer, plan, phases)
+        gathered = new.comm.gather_objects((seconds, phases), "world")
+        took = max(s for s, _ in gathered)
+        # the slowest rank's time of each part, for the record that reports this switch
+        self.switch_phases = {k: max(p[k] for _, p in gathered) for k in phases}
         if new.is_logger and new.cfg.out:
             metrics_file = open_metrics(Path(new.cfg.out) / "metrics.jsonl", new.step)
         self.watch.new_plan()
@@ -308,6 +313,8 @@ class Controller:
 
     def _write(self, record: Decision | dict) -> None:
         decision = record.to_dict() if isinstance(record, Decision) else record
+        if "switch_time_s" in decision and self.switch_phases is not None:
+            decision["switch_phases"], self.switch_phases = self.switch_phases, None
         self.decisions.append(decision)
         if self.log is not None:
             self.log.write(json.dumps(decision, default=str) + "\n")

@@ -9,6 +9,9 @@ by `to_dict()`. Its keys are what commpipe.report, commpipe.adapt.describe and t
   switch_cost_s, reason
   trials, trial_plans, trial_cost_s   when the switch is confirmed by trials
   switch_time_s                        once switched (measured, slowest rank)
+  switch_phases                        with it, for an in-memory switch: {state_s, rebuild_s},
+                                       the slowest rank's seconds of moving the state and of
+                                       rebuilding groups and stages (commpipe.adapt.switch)
   switch_mode, checkpoint, save_time_s when switched by checkpoint and relaunch
   steps_left, candidates_admitted, candidates_over_memory, planning_s, time
                                        the steps the payback could count on, how many

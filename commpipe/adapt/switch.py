@@ -118,8 +118,11 @@ def redistribute(new, held: dict[str, torch.Tensor], held_by: list[dict]) -> tup
     return {k: (held[k] if k in held else got[k]) for k in want if k in held or k in got}, nbytes
 
 
-def switch(trainer, plan):
-    """A Trainer running `plan` with `trainer`'s full state (collective); (trainer, seconds)."""
+def switch(trainer, plan, phases: dict | None = None):
+    """A Trainer running `plan` with `trainer`'s full state (collective); (trainer, seconds).
+    `phases`, when given, receives this rank's seconds of the switch's parts: `state_s` (full
+    tensors of what it holds, and receiving what it lacks) and `rebuild_s` (process groups,
+    when the layout changes, and the new stages)."""
     from commpipe.parallel.comm import Comm
     from commpipe.train.loop import Trainer
 
@@ -134,10 +137,12 @@ def switch(trainer, plan):
     if trainer.monitor is not None:
         trainer.monitor.close()     # collective: writes what it holds; the new one appends
     cfg = plan.apply(trainer.cfg)
+    t_rebuild = time.perf_counter()
     same = cfg.dims == old.dims
     comm = old if same else Comm(cfg.dims, old.rank, device=old.device,
                                  timeout_s=cfg.timeout_s, strict_order=old.strict_order)
     new = Trainer.build(cfg, comm, source=trainer.source)
+    t_state = time.perf_counter()
     observers, comm.observers = comm.observers, []   # the transfer is not training traffic
     state, _ = redistribute(new, held, held_by)
     comm.observers = observers
@@ -146,4 +151,7 @@ def switch(trainer, plan):
     new.capture_grads = trainer.capture_grads
     torch.set_rng_state(rng)
     comm.barrier()
-    return new, time.perf_counter() - t0
+    t1 = time.perf_counter()
+    if phases is not None:
+        phases.update(state_s=(t_rebuild - t0) + (t1 - t_state), rebuild_s=t_state - t_rebuild)
+    return new, t1 - t0
