@@ -170,17 +170,20 @@ def main(argv=None) -> int:
 # -- in the demo's process -------------------------------------------------------------------------
 def run_oracle(cluster, train: dict, out_dir, port: int, *, steps: int = STEPS, warmup: int = WARMUP,
                min_steps: int = MIN_STEPS, cutoff: float = CUTOFF, repeat_best: int = REPEAT_BEST,
-               log=print,
+               log=print, extra: list[dict] = (),
                timeout_s: float = 400.0) -> dict:
     """Measure every candidate on `cluster` as it is now (degrade it first); write
     OUT/candidates.json, OUT/candidates/NAME.jsonl and the best candidate's rows as
-    OUT/metrics.jsonl. Returns the contents of candidates.json."""
+    OUT/metrics.jsonl. `extra`: candidates beyond the even and balanced splits (each as
+    `candidate_layouts` builds one, with its own name), e.g. the split that takes layers off a
+    slow rank. Returns the contents of candidates.json."""
     from commpipe.cluster.launch import NodeCommand, run_commands, torchrun
 
     out = Path(out_dir).resolve()
     (out / "candidates").mkdir(parents=True, exist_ok=True)
     world = cluster.nodes * cluster.ranks_per_node
     found, rejected = candidate_layouts(train, world)
+    found = found + list(extra)
     if not found:
         raise RuntimeError(f"no static layout of {world} ranks admits this model: {rejected}")
     plan = {"out": str(out), "steps": steps, "warmup": warmup, "min_steps": min_steps,

@@ -1,0 +1,436 @@
+"""`train --adapt` over a suite of faults, each run adaptive, static and as the best static layout.
+
+    python benchmarks/adaptive_suite.py --out /tmp/adaptive_suite --json /tmp/adaptive_suite.json
+    python benchmarks/adaptive_suite.py --scenarios healthy,link-2x      # a subset
+    python benchmarks/adaptive_suite.py --list                           # the scenarios
+
+Two emulated nodes of one rank each (commpipe.cluster.netns: network namespaces, tc tbf; needs
+root and iproute2), the tiny 4-layer LLaMA of `commpipe demo --adaptive`, 50 steps with the fault
+from step 12 (30 steps for the healthy and transient runs, three runs each). Faults use
+the mechanisms commpipe already has: a link changes rate while the run trains
+(`EmulatedCluster.set_rate` at step boundaries, commpipe.adapt.demo.RateDriver) and a rank's
+compute is stretched by the `--slow-rank RANK:FACTOR@STEP` drill. Each scenario runs
+
+    adaptive   the scenario with --adapt
+    static     the same scenario, controller off (same seed: same losses)
+    best       every static layout of the 2 ranks, measured under the fault from step 0
+               (commpipe.adapt.oracle, plus the splits that take work off a slow rank); the
+               fastest median is the best static layout for the faulty period
+
+and reports: detection latency (steps and seconds after the fault's first step), false switches
+(switches before any lasting fault, or in a scenario without one), detection to settled (the
+trial phase's end, or the switch without trials), the switch time split (planning on rank 0,
+then the switch as the decision records time it), the recovered share
+(T_static - T_adaptive) / (T_static - T_best) on mean wall time per step over the faulty period,
+the overhead of --adapt on a healthy run (wall per step, same seed) and the largest loss
+difference against the static run. Wall time per step comes from when each step's record
+reaches metrics.jsonl, so it includes what the controller does between steps (its per-step
+gather, planning, switches, trials), which the records' step_time_s leaves out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from commpipe.adapt.demo import MODEL, RateDriver  # noqa: E402
+
+STEPS = 50
+ONSET = 12           # first step under a lasting fault
+NODE = 1             # the node whose link is throttled
+TRAIN = {"model": MODEL, "seq_len": 32, "global_batch": 8, "seed": 0, "log_every": 10}
+DP2, PP2 = {"dp": 2}, {"pp": 2, "schedule": "1f1b"}
+# link rates (Mbit/s): the healthy link, as in the demo, and the degraded ones aimed at a static
+# dp2 step ~1.3x, ~2x and ~5x of the healthy one on this host (each run reports the severity it
+# measured: a loaded host moves it)
+FAST, RATE_13, RATE_2, RATE_5 = 1000.0, 80.0, 40.0, 12.0
+
+
+@dataclass
+class Case:
+    name: str
+    what: str
+    start: dict
+    link: list = field(default_factory=list)   # [(step, Mbit/s)] rate changes
+    slow_rank: str | None = None                # --slow-rank RANK:FACTOR@STEP
+    lasting: tuple | None = None                # [onset, end) of the faulty period (end None: run end)
+    best: dict | None = None                    # the fault from step 0: {mbit, slow_rank, extra}
+    repeats: int = 1
+    static_each_repeat: bool = True
+    steps: int = STEPS
+    skip: str = ""                              # why the scenario cannot be run here
+
+
+def cases() -> list[Case]:
+    """The scenarios, the issue's list in the order the suite runs them: the goals' scenarios
+    first, so an interrupted run has measured those."""
+    lasting = (ONSET, None)
+
+    def link(name, what, mbit):
+        return Case(name, what, DP2, [(ONSET, mbit)], lasting=lasting,
+                    best={"mbit": mbit, "extra": ()})
+
+    def straggler(name, what, start, factor, extra):
+        return Case(name, what, start, slow_rank=f"1:{factor:g}@{ONSET}", lasting=lasting,
+                    best={"mbit": FAST, "slow_rank": f"1:{factor:g}@0", "extra": extra})
+
+    return [
+        Case("healthy", "dp2, host noise only", DP2, repeats=3, steps=30),
+        link("link-2x", f"dp2, inter-node link at {RATE_2:g} Mbit/s", RATE_2),
+        link("link-5x", f"dp2, inter-node link at {RATE_5:g} Mbit/s", RATE_5),
+        straggler("slow-1.5x", "pp2, rank 1 compute 1.5x", PP2, 1.5, ("splits",)),
+        Case("transient", f"dp2, link at {RATE_5:g} Mbit/s for 3 steps", DP2,
+             [(ONSET, RATE_5), (ONSET + 3, FAST)], repeats=3, static_each_repeat=False,
+             steps=30),
+        link("link-1.3x", f"dp2, inter-node link at {RATE_13:g} Mbit/s", RATE_13),
+        straggler("slow-3x", "pp2, rank 1 compute 3x", PP2, 3.0, ("splits",)),
+        straggler("slow-dp", "dp2, rank 1 (DP replica 1) compute 3x", DP2, 3.0, ("dp",)),
+        Case("recovers", f"dp2, link at {RATE_5:g} Mbit/s for steps {ONSET}-31, then back", DP2,
+             [(ONSET, RATE_5), (32, FAST)], lasting=(ONSET, 32),
+             best={"mbit": RATE_5, "extra": ()}),
+        Case("two-faults", f"dp2, link at {RATE_2:g} Mbit/s and rank 1 compute 1.5x", DP2,
+             [(ONSET, RATE_2)], slow_rank=f"1:1.5@{ONSET}", lasting=lasting,
+             best={"mbit": RATE_2, "slow_rank": "1:1.5@0", "extra": ("splits", "dp")}),
+        Case("link-intra", "an intra-node link slowed", DP2,
+             skip="the emulated cluster cannot slow it: same-node peers talk over loopback, "
+                  "which no qdisc shapes (commpipe.cluster.netns), and netem does not work here"),
+    ]
+
+
+# -- running (emulated cluster) --------------------------------------------------------------------
+class StepClock(RateDriver):
+    """RateDriver that also notes when each step's record reaches metrics.jsonl."""
+
+    def __init__(self, cluster, run_dir: Path, node: int, changes):
+        super().__init__(cluster, run_dir, node, changes)
+        self.seen: dict[int, float] = {}
+
+    def run(self) -> None:
+        pending = sorted(self.changes)
+        while not self.stop.is_set():
+            done = self.note()
+            while pending and done + 1 >= pending[0][0]:
+                self.cluster.set_rate(self.node, pending.pop(0)[1])
+                self.applied.append((self.note() + 1, self.cluster.rates[self.node]))
+            time.sleep(0.01)
+
+    def note(self) -> int:
+        now, last = time.monotonic(), -1
+        try:
+            lines = self.path.read_text().splitlines()
+        except FileNotFoundError:
+            return -1
+        for line in lines:
+            try:
+                last = json.loads(line)["step"]
+            except (ValueError, KeyError):
+                continue
+            self.seen.setdefault(last, now)
+        return last
+
+
+class Bench:
+    def __init__(self, cluster, out: Path):
+        self.cluster, self.out, self.port = cluster, out, 29800
+        self.best_cache: dict[str, dict] = {}
+
+    def next_port(self) -> int:
+        self.port += 1
+        return self.port
+
+    def train(self, case: Case, run_dir: Path, adapt: bool) -> dict:
+        from commpipe.cluster.grids import Layout
+        from commpipe.cluster.launch import plan_commands, run_commands
+
+        self.cluster.set_rate(NODE, FAST)
+        train = dict(TRAIN, steps=case.steps, overwrite=True, adapt=adapt or None,
+                     slow_rank=case.slow_rank)
+        cmds = plan_commands(Layout(**case.start), train, run_dir.resolve(),
+                             nodes=self.cluster.nodes, ranks_per_node=self.cluster.ranks_per_node,
+                             master_addr=self.cluster.node_ip(0), master_port=self.next_port(),
+                             ifname=self.cluster.ifname)
+        clock = StepClock(self.cluster, run_dir, NODE, case.link)
+        load = os.getloadavg()[0]
+        clock.start()
+        try:
+            result = run_commands(cmds, run_dir, cluster=self.cluster, timeout_s=400)
+        finally:
+            clock.stop.set()
+            clock.join()
+            self.cluster.set_rate(NODE, FAST)
+        if not result.ok:
+            raise RuntimeError(f"{run_dir}: {result.status}: {result.reason}")
+        (run_dir / "wall.json").write_text(json.dumps({"seen": clock.seen,
+                                                       "applied": clock.applied}))
+        return {"rows": _jsonl(run_dir / "metrics.jsonl"), "wall": clock.seen,
+                "applied": clock.applied, "decisions": _jsonl(run_dir / "adapt.jsonl"),
+                "load": (load, os.getloadavg()[0])}
+
+    def best_static(self, case: Case) -> dict:
+        from commpipe.adapt.oracle import run_oracle
+
+        b = case.best
+        key = json.dumps(b, sort_keys=True)
+        if key not in self.best_cache:
+            train = dict(TRAIN, steps=case.steps, slow_rank=b.get("slow_rank"))
+            train = {k: v for k, v in train.items() if v is not None}
+            self.cluster.set_rate(NODE, b["mbit"])
+            try:
+                self.best_cache[key] = run_oracle(
+                    self.cluster, train, self.out / f"best-{len(self.best_cache)}",
+                    self.next_port(), steps=8, repeat_best=1, log=lambda *_: None,
+                    extra=extra_candidates(train, b["extra"]))
+            finally:
+                self.cluster.set_rate(NODE, FAST)
+        return self.best_cache[key]
+
+
+def extra_candidates(train: dict, kinds) -> list[dict]:
+    """Static layouts beyond the oracle's even and balanced splits: pp2 with one stage holding
+    one layer ("splits"), dp2 with fewer micro-batches on replica 1 ("dp")."""
+    from commpipe.adapt.oracle import _config
+    from commpipe.cluster.launch import train_flags
+    from commpipe.layout import Layout
+
+    shared = {k: v for k, v in train.items() if k not in ("adapt", "out", "log_every")}
+    found = []
+    for kind in kinds:
+        options = ([(f"layers{a}.{4 - a}", PP2, {"stage_layers": f"{a},{4 - a}"}) for a in (1, 3)]
+                   if kind == "splits" else
+                   [(f"dpm{a}.{8 - a}", DP2, {"dp_microbatches": f"{a},{8 - a}"})
+                    for a in (5, 6, 7)])
+        for label, start, extra in options:
+            lay = Layout(**start, extra=extra)
+            flags = train_flags(lay, shared, "unused")
+            cfg = _config(flags)
+            cfg.resolve(2)
+            found.append({"name": f"{lay.name}-{label}", "tp": 1, "cp": 1, "pp": lay.pp,
+                          "dp": lay.dp, "stage_layers": list(cfg.stage_layers or [4]),
+                          "split": label, "schedule": cfg.schedule,
+                          "microbatches": cfg.microbatches,
+                          "micro_batch_size": cfg.micro_batch_size, "flags": flags})
+    return found
+
+
+def _jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+# -- metrics ---------------------------------------------------------------------------------------
+def wall_ms(run: dict, lo: int, hi: int) -> float | None:
+    """Mean wall time per step over steps [lo, hi): from step lo-1's record to step hi-1's."""
+    seen = run["wall"]
+    if lo - 1 not in seen or hi - 1 not in seen or hi <= lo:
+        return None
+    return (seen[hi - 1] - seen[lo - 1]) * 1e3 / (hi - lo)
+
+
+def wall_s(run: dict, a: int, b: int) -> float | None:
+    seen = run["wall"]
+    return seen[b] - seen[a] if a in seen and b in seen else None
+
+
+def fault_window(case: Case, run: dict) -> tuple[int, int] | None:
+    """[onset, end) of the lasting fault as it happened (link changes land at step boundaries
+    read from metrics.jsonl: the applied steps, not the planned ones)."""
+    if case.lasting is None:
+        return None
+    applied = run["applied"]
+    onset = applied[0][0] if case.link else case.lasting[0]
+    if case.slow_rank and case.link:
+        onset = min(onset, case.lasting[0])
+    end = case.lasting[1]
+    if end is not None and len(applied) > 1:
+        end = applied[1][0]
+    return onset, end if end is not None else case.steps
+
+
+def measure(case: Case, adaptive: dict, static: dict, best: dict | None) -> dict:
+    """The suite's metrics of one adaptive run against its static run and best static layout."""
+    decisions = adaptive["decisions"]
+    window = fault_window(case, adaptive)
+    switches = [d for d in decisions if d["action"] == "switch"]
+    onset = window[0] if window else None
+    m = {"scenario": case.name, "what": case.what,
+         "false_switches": sum(onset is None or d["step"] < onset for d in switches),
+         "switches": len(switches), "final_layout": adaptive["rows"][-1].get("layout")}
+    loss = {r["step"]: r["loss"] for r in static["rows"]}
+    m["max_loss_diff"] = max((abs(r["loss"] - loss[r["step"]]) for r in adaptive["rows"]
+                              if r["step"] in loss), default=None)
+    if window is None:
+        m["overhead"] = _ratio(wall_ms(adaptive, 2, case.steps), wall_ms(static, 2, case.steps))
+        return m
+    onset, end = window
+    m["fault_steps"] = [onset, end]
+    healthy = wall_ms(static, 2, onset)
+    t_static, t_adapt = wall_ms(static, onset, end), wall_ms(adaptive, onset, end)
+    t_best = best["best"]["median_ms"] if best else None
+    m |= {"severity": _ratio(t_static, healthy, 0.0), "t_static_ms": t_static,
+          "t_adaptive_ms": t_adapt, "t_best_ms": t_best,
+          "best_layout": best["best"]["name"] if best else None}
+    m["recovered"] = ((t_static - t_adapt) / (t_static - t_best)
+                      if None not in (t_static, t_adapt, t_best) and t_static - t_best > 1e-9
+                      else None)
+    if end < case.steps:   # after a recovery
+        m["after_ms"] = {"static": wall_ms(static, end, case.steps),
+                         "adaptive": wall_ms(adaptive, end, case.steps)}
+    evals = [d for d in decisions if d["action"] in ("stay", "switch") and d["step"] >= onset]
+    det = next((d for d in evals if any(x.get("onset_step", -1) >= onset - 1
+                                        for x in d.get("detections", []))), None)
+    det = det or (evals[0] if evals else None)
+    if det is None:
+        return m
+    step = det["step"]
+    m |= {"detect_steps": step - onset, "detect_s": wall_s(adaptive, onset - 1, step),
+          "detected": [x["key"] for x in det.get("detections", [])], "reaction": det["action"],
+          "planning_s": det.get("planning_s"), "switch_s": det.get("switch_time_s")}
+    settled = det
+    if det["action"] == "switch" and det.get("trials"):
+        settled = next((d for d in decisions if d["action"] == "settle" and d["step"] > step),
+                       det)
+    phase = [d for d in decisions if step <= d["step"] <= settled["step"]
+             and d["action"] in ("switch", "trial", "settle")]
+    m |= {"settle_steps": settled["step"] - step, "settle_s": wall_s(adaptive, step,
+                                                                     settled["step"]),
+          "switches_in_phase_s": sum(d.get("switch_time_s") or 0.0 for d in phase)}
+    phases = [d.get("switch_phases") for d in phase if d.get("switch_phases")]
+    if phases:
+        m["switch_split_s"] = {k: sum(p.get(k, 0.0) for p in phases) for k in phases[0]}
+    return m
+
+
+def _ratio(a, b, minus: float = 1.0):
+    return None if a is None or not b else a / b - minus
+
+
+# -- output ----------------------------------------------------------------------------------------
+COLUMNS = ("scenario", "sev", "detect", "false", "settle", "plan/state/rebuild s", "T static/adapt/best",
+           "recovered", "ends on", "max dloss")
+
+
+def row(m: dict) -> list[str]:
+    def f(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    det = (f"{m['detect_steps']} st {f(m.get('detect_s'), '.1f')} s" if "detect_steps" in m
+           else ("-" if "fault_steps" not in m else "none"))
+    settle = (f"{m['settle_steps']} st {f(m.get('settle_s'), '.1f')} s" if "settle_steps" in m
+              else "-")
+    split = m.get("switch_split_s") or {}
+    sw = ("/".join(f(x, ".2f") for x in (m.get("planning_s"), split.get("state_s"),
+                                          split.get("rebuild_s")))
+          if "detect_steps" in m else "-")
+    if "overhead" in m:
+        times = f"overhead {f(m['overhead'], '+.1%')}"
+    else:
+        times = "/".join(f(m.get(k), ".0f") for k in ("t_static_ms", "t_adaptive_ms",
+                                                      "t_best_ms")) + " ms"
+    return [m["scenario"] + (f" #{m['repeat']}" if m.get("repeat") else ""),
+            f(m.get("severity"), ".2f") + ("x" if m.get("severity") else ""), det,
+            str(m["false_switches"]), settle, sw, times, f(m.get("recovered"), ".2f"),
+            _short(m.get("final_layout")), f(m.get("max_loss_diff"), ".1e")]
+
+
+def _short(layout: str | None) -> str:
+    return "-" if not layout else layout.replace("tp1-cp1-", "").replace(" 1f1b", "")
+
+
+def table(results: list[dict]) -> str:
+    rows = [list(COLUMNS)] + [row(m) for m in results if "skipped" not in m]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    for m in results:
+        if "skipped" in m:
+            lines.append(f"{m['scenario']}: not run: {m['skipped']}")
+    return "\n".join(lines)
+
+
+# -- main ------------------------------------------------------------------------------------------
+def run_case(bench: Bench, case: Case, log) -> list[dict]:
+    out = bench.out / case.name
+    results, static = [], None
+    for i in range(case.repeats):
+        tag = f"-{i + 1}" if case.repeats > 1 else ""
+        t0 = time.monotonic()
+        adaptive = bench.train(case, out / f"adaptive{tag}", adapt=True)
+        if static is None or case.static_each_repeat:
+            static = bench.train(case, out / f"static{tag}", adapt=False)
+        best = bench.best_static(case) if case.best else None
+        m = measure(case, adaptive, static, best)
+        m["repeat"] = i + 1 if case.repeats > 1 else None
+        m["elapsed_s"] = time.monotonic() - t0
+        m["load"] = {"adaptive": adaptive["load"], "static": static["load"]}
+        log(row(m))
+        results.append(m)
+    return results
+
+
+def main(argv=None) -> int:
+    from commpipe.cluster.netns import EmulatedCluster, available
+
+    all_cases = {c.name: c for c in cases()}
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", default="/tmp/adaptive_suite", help="runs go here")
+    p.add_argument("--scenarios", default=None,
+                   help="comma-separated subset of: " + ",".join(all_cases))
+    p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    args = p.parse_args(argv)
+    if args.list:
+        for c in all_cases.values():
+            print(f"{c.name:<12} {c.what}")
+        return 0
+    names = args.scenarios.split(",") if args.scenarios else list(all_cases)
+    unknown = [n for n in names if n not in all_cases]
+    if unknown:
+        p.error(f"unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(all_cases)}")
+    ok, why = available()
+    if not ok:
+        p.error(f"the suite needs the emulated cluster: {why}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    start = {"load_avg": os.getloadavg(), "cpus": os.cpu_count(), "time": time.time()}
+    t0, results = time.monotonic(), []
+    print("  ".join(COLUMNS), flush=True)
+    with EmulatedCluster(nodes=2, ranks_per_node=1, inter_node_mbit=FAST,
+                         prefix="cpsuite") as cluster:
+        bench = Bench(cluster, out)
+        for name in names:
+            case = all_cases[name]
+            if case.skip:
+                results.append({"scenario": name, "what": case.what, "skipped": case.skip})
+                continue
+            results += run_case(bench, case, log=lambda r: print("  ".join(r), flush=True))
+            if args.json:       # after every scenario: an interrupted suite keeps what it ran
+                write_json(args.json, start, t0, results, [all_cases[n] for n in names])
+    machine = write_json(args.json, start, t0, results, [all_cases[n] for n in names])
+    print()
+    print(table(results))
+    print(f"\n{len(results)} results in {machine['elapsed_s'] / 60:.1f} min; load average "
+          f"{start['load_avg'][0]:.1f} at the start, {machine['end_load_avg'][0]:.1f} at the end "
+          f"({start['cpus']} cpus)")
+    return 0
+
+
+def write_json(path, start: dict, t0: float, results: list, scenarios: list) -> dict:
+    machine = {"start": start, "end_load_avg": os.getloadavg(), "elapsed_s": time.monotonic() - t0,
+               "rates_mbit": [FAST, RATE_13, RATE_2, RATE_5], "steps": STEPS, "onset": ONSET}
+    if path:
+        Path(path).write_text(json.dumps({"machine": machine, "results": results,
+                                          "scenarios": [asdict(c) for c in scenarios]},
+                                         indent=1, default=str))
+    return machine
+
+
+if __name__ == "__main__":
+    sys.exit(main())
