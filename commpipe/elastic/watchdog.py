@@ -41,6 +41,7 @@ STORE_TIMEOUT_S = 10.0
 QUIET_EXIT_DELAY_S = 2.0   # the reporting rank leaves first: torchrun names it the root cause
 BETWEEN_STEPS_FACTOR = 10  # saves, evaluation, layout switches: allowed this many timeouts
 CLAIM_KEY, VERDICT_KEY = "reporter", "verdict"
+FIRST_STEP = "first step"
 
 
 def store_prefix(world: int) -> str:
@@ -92,7 +93,9 @@ class Watchdog:
         self.tick = 0
         self.fired: tuple[str, list[str]] | None = None
         self._t_progress = time.monotonic()
-        self._phase: str | None = None    # the work between steps under way, if any
+        # the work between steps under way, if any; the first step of a process also sets up
+        # connections and buffers (a slow, loaded host takes seconds): the same allowance
+        self._phase: str | None = FIRST_STEP
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="commpipe-hang-watchdog",
                                         daemon=True)
@@ -106,6 +109,8 @@ class Watchdog:
 
     def progress(self, step: int) -> None:
         self.step = step
+        if self._phase == FIRST_STEP:
+            self._phase = None
         self._t_progress = time.monotonic()
 
     @contextmanager
@@ -215,6 +220,7 @@ class Watchdog:
         self.fired = (headline, lines)
         stuck = time.monotonic() - self._t_progress
         where = "no step finished" if self._phase is None else \
+            f"the {self._phase} did not finish" if self._phase == FIRST_STEP else \
             f"the {self._phase} after {self.step} steps did not finish"
         allowed = "" if self._phase is None else f" x {BETWEEN_STEPS_FACTOR} between steps"
         text = (f"commpipe: hang: {where} for {stuck:.0f} s (--hang-timeout-s "

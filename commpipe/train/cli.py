@@ -98,8 +98,8 @@ def add_arguments(p) -> None:
     g.add_argument("--hang-timeout-s", type=float, default=60.0, metavar="S",
                    help="hang watchdog: when no step finishes for S seconds, name the rank the "
                         "others wait on and the call it has not posted, and end the job (exit "
-                        "code 4); saves, evaluation and layout switches get 10 x S; 0 turns it "
-                        "off (default 60)")
+                        "code 4); the first step, saves, evaluation and layout switches get "
+                        "10 x S; 0 turns it off (default 60)")
     g.add_argument("--elastic", action="store_true",
                    help="under torchrun's elastic agent (--nnodes MIN:MAX --max-restarts N): a "
                         "(re)started job resumes from the latest checkpoint in OUT, under the "
