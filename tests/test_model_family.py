@@ -19,11 +19,11 @@ from commpipe.models.family import (
 SPLITS = {"llama": ("tiny", [1, 3]), "blip": ("blip-tiny", [3, 5])}
 
 
-def test_two_registrations_serve_every_arch():
-    assert sorted(f.arch for f in families()) == ["blip", "llama"]
+def test_three_registrations_serve_every_arch():
+    assert sorted(f.arch for f in families()) == ["blip", "llama", "moe"]
     assert family_for_arch("gpt") is family_for_arch("llama")   # gpt shapes: the decoder family
-    with pytest.raises(ValueError, match="arch='moe' is unknown"):
-        family_for_arch("moe")
+    with pytest.raises(ValueError, match="arch='mamba' is unknown"):
+        family_for_arch("mamba")
 
 
 @pytest.mark.parametrize("family", families(), ids=lambda f: f.arch)

@@ -106,7 +106,7 @@ def register(family: ModelFamily) -> ModelFamily:
 
 def _load() -> None:
     # each module registers its family on import; models/ holds one per family
-    from commpipe.models import blip_family, llama_family  # noqa: F401
+    from commpipe.models import blip_family, llama_family, moe_family  # noqa: F401
 
 
 def families() -> list[ModelFamily]:

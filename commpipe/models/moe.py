@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -266,6 +267,34 @@ class MoETransformer(nn.Module):
         return h, total
 
 
+class MoEOutput(NamedTuple):
+    """What the last stage outputs: logits [b, s, vocab] and the carried load-balancing term."""
+
+    logits: torch.Tensor
+    aux: torch.Tensor
+
+
+class MoEStage(MoETransformer):
+    """A pipeline stage of the MoE decoder, inputs and outputs named as in its StageIO
+    (moe_spec.stage_io): tokens (first stage) or hidden and aux in; hidden and aux out, or on the
+    last stage logits as a MoEOutput, which `stage_loss_sum` turns into the loss."""
+
+    io_dict = True   # takes and returns dicts named by its StageIO (commpipe.runtime.executor)
+
+    def forward(self, tokens=None, hidden=None, aux=None) -> dict:
+        x = tokens if self.tok_embeddings is not None else hidden
+        h, total = super().forward(x, None, None if aux is None else aux.reshape(()))
+        if self.output is not None:
+            return {"logits": MoEOutput(h, total)}
+        return {"hidden": h, "aux": total.reshape(1)}
+
+
+def stage_loss_sum(out: MoEOutput, labels: torch.Tensor, token_loss=cross_entropy_sum):
+    """The last stage's loss: `token_loss` (summed cross-entropy, or its vocabulary-parallel
+    form) of the logits plus the carried load-balancing term."""
+    return token_loss(out.logits, labels) + out.aux
+
+
 def moe_loss_sum(logits: torch.Tensor, labels: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
     """Summed token cross-entropy plus the carried load-balancing term; callers divide by the
     global token count."""
@@ -293,9 +322,12 @@ def init_moe(model: MoETransformer, seed: int) -> MoETransformer:
 
 
 def build_moe(spec: MoESpec | str, seed: int = 0, layer_ids=None, has_embedding: bool = True,
-              has_head: bool = True, device: torch.device | str = "cpu") -> MoETransformer:
-    """Build on the meta device (no memory), then materialise and initialise from names."""
+              has_head: bool = True, device: torch.device | str = "cpu",
+              stage: bool = False) -> MoETransformer:
+    """Build on the meta device (no memory), then materialise and initialise from names;
+    `stage`: a MoEStage (pipeline stage with named inputs and outputs)."""
     spec = resolve_moe(spec) if isinstance(spec, str) else spec
     with torch.device("meta"):
-        model = MoETransformer(spec.validate(), layer_ids, has_embedding, has_head)
+        model = (MoEStage if stage else MoETransformer)(spec.validate(), layer_ids,
+                                                        has_embedding, has_head)
     return init_moe(model.to_empty(device=device), seed)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from commpipe.models.boundary import StageIO, TensorDesc, check_counts
+
 GATES = ("softmax", "sigmoid")
 ATTENTIONS = ("gqa", "mla")
 
@@ -189,6 +191,24 @@ def resolve_moe(model: str) -> MoESpec:
     values.setdefault("kv_heads", values["heads"])
     values.setdefault("name", f"moe-L{values['layers']}-H{values['hidden']}-E{values['experts']}")
     return MoESpec(**values).validate()
+
+
+def stage_io(spec: MoESpec, stage_layers: list[int], micro_batch: int, seq_len: int,
+             dtype: str = "float32") -> list:
+    """What crosses each stage boundary (commpipe.models.boundary): the hidden states and the
+    load-balancing term summed so far (one value), so the last stage can add it to the loss."""
+    check_counts(stage_layers, spec.layers)
+    carried = (TensorDesc("hidden", (micro_batch, seq_len, spec.hidden), dtype),
+               TensorDesc("aux", (1,), dtype))
+    tokens = TensorDesc("tokens", (micro_batch, seq_len), "int64")
+    labels = TensorDesc("labels", (micro_batch, seq_len), "int64")
+    out, start, last = [], 0, len(stage_layers) - 1
+    for k, count in enumerate(stage_layers):
+        data = ((tokens,) if k == 0 else ()) + ((labels,) if k == last else ())
+        out.append(StageIO(k, range(start, start + count), data, carried if k > 0 else (),
+                           carried if k < last else ()))
+        start += count
+    return out
 
 
 def spec_from_dict(d: dict) -> MoESpec:

@@ -6,6 +6,10 @@ and is shown to the registered observers (the monitor) before it starts and once
 Nothing else in commpipe calls torch.distributed communication directly (a test greps for it).
 
 Groups of size 1 do nothing, so the single-process path is the reference path.
+Expert parallelism adds two groups carved from dp_cp (commpipe.parallel.expert, `add_groups`):
+`ep` (ranks holding different experts, which exchange tokens by all-to-all) and `edp` (ranks
+holding the same experts, which sum their gradients); without it `ep` is this rank alone and
+`edp` is dp_cp.
 
 Observer protocol (see commpipe.monitor):
     ctx = observer.begin(call)          # before the op is issued; may return None (not sampled)
@@ -42,7 +46,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 class CommCall:
     """One communication call as observers see it."""
 
-    dim: str                      # tp | cp | dp | pp | dp_cp | world
+    dim: str                      # tp | cp | dp | pp | dp_cp | ep | edp | world
     op: str                       # all_reduce | all_gather | reduce_scatter | send | recv | ...
     nbytes: int                   # payload bytes this rank sends (send) or receives (recv);
                                   # for collectives the size of this rank's input tensor
@@ -135,6 +139,7 @@ class Comm:
         # strict order: point-to-point messages of a rank pair pair up in issue order, as on
         # NCCL; on gloo every message then travels with one tag, so gloo matches it the same way
         self.strict_order = strict_order or self.backend == "nccl"
+        self.timeout_s = timeout_s
         for name in GROUP_DIMS:
             ranks_here = None
             for ranks in dims.groups(name):
@@ -145,6 +150,22 @@ class Comm:
                     ranks_here = tuple(ranks)
                     self._pg[name] = pg
             self.groups[name] = ranks_here
+        # no expert parallelism until add_groups: every rank holds every expert
+        self.groups["ep"], self._pg["ep"] = (rank,), None
+        self.groups["edp"], self._pg["edp"] = self.groups["dp_cp"], self._pg["dp_cp"]
+
+    def add_groups(self, dim: str, groups: list[list[int]]) -> None:
+        """Make `dim` the group of `groups` that holds this rank (a partition of the world, the
+        same list on every rank, which must all call this in the same order)."""
+        here = None
+        for ranks in groups:
+            pg = (dist.new_group(ranks, timeout=datetime.timedelta(seconds=self.timeout_s))
+                  if self.initialized and len(ranks) > 1 and self.dims.world_size > 1 else None)
+            if self.rank in ranks:
+                here, self._pg[dim] = tuple(ranks), pg
+        if here is None:
+            raise ValueError(f"rank {self.rank} is in none of the {dim} groups {groups}")
+        self.groups[dim] = here
 
     # -- sizes and ranks ------------------------------------------------------------------------
     def size(self, dim: str) -> int:
@@ -243,6 +264,22 @@ class Comm:
         else:
             work = dist.reduce_scatter_tensor(out, tensor, group=self._pg_of(dim), async_op=True)
             handle = Handle(self, work, call, ctxs, lambda: out)
+        return handle if async_op else handle.wait()
+
+    def all_to_all_single(self, tensor: torch.Tensor, output_splits: list[int],
+                          input_splits: list[int], dim: str, async_op: bool = False):
+        """Rows input_splits[i] of `tensor` (dim 0, in group order) go to the group's rank i;
+        the result holds output_splits[j] rows from rank j, in group order (a new tensor, or a
+        Handle). Splits may differ per rank pair: expert parallelism's token dispatch."""
+        if self.size(dim) == 1:
+            return _done_handle(self, tensor) if async_op else tensor
+        tensor = tensor.contiguous()
+        out = tensor.new_empty((sum(output_splits), *tensor.shape[1:]))
+        call, ctxs = self._start(dim, "all_to_all", tensor, group=self._group_ranks(dim))
+        call.extra["output_splits"], call.extra["input_splits"] = output_splits, input_splits
+        work = dist.all_to_all_single(out, tensor, output_splits, input_splits,
+                                      group=self._pg_of(dim), async_op=True)
+        handle = Handle(self, work, call, ctxs, lambda: out)
         return handle if async_op else handle.wait()
 
     def broadcast(self, tensor: torch.Tensor, dim: str, src_local: int = 0) -> None:

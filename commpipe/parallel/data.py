@@ -27,13 +27,14 @@ from commpipe.parallel.comm import Comm
 
 
 class Bucket:
-    """Parameters reduced together. For ZeRO-1 each parameter has an owner in the DP group
+    """Parameters reduced together over one group (`dim`: dp_cp, or edp for experts sharded by
+    expert parallelism, commpipe.parallel.expert). For ZeRO-1 each parameter has an owner in the DP group
     (a greedy size balance, identical on every rank) and the flat buffer is laid out owner by
     owner, each segment padded to the longest, so one reduce-scatter leaves every rank the
     summed gradients of exactly the parameters it updates, and one all-gather returns them."""
 
-    def __init__(self, params: list[nn.Parameter], n: int):
-        self.params = params
+    def __init__(self, params: list[nn.Parameter], n: int, dim: str = "dp_cp"):
+        self.params, self.dim = params, dim
         loads = [0] * n
         self.owner = []
         for p in params:
@@ -95,15 +96,22 @@ class GradReducer:
         self._accumulated(p)
 
     def _make_buckets(self, order: list[nn.Parameter]) -> list[Bucket]:
+        # experts sharded over ep are summed over the ranks holding the same experts (edp)
         buckets, cur, size = [], [], 0
+        dim = "dp_cp"
         for p in order:
+            p_dim = "edp" if getattr(p, "_ep_sharded", False) else "dp_cp"
+            if cur and p_dim != dim:
+                buckets.append(Bucket(cur, self.shards, dim))
+                cur, size = [], 0
+            dim = p_dim
             cur.append(p)
             size += p.numel() * p.element_size()
             if size >= self.bucket_bytes:
-                buckets.append(Bucket(cur, self.shards))
+                buckets.append(Bucket(cur, self.shards, dim))
                 cur, size = [], 0
         if cur:
-            buckets.append(Bucket(cur, self.shards))
+            buckets.append(Bucket(cur, self.shards, dim))
         self.bucket_of = {id(p): i for i, b in enumerate(buckets) for p in b.params}
         self.owner_of = {id(p): o for b in buckets for p, o in zip(b.params, b.owner)}
         return buckets
@@ -137,7 +145,7 @@ class GradReducer:
 
     @torch.no_grad()
     def _issue(self, bucket: Bucket) -> None:
-        if self.n == 1:
+        if self.comm.size(bucket.dim) == 1:
             return
         grads = lambda p: p.grad if p.grad is not None else torch.zeros_like(p)  # noqa: E731
         flat = bucket.pack(grads, self.shards, self.zero)
@@ -146,7 +154,7 @@ class GradReducer:
             self.comm.all_reduce(flat, "cp")
             handle = self.comm.reduce_scatter(flat, "dp", async_op=True)
         else:
-            handle = self.comm.all_reduce(flat, "dp_cp", async_op=True)
+            handle = self.comm.all_reduce(flat, bucket.dim, async_op=True)
         self._inflight.append((bucket, handle))
 
     @torch.no_grad()
@@ -202,15 +210,19 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, comm: Comm,
                     sharded: bool = False) -> float:
     """Clip by the norm of the *whole model's* gradient: squares summed over this rank's
     parameters (TP-replicated ones counted on tp rank 0 only), then over the TP and PP groups
-    (and DP when ZeRO-1 left each rank only the gradients it owns: `sharded`)."""
+    (and DP when ZeRO-1 left each rank only the gradients it owns: `sharded`); experts sharded
+    over ep are summed over ep first (every other parameter is the same on each ep rank)."""
     # on the parameters' device: NCCL reduces only device tensors, and one sync per step
     device = next((p.grad.device for p in params if p.grad is not None), comm.device)
     sq = torch.zeros((), dtype=torch.float64, device=device)
+    sq_ep = torch.zeros((), dtype=torch.float64, device=device)
     tp_rank = comm.local_rank("tp")
     for p in params:
         if p.grad is None or (getattr(p, "_tp_dim", None) is None and tp_rank != 0):
             continue
-        sq += p.grad.detach().double().pow(2).sum()
+        (sq_ep if getattr(p, "_ep_sharded", False) else sq).add_(p.grad.detach().double().pow(2).sum())
+    comm.all_reduce(sq_ep, "ep")
+    sq += sq_ep
     for dim in ("tp", "pp", "dp") if sharded else ("tp", "pp"):
         comm.all_reduce(sq, dim)
     norm = math.sqrt(sq.item())

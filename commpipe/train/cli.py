@@ -24,6 +24,10 @@ def add_layout_arguments(p) -> None:
     g = p.add_argument_group("layout")
     for dim in ("tp", "cp", "pp", "dp"):
         g.add_argument(f"--{dim}", type=int, default=1, help=f"{dim} degree (default 1)")
+    g.add_argument("--ep", type=int, default=1,
+                   help="expert parallelism of MoE models: experts sharded over groups of EP "
+                        "ranks carved from the dp*cp ranks; must divide dp*cp and the expert "
+                        "count (default 1)")
     g.add_argument("--schedule", default="1f1b",
                    help="pipeline schedule name (gpipe, 1f1b, interleaved, zbh1, zbv, and the "
                         "braided stp, dualpipev) or a schedule .csv (default 1f1b)")
@@ -173,7 +177,8 @@ def config_from_args(args) -> TrainConfig:
     monitor = parse_monitor_flag(args.comm_monitor)
     if (monitor is not None or args.trace) and not args.out:
         raise ValueError("--comm-monitor and --trace write into the run folder; give --out DIR")
-    return TrainConfig(model=args.model or "tiny", dims=dims, schedule=args.schedule, vpp=args.vpp,
+    return TrainConfig(model=args.model or "tiny", dims=dims, ep=getattr(args, "ep", 1),
+                       schedule=args.schedule, vpp=args.vpp,
                        microbatches=args.microbatches, micro_batch_size=args.micro_batch_size,
                        dp_microbatches=dp_microbatches,
                        global_batch=args.global_batch, seq_len=args.seq_len, steps=args.steps,

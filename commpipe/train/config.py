@@ -29,6 +29,7 @@ class OptimConfig:
 class TrainConfig:
     model: str = "tiny"
     dims: ParallelDims = field(default_factory=ParallelDims)
+    ep: int = 1                       # expert parallelism, carved from dp*cp (parallel.expert)
     schedule: str = "1f1b"
     vpp: int = 1
     microbatches: int | None = None
@@ -81,7 +82,11 @@ class TrainConfig:
         from commpipe.train.families import training_for
 
         # the model family's part (commpipe.train.decoder, commpipe.train.multimodal)
-        training_for(family_for_model(self.model)).resolve_config(self, world_size)
+        training = training_for(family_for_model(self.model))
+        if self.ep != 1 and not training.expert_parallel:
+            raise ValueError(f"--ep {self.ep} shards the experts of MoE models; {self.model} has "
+                             "none: drop --ep (or train a MoE model, e.g. --model moe-tiny)")
+        training.resolve_config(self, world_size)
         return self
 
     def resolve_batch(self) -> None:
@@ -309,6 +314,8 @@ class TrainConfig:
 def layout_label(cfg) -> str:
     """The `layout` of a metrics record: tp/cp/pp/dp, schedule, micro-batching, stage split."""
     label = f"{cfg.dims} {cfg.schedule} m{cfg.microbatches}x{cfg.micro_batch_size}"
+    if getattr(cfg, "ep", 1) > 1:
+        label = f"ep{cfg.ep}-{label}"
     if cfg.stage_layers:
         label += " layers " + ",".join(str(x) for x in cfg.stage_layers)
     if cfg.dp_microbatches:

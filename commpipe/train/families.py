@@ -18,6 +18,7 @@ class Training:
     open_data: Callable        # (cfg, world_size) -> source: --data, opened before resolve
     make_source: Callable      # (cfg) -> source: --data, else synthetic
     synthetic_source: Callable  # (cfg) -> source: synthetic batches (a resumed run, no --data)
+    expert_parallel: bool = False  # its build shards experts over --ep (commpipe.parallel.expert)
 
 
 TRAINING: dict[str, Training] = {}
@@ -39,7 +40,7 @@ def register_training(arch: str, training: Training) -> Training:
 def training_for(family) -> Training:
     """The training glue of a commpipe.models.family.ModelFamily."""
     # each module registers its family's glue on import
-    from commpipe.train import decoder, multimodal  # noqa: F401
+    from commpipe.train import decoder, moe, multimodal  # noqa: F401
 
     if family.arch not in TRAINING:
         raise ValueError(f"commpipe train builds {', '.join(sorted(TRAINING))} models, not "

@@ -1,0 +1,129 @@
+"""Expert parallelism (GShard, Lepikhin et al. 2020; as Megatron-Core and torchtitan lay it out):
+the routed experts of every MoE layer are sharded over `ep` ranks carved from the data-parallel
+(x context-parallel) ranks, attention and everything else stays replicated over them.
+
+    dp_cp group   [r0 r1 r2 r3 r4 r5 r6 r7]     (dp=8, ep=4)
+    ep groups     [r0 r1 r2 r3] [r4 r5 r6 r7]   consecutive: the all-to-all stays inside a node
+    edp groups    [r0 r4] [r1 r5] [r2 r6] [r3 r7]   same experts: their gradients are summed
+
+Each rank routes its own tokens (the router is replicated), then `ExpertParallelExperts`:
+    exchange counts   all-to-all of rows per (rank, local expert)             [ep, E/ep]
+    dispatch          all-to-all of the expert-grouped rows to their owners   variable splits
+    local experts     rows regrouped source-major -> expert-major, one SwiGLU per local expert
+    combine           the inverse regrouping and all-to-all back                variable splits
+Routing is dropless, so the layer computes exactly what one device computes; only the order in
+which an expert's rows are summed into its weight gradient changes. Every exchange goes through
+Comm (dim "ep"), so the monitor sees it. An expert's gradient is summed over `edp` (the ranks
+holding the same experts), never over `ep` (commpipe.parallel.data reads `_ep_sharded`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from commpipe.models.moe import GroupedExperts, MoELayer
+from commpipe.parallel.comm import Comm
+from commpipe.parallel.dims import ParallelDims
+
+
+def check_ep(ep: int, dims: ParallelDims, experts: int) -> None:
+    """Bad --ep fails before any process group starts, naming the values that work."""
+    replicas = dims.dp * dims.cp
+    if not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"--ep {ep!r} must be a positive integer")
+    if replicas % ep:
+        ok = [e for e in range(1, replicas + 1) if replicas % e == 0 and experts % e == 0]
+        raise ValueError(f"--ep {ep} does not divide dp*cp = {dims.dp}*{dims.cp} = {replicas} "
+                         f"(expert-parallel groups are carved from the data-parallel ranks); use "
+                         f"--ep in {ok} or raise --dp to a multiple of {ep}")
+    if experts % ep:
+        ok = [e for e in range(1, replicas + 1) if replicas % e == 0 and experts % e == 0]
+        raise ValueError(f"--ep {ep} does not divide the model's {experts} experts; use --ep in "
+                         f"{ok}")
+
+
+def ep_groups(dims: ParallelDims, ep: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(ep groups, edp groups): each dp_cp group cut into blocks of `ep` consecutive ranks
+    (one block holds every expert once), and the ranks at the same place of each block."""
+    eps, edps = [], []
+    for group in dims.groups("dp_cp"):
+        eps += [group[i:i + ep] for i in range(0, len(group), ep)]
+        edps += [group[j::ep] for j in range(ep)]
+    return eps, edps
+
+
+def build_ep_groups(comm: Comm, ep: int) -> None:
+    """Give `comm` its ep and edp groups (every rank calls this, in the same order)."""
+    if ep == 1:
+        return
+    eps, edps = ep_groups(comm.dims, ep)
+    comm.add_groups("ep", eps)
+    comm.add_groups("edp", edps)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows to the ranks of the ep group by `input_splits`; the backward sends the gradients
+    back the way they came (splits swapped)."""
+
+    @staticmethod
+    def forward(ctx, x, comm: Comm, output_splits: list[int], input_splits: list[int]):
+        ctx.comm, ctx.splits = comm, (output_splits, input_splits)
+        return comm.all_to_all_single(x, output_splits, input_splits, "ep")
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return ctx.comm.all_to_all_single(grad, input_splits, output_splits, "ep"), None, None, None
+
+
+class ExpertParallelExperts(GroupedExperts):
+    """This rank's `experts / ep` experts (same parameter names as GroupedExperts, rows
+    [ep_rank * E/ep, (ep_rank + 1) * E/ep) of the stacked weights), called like the whole set:
+    rows grouped by global expert in, the experts' outputs in the same order out."""
+
+    def __init__(self, full: GroupedExperts, comm: Comm):
+        experts, ffn, hidden = full.w1.shape
+        ep, ep_rank = comm.size("ep"), comm.local_rank("ep")
+        local = experts // ep
+        nn.Module.__init__(self)
+        self.comm, self.local = comm, local
+        mine = slice(ep_rank * local, (ep_rank + 1) * local)
+        for name in ("w1", "w3", "w2"):
+            p = nn.Parameter(getattr(full, name).detach()[mine].clone())
+            p._ep_sharded = True     # gradient summed over edp; norm summed over ep
+            setattr(self, name, p)
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x [sum(counts), h], counts [E] rows per global expert -> the experts' outputs."""
+        comm, ep, local = self.comm, self.comm.size("ep"), self.local
+        send = torch.tensor(counts, dtype=torch.int64).view(ep, local)   # [dest, local expert]
+        recv = comm.all_to_all_single(send.flatten(), [local] * ep, [local] * ep, "ep")
+        recv = recv.view(ep, local)                                      # [source, local expert]
+        input_splits, output_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        rows = _AllToAll.apply(x, comm, output_splits, input_splits)     # source-major
+        order = _expert_major(recv)
+        out = super().forward(rows[order], recv.sum(0).tolist())          # expert-major
+        back = torch.empty_like(out).index_copy(0, order, out)          # source-major again
+        return _AllToAll.apply(back, comm, input_splits, output_splits)
+
+
+def _expert_major(recv: torch.Tensor) -> torch.Tensor:
+    """Indices that reorder rows laid out by (source, local expert) into (local expert, source),
+    each block keeping its order: every expert then sees its rows from rank 0, 1, ... in turn."""
+    starts = torch.cumsum(recv.flatten(), 0) - recv.flatten()
+    starts = starts.view_as(recv)
+    blocks = [torch.arange(int(starts[s, e]), int(starts[s, e] + recv[s, e]))
+              for e in range(recv.shape[1]) for s in range(recv.shape[0])]
+    return torch.cat(blocks) if blocks else torch.zeros(0, dtype=torch.int64)
+
+
+def apply_ep(model: nn.Module, comm: Comm) -> nn.Module:
+    """Shard the routed experts of every MoE layer of `model` over comm's ep group, in place;
+    a no-op when ep = 1."""
+    if comm.size("ep") == 1:
+        return model
+    for layer in model.modules():
+        if isinstance(layer, MoELayer):
+            layer.experts = ExpertParallelExperts(layer.experts, comm)
+    return model

@@ -1,0 +1,207 @@
+"""The MoE family trains as one device computes: loss and pre-clip gradient norm of each of 3
+steps, the last step's pre-clip gradients and the final parameters, against a plain loop over
+the whole MoETransformer (fp32, CPU, gloo), with the tolerances of tests/test_equivalence.py.
+
+Layouts, in one launch of 4 processes (and one of 8): experts replicated (ep 1) under tp2 x pp2
+and dp2 x pp2; expert parallelism ep2 x dp4 (expert gradients summed over the 2 ranks holding
+the same experts), ep2 x pp2 under 1f1b, zbv and dualpipev, ep2 x tp2, and ep4 x dp8 on 8 ranks.
+A planted bug (expert gradients summed over the EP group, which holds *different* experts, instead
+of over the ranks replicating them) must fail the comparison.
+"""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from commpipe.cluster.ports import free_port
+from commpipe.models.moe import build_moe, moe_loss_sum
+from commpipe.parallel.dims import ParallelDims
+from commpipe.train.config import TrainConfig
+from commpipe.train.source import make_source
+from tests.dist_harness import _worker, assemble
+from tests.reference import reference_loop
+from tests.test_equivalence import check_against, check_grads, check_losses, make_cfg
+
+# 4 layers: pp2 under zbv and dualpipev has 4 stages
+MODEL = ("arch=moe,layers=4,hidden=32,heads=4,kv_heads=2,vocab=128,experts=4,top_k=2,"
+         "expert_ffn=16,shared_experts=1,rope_theta=10000")
+
+
+def moe_cfg(dims: ParallelDims, schedule: str = "1f1b", ep: int = 1) -> TrainConfig:
+    return make_cfg(dims, schedule, model=MODEL, ep=ep)
+
+
+def moe_reference_run(cfg: TrainConfig) -> dict:
+    """One whole MoETransformer: the global batch in micro-batches of the trainer's size (the
+    load-balancing loss is per micro-batch), summed cross-entropy plus each micro-batch's
+    balancing term, divided by the global token count."""
+    cfg.resolve(cfg.dims.world_size)
+    model = build_moe(cfg.spec, cfg.seed)
+    source = make_source(cfg, cfg.spec)
+
+    def loss_at(step: int) -> torch.Tensor:
+        inputs, labels = source.batch(step, cfg.global_batch, 0, 1)
+        total = 0
+        for x, y in zip(inputs.split(cfg.micro_batch_size), labels.split(cfg.micro_batch_size)):
+            logits, aux = model(x)
+            total = total + moe_loss_sum(logits, y, aux)
+        return total / labels.numel()
+
+    return reference_loop(cfg, model, loss_at)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return moe_reference_run(moe_cfg(ParallelDims()))
+
+
+def plant_expert_grads_over_ep(trainer) -> None:
+    """Expert gradients summed over the EP group instead of the ranks holding the same experts."""
+    reducer, make = trainer.reducer, trainer.reducer._make_buckets
+
+    def over_ep(order):
+        buckets = make(order)
+        for b in buckets:
+            if b.dim == "edp":
+                b.dim = "ep"
+        return buckets
+
+    reducer._make_buckets = over_ep
+    reducer.buckets = over_ep([p for b in reducer.buckets for p in b.params])
+
+
+def run_ep_jobs(world: int, jobs: list) -> dict:
+    """tests.dist_harness.run_jobs, with expert shards put back together: the experts a rank
+    holds are rows [ep_rank * E/ep, ...) of each stacked expert weight."""
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.start_processes(_worker, args=(world, free_port(), jobs, tmp), nprocs=world,
+                           start_method="spawn")
+        per_rank = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    out = {}
+    for key, cfg, *_ in jobs:
+        results = [pr[key] for pr in per_rank]
+        dense = [_without_experts(r) for r in results]   # replicated over ep too
+        holders = {}
+        for r in results:
+            c = r["coords"]
+            replica = c["dp"] * cfg.dims.cp + c["cp"]
+            holders.setdefault((c["pp"], c["tp"], replica // cfg.ep), []).append((replica, r))
+        merged = []
+        for group in holders.values():
+            group = [r for _, r in sorted(group, key=lambda x: x[0])]
+            first = dict(group[0], params=dict(group[0]["params"]), grads=dict(group[0]["grads"]))
+            for name in _expert_names(first):
+                first["params"][name] = (torch.cat([r["params"][name][0] for r in group]),
+                                         first["params"][name][1])
+                first["grads"][name] = torch.cat([r["grads"][name] for r in group])
+            merged.append(first)
+        got = assemble(merged)
+        got["replicas_equal"] &= assemble(dense)["replicas_equal"]
+        out[key] = got
+    return out
+
+
+def _expert_names(result: dict) -> list[str]:
+    return [n for n in result["params"] if ".experts.w" in n]
+
+
+def _without_experts(result: dict) -> dict:
+    keep = [n for n in result["params"] if ".experts.w" not in n]
+    return dict(result, params={n: result["params"][n] for n in keep},
+                grads={n: result["grads"][n] for n in keep})
+
+
+LAYOUTS = {  # world 4
+    "tp2-pp2-ep1": (ParallelDims(tp=2, pp=2), "1f1b", 1),
+    "dp2-pp2-ep1": (ParallelDims(dp=2, pp=2), "1f1b", 1),
+    "dp4-ep2": (ParallelDims(dp=4), "1f1b", 2),
+    "dp2-pp2-ep2-1f1b": (ParallelDims(dp=2, pp=2), "1f1b", 2),
+    "dp2-pp2-ep2-zbv": (ParallelDims(dp=2, pp=2), "zbv", 2),
+    "dp2-pp2-ep2-dualpipev": (ParallelDims(dp=2, pp=2), "dualpipev", 2),
+    "dp2-tp2-ep2": (ParallelDims(dp=2, tp=2), "1f1b", 2),
+}
+
+
+@functools.cache
+def results_of(world: int) -> dict:
+    if world == 8:
+        return run_ep_jobs(8, [("dp8-ep4", moe_cfg(ParallelDims(dp=8), ep=4))])
+    jobs = [(key, moe_cfg(d, sched, ep)) for key, (d, sched, ep) in LAYOUTS.items()]
+    jobs.append(("planted-dp4-ep2", moe_cfg(ParallelDims(dp=4), ep=2), plant_expert_grads_over_ep))
+    return run_ep_jobs(4, jobs)
+
+
+def test_one_rank_matches_reference(reference):
+    """ep 1 on one rank, in this process: the family's stages, runtime, loss and optimizer."""
+    from commpipe.parallel.comm import Comm
+    from commpipe.train.loop import Trainer
+
+    cfg = moe_cfg(ParallelDims()).resolve(1)
+    trainer = Trainer.build(cfg, Comm(cfg.dims, 0))
+    trainer.capture_grads = True
+    records = [trainer.train_step() for _ in range(cfg.steps)]
+    got = {"losses": [r["loss"] for r in records], "grad_norms": [r["grad_norm"] for r in records],
+           "params": {n: p.detach() for n, p in trainer.named_params},
+           "grads": trainer.last_grads, "replicas_equal": True}
+    check_against(reference, got, "one rank")
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_layouts_match_single_device(world, reference):
+    for key, got in results_of(world).items():
+        if not key.startswith("planted-"):
+            check_against(reference, got, key)
+
+
+def test_expert_grads_reduced_over_ep_is_caught(reference):
+    got = results_of(4)["planted-dp4-ep2"]
+    with pytest.raises(AssertionError, match="grad"):
+        check_grads(reference, got, "planted")
+    # the first step's loss comes before any reduction; later ones follow the wrong update
+    check_losses({"losses": reference["losses"][:1]}, {"losses": got["losses"][:1]}, "planted")
+
+
+@pytest.mark.parametrize("ep,dp,why", [
+    (3, 4, "--ep 3 does not divide dp\\*cp = 4\\*1 = 4 .*use --ep in \\[1, 2, 4\\]"),
+    (8, 8, "--ep 8 does not divide the model's 4 experts; use --ep in \\[1, 2, 4\\]"),
+])
+def test_bad_ep_fails_before_launch(ep, dp, why):
+    with pytest.raises(ValueError, match=why):
+        moe_cfg(ParallelDims(dp=dp), ep=ep).resolve(dp)
+
+
+def test_ep_on_a_dense_model_says_what_to_change():
+    with pytest.raises(ValueError, match="--ep 2 shards the experts of MoE models; tiny has none"):
+        make_cfg(ParallelDims(dp=2), "1f1b", ep=2).resolve(2)
+
+
+def test_family_builds_the_counted_stages():
+    """The registration: stages of a split hold param_count parameters and chain through their
+    boundaries (hidden states and the carried balancing term); layer costs add up to the FLOPs."""
+    from commpipe.models.family import family_for_model
+    from commpipe.models.moe import MoEOutput
+    from commpipe.runtime.messages import as_stage_io
+
+    family = family_for_model("moe-tiny")
+    spec = family.resolve("moe-tiny")
+    assert family.arch == "moe" and family_for_model(MODEL) is family
+    stages = family.build_stages(spec, [range(0, 1), range(1, 2)], seed=0, device="cpu")
+    assert family.param_count(spec, 16) == sum(p.numel() for s in stages for p in s.parameters())
+    ios = as_stage_io(family.stage_io(spec, [1, 1], micro_batch=2, seq_len=16), 2)
+    assert [d.name for d in ios[0].send] == ["hidden", "aux"]
+    assert 3 * sum(family.layer_costs(spec, 16)) == family.flops_per_unit(spec, 16)
+    tokens = torch.randint(0, spec.vocab, (2, 16))
+    mid = stages[0](tokens=tokens)
+    out = stages[1](**mid)["logits"]
+    whole = build_moe(spec, 0)
+    logits, aux = whole(tokens)
+    torch.testing.assert_close(out.logits, logits)
+    loss = family.loss_sum(MoEOutput(logits, aux), tokens)
+    torch.testing.assert_close(loss, moe_loss_sum(logits, tokens, aux))
+    assert aux > 0
