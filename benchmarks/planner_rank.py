@@ -1,0 +1,378 @@
+"""Does `commpipe plan --gpu cpu` rank the layouts of this machine as they measure?
+
+    python benchmarks/planner_rank.py                    # ~20 min on 2 cores (root: + emulated)
+    python benchmarks/planner_rank.py --no-emulated      # local ranks only, ~6 min
+    python benchmarks/planner_rank.py --reuse            # predict OUT's measurements again
+    python benchmarks/planner_rank.py --reuse --write-interval   # + the controller's interval
+
+For every tp x cp x pp x dp layout of 4 and of 8 CPU ranks that the tiny LLaMA admits (the demo's
+8-layer, 64-wide model, sequence 32, global batch 8, 1F1B):
+1. measure: all layouts of one world size train from step 0 in one launch of the same processes
+   (commpipe.adapt.oracle), the median step time of the last steps; on this host's loopback,
+   and, as root with network namespaces, on the emulated cluster (2 ranks per node) at two
+   inter-node rates;
+2. predict: `estimate` for the same layout with what a user of `plan --gpu cpu` has on this
+   machine and nothing fitted to these runs: the CPU entry (`commpipe.plan.cpu`, one thread's
+   matmul peak and copy bandwidth), a `commpipe probe` of the same ranks (links), the cores the
+   ranks had (`--host-cores`: this machine's, less what other processes used while the layout
+   ran, sampled from /proc), the scheduler's wake-up wait (half the kernel's default time
+   slice), the host time of a gloo call (the probe's 2-rank all-reduce less its two link
+   latencies), and the per-layer host terms of `plan --calibrate` on the runs of 1 and 2 ranks
+   (their layouts are in neither set);
+3. compare, per set: Spearman rank correlation of measured and predicted step times
+   (scipy.stats.spearmanr), the measured time of the predicted best against the measured best,
+   and the median |predicted / measured - 1|. Goals: >= 0.9, within 5%, <= 15%.
+
+Output folder (default runs/planner_rank): cpu.json, probe-<set>.json, <set>/ (the oracle's
+candidates.json and per-layout rows), result.json. Results and their reading: docs/planner.md,
+"Ranking this machine's layouts".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _spare_cores import CpuMeter, spare_cores  # noqa: E402  (a sibling module)
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "arch=llama,layers=8,hidden=64,heads=4,kv_heads=2,ffn_hidden=128,vocab=256"  # DEMO_MODEL
+TRAIN = {"model": MODEL, "seq_len": 32, "global_batch": 8}
+PROBE_SIZES = "1K,4K,16K,64K,256K,1M"
+WORLDS = (4, 8)
+CALIB_WORLDS = (1, 2)
+
+
+def _log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+@dataclass
+class Host:
+    """This machine as a one-node cluster for the oracle's and the probe's launch (loopback)."""
+
+    ranks_per_node: int
+    nodes: int = 1
+    ifname: str = "lo"
+
+    def node_ip(self, node: int) -> str:
+        return "127.0.0.1"
+
+    def popen(self, node: int, argv: list[str], **kw) -> subprocess.Popen:
+        return subprocess.Popen(argv, start_new_session=True, **kw)
+
+
+# -- measuring ------------------------------------------------------------------------------------
+def probe(cluster, out: Path, port: int) -> None:
+    """`commpipe probe` on every rank of `cluster`, one torchrun per node."""
+    from commpipe.cluster.launch import NodeCommand, run_commands, torchrun
+
+    inner = ["-m", "--", "commpipe", "probe", "--ranks-per-node", str(cluster.ranks_per_node),
+             "--sizes", PROBE_SIZES, "--iters", "5", "--out", str(out.resolve())]
+    cmds = [NodeCommand(i, torchrun("--nnodes", str(cluster.nodes), "--nproc-per-node",
+                                    str(cluster.ranks_per_node), "--node-rank", str(i),
+                                    "--master-addr", cluster.node_ip(0), "--master-port", str(port),
+                                    *inner), {"GLOO_SOCKET_IFNAME": cluster.ifname},
+                        f"probe-node{i}.log")
+            for i in range(cluster.nodes)]
+    result = run_commands(cmds, out.parent / f"{out.stem}-logs", cluster=cluster, timeout_s=300)
+    if not result.ok or not out.exists():
+        raise RuntimeError(f"probe failed: {result.reason}")
+
+
+def measure_set(name: str, cluster, out: Path, args, port: int, with_probe: bool = True) -> None:
+    """Probe `cluster` and train every layout of its ranks (one launch); skipped when --reuse
+    finds both already there."""
+    from commpipe.adapt.oracle import run_oracle
+
+    probe_file, folder = out / f"probe-{name}.json", out / name
+    t0 = time.monotonic()
+    if with_probe and not (args.reuse and probe_file.exists()):
+        probe(cluster, probe_file, port)
+    if not (args.reuse and (folder / "candidates.json").exists()):
+        with CpuMeter() as meter:
+            run_oracle(cluster, dict(TRAIN, steps=args.steps), folder, port + 1, steps=args.steps,
+                       warmup=args.warmup, cutoff=float("inf"), repeat_best=args.repeat_best,
+                       log=lambda m: None, timeout_s=900)
+        (folder / "host_cpu.json").write_text(json.dumps({"cores": os.cpu_count(),
+                                                          "samples": meter.samples}))
+    _log(f"{name}: {time.monotonic() - t0:.0f} s  (load average {os.getloadavg()[0]:.1f})")
+
+
+def measure(args, out: Path) -> list[str]:
+    """Every set this machine can run; returns their names."""
+    from commpipe.plan.cpu import measure_cpu
+
+    cpu = out / "cpu.json"
+    if not (args.reuse and cpu.exists()):
+        cpu.write_text(json.dumps(measure_cpu().to_dict(), indent=2) + "\n")
+    port = 29640
+    for world in CALIB_WORLDS:
+        measure_set(f"calib{world}", Host(world), out, args, port, with_probe=world > 1)
+        port += 2
+    names = []
+    for world in WORLDS:
+        name = f"local{world}"
+        measure_set(name, Host(world), out, args, port)
+        names.append(name)
+        port += 2
+    if args.no_emulated:
+        return names
+    from commpipe.cluster import netns
+
+    ok, why = netns.available()
+    if not ok:
+        _log(f"emulated cluster skipped: {why}")
+        return names
+    for mbit in args.rates:
+        for world in WORLDS:
+            name = f"emu{mbit:g}mbit{world}"
+            with netns.EmulatedCluster(world // 2, 2, mbit, prefix=f"cpr{os.getpid() % 1000}") as c:
+                measure_set(name, c, out, args, port)
+            names.append(name)
+            port += 2
+    return names
+
+
+# -- predicting -----------------------------------------------------------------------------------
+def measured_layouts(folder: Path, cores: int) -> list[dict]:
+    """The oracle's candidates at the even split (what `plan` prices), each with median_ms and
+    `spare_cores`: the cores other processes left over while its steps ran (each pass ends when
+    its rows are written and lasts the sum of its step times)."""
+    rec = json.loads((folder / "candidates.json").read_text())
+    meter = folder / "host_cpu.json"
+    samples = json.loads(meter.read_text())["samples"] if meter.exists() else []
+    out = []
+    for c in rec["candidates"]:
+        if c["split"] == "balanced":
+            continue
+        spare = []
+        for suffix, steps in ((".jsonl", c["step_ms"]), (".pass2.jsonl", c.get("step_ms_pass2"))):
+            path = folder / "candidates" / f"{c['name']}{suffix}"
+            if steps and path.exists():
+                end = path.stat().st_mtime
+                spare.append(spare_cores(samples, end - sum(steps) / 1e3, end, cores))
+        out.append(c | {"spare_cores": statistics.fmean(spare) if spare else float(cores)})
+    return out
+
+
+def planner_inputs(out: Path, name: str, world: int, cores: int):
+    """(spec, job, cluster) as `plan --gpu cpu --cluster probe-<name>.json --host-cores N`
+    builds them (plan.cli's for_cluster: the job commpipe's runtime runs)."""
+    from commpipe.models.spec import resolve_model
+    from commpipe.plan.cli import for_cluster
+    from commpipe.plan.cluster import apply_probe, default_cluster
+    from commpipe.plan.gpus import GPU
+    from commpipe.plan.layout import Job
+
+    gpu = GPU(**json.loads((out / "cpu.json").read_text()))
+    rpn = world if name.startswith(("local", "calib")) else 2
+    cluster = default_cluster(gpu, world, min(rpn, world))
+    if (out / f"probe-{name}.json").exists():
+        cluster = apply_probe(cluster, out / f"probe-{name}.json")
+    cluster = replace(cluster, host_cores=cores, backend="gloo",
+                      nics_per_node=None if name.startswith(("local", "calib")) else 1)
+    job = for_cluster(Job(TRAIN["global_batch"], TRAIN["seq_len"], precision="fp32"), cluster,
+                      "commpipe")
+    return resolve_model(MODEL), job, cluster
+
+
+def plan_layout(c: dict):
+    from commpipe.plan.layout import Layout
+
+    return Layout(c["tp"], c["cp"], c["pp"], c["dp"], 1, c["micro_batch_size"], c["schedule"], "none")
+
+
+def on_spare_cores(cluster, eff, spare: float):
+    """The cluster and host terms of ranks that had `spare` cores between them: processor sharing
+    (`Cluster.host_cores`, commpipe.plan.host); below one core even a lone rank runs at `spare`
+    of its speed, so the CPU's rates shrink and its host terms grow by that factor instead."""
+    if spare >= 1.0:
+        return replace(cluster, host_cores=spare), eff
+    gpu = replace(cluster.gpu, tflops=cluster.gpu.tflops * spare, hbm_gbps=cluster.gpu.hbm_gbps * spare)
+    eff = replace(eff, overhead_s=eff.overhead_s / spare, coll_overhead_s=eff.coll_overhead_s / spare,
+                  optimizer_overhead_s=eff.optimizer_overhead_s / spare)
+    return replace(cluster, gpu=gpu, host_cores=1), eff
+
+
+def scheduler_wake_s(cores: int) -> float:
+    """How long a woken rank waits for a core per busy rank ahead of it: half of Linux's EEVDF base
+    slice, 0.75 ms x (1 + log2(min(cores, 8))) (kernel/sched/fair.c, sysctl_sched_base_slice with
+    the default logarithmic CPU scaling): a wake-up lands on average halfway through the running
+    rank's slice. The planner's `Efficiency.wake_s` (commpipe.plan.host), from the kernel's
+    defaults, not fitted."""
+    import math
+
+    return 0.75e-3 * (1 + int(math.log2(min(max(cores, 1), 8)))) / 2
+
+
+def probe_call_s(path: Path) -> float:
+    """Host time of one gloo collective call, from a probe of two ranks on one node: the fitted
+    latency of its 2-rank all-reduce less the two point-to-point latencies the planner already
+    prices for it (Cluster.latency_steps: a gloo ring all-reduce of 2 ranks takes 2 steps)."""
+    data = json.loads(path.read_text())
+    pair = data["pairs"]["intra_node"]["latency_ms"]
+    ar = next(a for a in data["allreduce"] if a["group_size"] == 2)["latency_ms"]
+    return max(0.0, ar - 2 * pair) / 1e3
+
+
+def host_terms(out: Path, cores: int, wake_s: float = 0.0):
+    """The host terms a user calibrates on small runs of their own machine (`plan --calibrate`:
+    trust-region least squares on log step time, calibrate.fit's method): the overheads per layer
+    pass and per layer held by the optimizer, from the runs of 1 and 2 ranks (none of them a
+    layout of 4 or 8 ranks), each priced on the cores it had to spare. The host time per
+    collective call is measured by the probe instead (probe_call_s): fitted, it also takes up
+    the wait for the partner rank to be scheduled, which the host model counts separately
+    (wake_s) and which is not CPU work. Returns (Efficiency, summary)."""
+    import numpy as np
+    from scipy.optimize import least_squares
+
+    from commpipe.plan.estimate import estimate
+    from commpipe.plan.timing import Efficiency
+
+    points = []
+    for world in CALIB_WORLDS:
+        spec, job, cluster = planner_inputs(out, f"calib{world}", world, cores)
+        points += [(spec, plan_layout(c), job, cluster, c)
+                   for c in measured_layouts(out / f"calib{world}", cores)]
+    names = ("overhead_s", "optimizer_overhead_s")
+    start = Efficiency(overhead_s=100e-6, coll_overhead_s=probe_call_s(out / "probe-calib2.json"),
+                       optimizer_overhead_s=100e-6, wake_s=wake_s)
+    meas = np.array([c["median_ms"] / 1e3 for *_, c in points])
+
+    def predict(theta) -> np.ndarray:
+        eff = replace(start, **dict(zip(names, np.exp(theta))))
+        return np.array([estimate(spec, lay, job, *on_spare_cores(cl, eff, c["spare_cores"]),
+                                  detail=False).step_time_s for spec, lay, job, cl, c in points])
+
+    theta0 = np.log([getattr(start, k) for k in names])
+    sol = least_squares(lambda t: np.log(predict(t) / meas), theta0, diff_step=0.02, method="trf")
+    eff = replace(start, **dict(zip(names, np.exp(sol.x))))
+    mape = float(np.mean(np.abs(predict(sol.x) / meas - 1)))
+    params = {k: getattr(eff, k) for k in ("coll_overhead_s",) + names}
+    return eff, {"runs": len(points), "params": params, "mape": mape,
+                 "wake_s": wake_s}
+
+
+def predict_set(out: Path, name: str, world: int, cores: int, eff) -> list[dict]:
+    from commpipe.plan.estimate import estimate
+
+    spec, job, full = planner_inputs(out, name, world, cores)
+    rows = []
+    for c in measured_layouts(out / name, cores):
+        cluster, host = on_spare_cores(full, eff, c["spare_cores"])
+        e = estimate(spec, plan_layout(c), job, cluster, host)
+        rows.append({"layout": c["name"].removesuffix("-1f1b"), "measured_ms": c["median_ms"],
+                     "predicted_ms": e.step_time_s * 1e3,
+                     "error": e.step_time_s * 1e3 / c["median_ms"] - 1,
+                     "steps_ms": c["step_ms"] + c.get("step_ms_pass2", []),
+                     "kappa": e.host_contention, "spare_cores": c["spare_cores"],
+                     "breakdown_ms": {k: v * 1e3 for k, v in e.breakdown.items() if v > 0}})
+    return rows
+
+
+def score(rows: list[dict]) -> dict:
+    from scipy.stats import spearmanr
+
+    meas = [r["measured_ms"] for r in rows]
+    pred = [r["predicted_ms"] for r in rows]
+    picked = min(rows, key=lambda r: r["predicted_ms"])
+    return {"layouts": len(rows), "spearman": float(spearmanr(meas, pred)[0]),
+            "predicted_best": picked["layout"],
+            "measured_best": min(rows, key=lambda r: r["measured_ms"])["layout"],
+            "best_gap": picked["measured_ms"] / min(meas) - 1,
+            "median_abs_error": statistics.median(abs(r["error"]) for r in rows)}
+
+
+def report(sets: dict, fitted: dict) -> None:
+    print(f"\nwake-up wait {fitted['wake_s'] * 1e3:.2f} ms per busy rank ahead (the scheduler's "
+          f"half slice); host terms calibrated on the {fitted['runs']} runs of 1 and 2 ranks (MAPE "
+          f"{fitted['mape']:.0%}): "
+          + ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in fitted["params"].items()))
+    for name, rows in sets.items():
+        print(f"\n{name}")
+        print(f"{'layout':<18}{'measured ms':>12}{'predicted ms':>14}{'error':>8}{'spare':>7}"
+              f"{'kappa':>7}   largest predicted terms (ms)")
+        for r in sorted(rows, key=lambda r: r["measured_ms"]):
+            terms = sorted(r["breakdown_ms"].items(), key=lambda kv: -kv[1])[:3]
+            print(f"{r['layout']:<18}{r['measured_ms']:>12.1f}{r['predicted_ms']:>14.1f}"
+                  f"{r['error']:>+8.1%}{r['spare_cores']:>7.2f}{r['kappa']:>7.2f}   "
+                  + ", ".join(f"{k} {v:.1f}" for k, v in terms))
+    print(f"\n{'set':<16}{'layouts':>8}{'Spearman':>10}{'best gap':>10}{'median |err|':>14}   "
+          "predicted best / measured best")
+    for name, rows in sets.items():
+        s = score(rows)
+        print(f"{name:<16}{s['layouts']:>8}{s['spearman']:>+10.2f}{s['best_gap']:>+10.1%}"
+              f"{s['median_abs_error']:>14.1%}   {s['predicted_best']} / {s['measured_best']}")
+    print("goals: Spearman >= 0.90, best gap <= 5%, median |error| <= 15%")
+
+
+BEGIN = "# -- begin: written by benchmarks/planner_rank.py --write-interval"
+END = "# -- end"
+
+
+def write_interval(sets: dict) -> None:
+    """The 10th, 50th and 90th percentile of measured / predicted step time over every layout of
+    every set, into commpipe/plan/interval.py (the controller's trial list reads them)."""
+    import numpy as np
+
+    ratios = [r["measured_ms"] / r["predicted_ms"] for rows in sets.values() for r in rows]
+    q = {k: round(float(np.percentile(ratios, k)), 4) for k in (10, 50, 90)}
+    path = ROOT / "commpipe" / "plan" / "interval.py"
+    text = path.read_text()
+    head, rest = text.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    path.write_text(f"{head}{BEGIN}\nCPU_STEP_QUANTILES = {q}\nCPU_LAYOUTS = {len(ratios)}\n"
+                    f"{END}{tail}")
+    _log(f"wrote {path}: measured / predicted step time {q} over {len(ratios)} layouts")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "runs" / "planner_rank"))
+    ap.add_argument("--reuse", action="store_true",
+                    help="keep OUT's CPU entry, probes and measured sets; measure only what is missing")
+    ap.add_argument("--no-emulated", action="store_true", help="local ranks only")
+    ap.add_argument("--rates", default="50,500",
+                    help="inter-node rates of the emulated cluster, Mbit/s (default 50,500)")
+    ap.add_argument("--steps", type=int, default=5, help="steps per layout (default 5)")
+    ap.add_argument("--warmup", type=int, default=2, help="steps left out of the median (default 2)")
+    ap.add_argument("--repeat-best", type=int, default=2,
+                    help="the fastest this many are measured again after the others (default 2)")
+    ap.add_argument("--write-interval", action="store_true",
+                    help="store the quantiles of measured / predicted step time in "
+                         "commpipe/plan/interval.py (the adaptive controller's trial list)")
+    ap.add_argument("--cores", type=int, default=os.cpu_count(),
+                    help="cores the ranks share (default: this machine's, %(default)s)")
+    args = ap.parse_args(argv)
+    args.rates = [float(x) for x in args.rates.split(",") if x.strip()]
+    if len(args.rates) < 1 or args.steps <= args.warmup:
+        raise SystemExit("--rates needs at least one rate and --steps must exceed --warmup")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    names = measure(args, out)
+    _log(f"measured in {time.monotonic() - t0:.0f} s")
+    eff, fitted = host_terms(out, args.cores, scheduler_wake_s(args.cores))
+    sets = {name: predict_set(out, name, int(name.split("mbit")[-1].removeprefix("local")),
+                              args.cores, eff) for name in names}
+    report(sets, fitted)
+    if args.write_interval:
+        write_interval(sets)
+    (out / "result.json").write_text(json.dumps(
+        {"host_terms": fitted, "cores": args.cores, "steps": args.steps,
+         "warmup": args.warmup, "sets": {n: {"score": score(r), "rows": r} for n, r in sets.items()}},
+        indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
