@@ -245,12 +245,13 @@ def test_trials_settle_on_the_best_measured_even_when_the_model_ranked_it_lower(
     from commpipe.adapt.trial import Trials, trial_rows
 
     rows = _rows()
-    picked = trial_rows(rows, rows[0], k=3, margin=0.10)
+    picked = trial_rows(rows, rows[0], k=3, interval=(1.0, 1.1))
     assert [r["predicted_ms"] for r in picked] == [386.0, 392.0, 414.0]   # 425 > 386 x 1.1
-    assert [r["predicted_ms"] for r in trial_rows(rows, rows[0], 3, 0.12)] == [386, 392, 414, 425]
-    assert trial_rows(rows, rows[0], 0, 0.10) == [rows[0]]
+    assert [r["predicted_ms"] for r in trial_rows(rows, rows[0], 3, (1.0, 1.12))] == [386, 392, 414,
+                                                                                    425]
+    assert trial_rows(rows, rows[0], 0, (1.0, 1.1)) == [rows[0]]
     # the admitted switch is trialled first even when it is not the best predicted
-    assert trial_rows(rows, rows[2], 2, 0.0)[0] is rows[2]
+    assert trial_rows(rows, rows[2], 2, (1.0, 1.0))[0] is rows[2]
     dp4 = Plan(1, 1, 1, 4, (4,), "1f1b", 2, 1)
     t = Trials([(r["plan"], r["predicted_ms"]) for r in picked], (dp4, 3000.0), steps=3, warmup=1)
     measured = {386.0: [600, 290, 280, 300], 392.0: [500, 100, 400, 105], 414.0: [440] * 4}
@@ -296,16 +297,16 @@ def test_trial_cost_joins_the_payback_rule():
     assert trial_cost_s(picked[:1], 4) == 0.0
     a = AdaptConfig()
     # 3000 -> 386 ms over 100 steps saves 261 s: every trial pays
-    got, cost, v = plan_trials(rows, rows[0], 3000.0, 1000, a)
+    got, cost, v = plan_trials(rows, rows[0], 3000.0, 1000, a, (1.0, 1.1))
     assert v.admit and len(got) == 3 and cost == pytest.approx(trial_cost_s(got, 4))
     # 420 -> 386 ms saves 34 ms a step. Over 300 steps (10.2 s) all three trials pay; over 30
     # (1.02 s) neither 3 trials (2 x (0.1 + 0.936) s) nor 2 (2 x (0.1 + 0.4 + 0.024) s) do,
     # so the list shrinks to the admitted switch alone (2 x 0.1 s)
-    assert len(plan_trials(rows, rows[0], 420.0, 300, a)[0]) == 3
-    got, cost, v = plan_trials(rows, rows[0], 420.0, 30, a)
+    assert len(plan_trials(rows, rows[0], 420.0, 300, a, (1.0, 1.1))[0]) == 3
+    got, cost, v = plan_trials(rows, rows[0], 420.0, 30, a, (1.0, 1.1))
     assert v.admit and got == rows[:1] and cost == 0.0
     # too few steps left even for that: refused, as without trials
-    got, cost, v = plan_trials(rows, rows[0], 420.0, 5, a)
+    got, cost, v = plan_trials(rows, rows[0], 420.0, 5, a, (1.0, 1.1))
     assert not v.admit and not payback(420.0, 386.0, 0.1, 5, 100, 2.0, 0.05).admit
 
 

@@ -25,8 +25,8 @@ def add_adapt_arguments(p) -> None:
                    help=f"saving over the horizon must be X times the switch cost "
                         f"(default {d.margin})")
     g.add_argument("--adapt-trials", type=int, default=d.trials, metavar="K",
-                   help=f"confirm an admitted switch by measurement: run the K best predicted "
-                        f"candidates (and any within {d.trial_margin * 100:.0f}%% of the best) for "
+                   help=f"confirm an admitted switch by measurement: run up to 2K candidates "
+                        f"whose prediction interval overlaps the best prediction's for "
                         f"{d.trial_steps} steps each and keep the fastest measured; 0 trusts the "
                         f"cost model (default {d.trials})")
     g.add_argument("--adapt-switch-cost", type=float, default=None, metavar="SECONDS",

@@ -21,10 +21,10 @@ Defaults and why:
                   wrong prediction from costing more than it could gain).
   min_gain=0.05   a candidate predicted less than 5% faster is not worth a switch whatever the
                   horizon: that is within the simulator's error on measured costs.
-  trials=3, trial_steps=3, trial_margin=0.10
-                  an admitted switch is confirmed by measurement: the 3 best predicted
-                  candidates (and any within 10% of the best prediction) run 3 steps each after
-                  a warm-up step, and the fastest measured wins (commpipe.adapt.trial says why).
+  trials=3, trial_steps=3
+                  an admitted switch is confirmed by measurement: up to 2 x 3 candidates whose
+                  prediction interval overlaps the best prediction's run 3 steps each after a
+                  warm-up step, and the fastest measured wins (commpipe.adapt.trial says why).
   trial_warmup_steps=1
                   the first step after a switch rebuilds buffers and process-group state; it is
                   discarded from a trial's measurement.
@@ -68,7 +68,6 @@ class AdaptConfig:
     switch_cost_s: float | None = None  # fixed switch cost; default: predicted, then measured
     trials: int = 3                   # candidates trialled by measurement (0: trust the model)
     trial_steps: int = 3              # measured steps per trial (after one warm-up step)
-    trial_margin: float = 0.10        # also trial candidates predicted within this of the best
     relaunch: bool = False            # switch by checkpoint and relaunch instead of in memory
     trial_warmup_steps: int = 1
     link_smooth_steps: int = 3
@@ -105,9 +104,9 @@ class AdaptConfig:
                              "least pay for the switch)")
         if self.min_gain < 0:
             raise ValueError(f"min_gain {self.min_gain} must be >= 0")
-        if self.trials < 0 or self.trial_steps < 1 or self.trial_margin < 0:
-            raise ValueError(f"--adapt-trials {self.trials} must be >= 0 (0 turns trials off), "
-                             f"trial_steps {self.trial_steps} >= 1, trial_margin >= 0")
+        if self.trials < 0 or self.trial_steps < 1:
+            raise ValueError(f"--adapt-trials {self.trials} must be >= 0 (0 turns trials off) "
+                             f"and trial_steps {self.trial_steps} >= 1")
         if self.switch_cost_s is not None and self.switch_cost_s < 0:
             raise ValueError(f"switch_cost_s {self.switch_cost_s} must be >= 0")
         if self.trial_warmup_steps < 0 or self.link_smooth_steps < 1:

@@ -108,8 +108,12 @@ def evaluate(cfg, acfg: AdaptConfig, measured: Measured, *, step: int, steps_lef
         if admitted else rows[0]
     verdict = best["verdict"]
     if verdict.admit and acfg.trials > 0 and not acfg.relaunch:
-        # confirm by measurement: trial the best predicted; their cost joins the payback
-        picked, cost, verdict = plan_trials(rows, best, current_ms, steps_left, acfg)
+        # confirm by measurement: trial the candidates the model cannot tell from the best
+        # (prediction intervals overlapping); their cost joins the payback
+        from commpipe.plan.interval import step_time_factors
+
+        picked, cost, verdict = plan_trials(rows, best, current_ms, steps_left, acfg,
+                                            step_time_factors(on_cpu))
         if verdict.admit:
             d.trials = [{"plan": r["plan"].name, "predicted_ms": r["predicted_ms"],
                          "switch_cost_s": r["switch_cost_s"]} for r in picked]

@@ -8,15 +8,17 @@ for a few real training steps each, and settles on the fastest *measured* one (t
 plan, measured before the detection fired, included).
 
 Defaults and why:
-  trials=3          the 3 best predicted candidates (plus any within `trial_margin` of the best
-                    prediction): on the demo the measured best was the model's second of four
-                    within 10%; 3 covers that at ~12 steps of trials.
+  trials=3          at most 2 x 3 candidates are trialled, and only those the model cannot tell
+                    from the best: a candidate whose prediction interval overlaps the best
+                    prediction's. The interval is the planner's 80% interval of measured over
+                    predicted step time (`commpipe.plan.interval.step_time_factors`: held-out
+                    public runs on GPUs, every layout of 4 and 8 CPU ranks on a CPU), so a
+                    candidate predicted p runs in [p * low, p * high] four times in five. Where
+                    the best prediction's high end lies below a candidate's low end, the model
+                    is sure enough: trialling it would spend steps on a plan that loses.
   trial_steps=3     measured steps per candidate, after one warm-up step (the first step after a
                     switch rebuilds buffers and process-group state); the median of 3 survives
                     one noisy step.
-  trial_margin=0.10 candidates predicted within 10% of the best are indistinguishable to the
-                    model (its error on measured costs is of that order), so they are trialled
-                    too; at most 2 x trials candidates in all.
 """
 
 from __future__ import annotations
@@ -25,19 +27,26 @@ import statistics
 from dataclasses import dataclass, field
 
 
-def trial_rows(rows: list[dict], chosen: dict, k: int, margin: float) -> list[dict]:
-    """The candidates to trial: `chosen` (the admitted switch) first, then the k best by
-    predicted_ms, then any within `margin` (relative) of the best prediction; 2k at most."""
+def overlaps_best(predicted_ms: float, best_ms: float, interval: tuple[float, float]) -> bool:
+    """Whether a prediction's interval [p * low, p * high] overlaps the best prediction's."""
+    low, high = interval
+    return predicted_ms * low <= best_ms * high
+
+
+def trial_rows(rows: list[dict], chosen: dict, k: int, interval: tuple[float, float]) -> list[dict]:
+    """The candidates to trial: `chosen` (the admitted switch) first, then, best predicted
+    first, every candidate whose prediction interval overlaps the best prediction's; 2k at most.
+    `interval`: (low, high) factors of measured over predicted step time."""
     if k <= 0:
         return [chosen]
     ranked = sorted(rows, key=lambda r: r["predicted_ms"])
     best = ranked[0]["predicted_ms"]
     picked = [chosen]
-    for i, r in enumerate(ranked):
+    for r in ranked:
         if len(picked) >= 2 * k:
             break
         if r is not chosen and r["plan"] != chosen["plan"] and \
-                (i < k or r["predicted_ms"] <= best * (1 + margin)):
+                overlaps_best(r["predicted_ms"], best, interval):
             picked.append(r)
     return picked
 
@@ -54,13 +63,15 @@ def trial_cost_s(picked: list[dict], steps_per_trial: int) -> float:
     return switches + slower
 
 
-def plan_trials(rows: list[dict], chosen: dict, current_ms: float, steps_left: int, acfg):
-    """The trial list for an admitted switch to `chosen` and the payback verdict with the
-    trials' predicted cost added to the switch cost; candidates are dropped from the end of the
-    list (the worst predicted last) until it pays. Returns (picked, trial cost s, verdict)."""
+def plan_trials(rows: list[dict], chosen: dict, current_ms: float, steps_left: int, acfg,
+                interval: tuple[float, float]):
+    """The trial list for an admitted switch to `chosen` (trial_rows, with the prediction
+    `interval`) and the payback verdict with the trials' predicted cost added to the switch
+    cost; candidates are dropped from the end of the list (the worst predicted last) until it
+    pays. Returns (picked, trial cost s, verdict)."""
     from commpipe.adapt.plan import payback
 
-    picked = trial_rows(rows, chosen, acfg.trials, acfg.trial_margin)
+    picked = trial_rows(rows, chosen, acfg.trials, interval)
     while True:
         cost = trial_cost_s(picked, acfg.trial_steps + 1)
         verdict = payback(current_ms, chosen["predicted_ms"], chosen["switch_cost_s"] + cost,

@@ -24,6 +24,31 @@ SOURCES = 5
 # -- end
 
 
+# Measured over predicted *step time* of commpipe on CPU ranks: every tp x cp x pp x dp layout of 4
+# and 8 ranks of a 2-core machine, local and on the emulated cluster at 50 and 500 Mbit/s, priced
+# by `estimate` from a probe, the cores left to the ranks and host terms calibrated on 1- and
+# 2-rank runs (docs/planner.md, "Ranking this machine's layouts"). Regenerate:
+#     python benchmarks/planner_rank.py --reuse --write-interval
+# -- begin: written by benchmarks/planner_rank.py --write-interval
+CPU_STEP_QUANTILES = {10: 0.7655, 50: 0.9839, 90: 1.2588}
+CPU_LAYOUTS = 75
+# -- end
+
+
+def step_time_factors(on_cpu: bool) -> tuple[float, float]:
+    """(low, high): the 80% interval of measured over predicted step time, as factors; a step
+    predicted at t takes between t * low and t * high four times in five. On GPUs from the
+    throughput quantiles above (step time is its inverse), on CPU ranks from CPU_STEP_QUANTILES.
+
+    >>> low, high = step_time_factors(on_cpu=False)
+    >>> round(low * RATIO_QUANTILES[90], 9) == 1.0
+    True
+    """
+    if on_cpu:
+        return CPU_STEP_QUANTILES[10], CPU_STEP_QUANTILES[90]
+    return 1.0 / RATIO_QUANTILES[90], 1.0 / RATIO_QUANTILES[10]
+
+
 def interval(value: float) -> tuple[float, float]:
     """(low, high) of a predicted throughput (TFLOP/s, tokens/s: anything proportional)."""
     return value * RATIO_QUANTILES[10], value * RATIO_QUANTILES[90]

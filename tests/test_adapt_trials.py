@@ -1,0 +1,90 @@
+"""Which candidates the controller trials: only those whose prediction interval overlaps the best
+prediction's (commpipe.adapt.trial), on synthetic candidates, no launch.
+
+    python -m pytest tests/test_adapt_trials.py -q
+
+A candidate predicted p runs in [p * low, p * high]; with the best predicted at b it overlaps
+when p * low <= b * high, i.e. p <= b * high / low.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from commpipe.adapt.config import AdaptConfig
+from commpipe.adapt.plan import Plan
+
+
+def _row(pp: int, dp: int, ms: float, cost: float = 0.1, schedule: str = "1f1b") -> dict:
+    return {"plan": Plan(1, 1, pp, dp, (4 // pp,) * pp, schedule, 8 // dp, 1), "predicted_ms": ms,
+            "switch_cost_s": cost}
+
+
+def _rows() -> list[dict]:
+    # predicted 100, 110, 119, 121, 150 and 400 ms; the list is not sorted
+    return [_row(2, 1, 119.0), _row(1, 4, 400.0), _row(1, 2, 100.0), _row(4, 1, 110.0),
+            _row(2, 2, 121.0), _row(2, 1, 150.0, schedule="gpipe")]
+
+
+@pytest.mark.parametrize("interval, expected", [
+    # b * high / low = 100 * 1.2 / 1.0 = 120: 119 overlaps, 121 does not
+    ((1.0, 1.2), [100.0, 110.0, 119.0]),
+    # 100 * 1.2 / 0.8 = 150: 150 sits on the boundary and overlaps, 400 never does
+    ((0.8, 1.2), [100.0, 110.0, 119.0, 121.0, 150.0]),
+    # an exact model (a point interval): only the best itself
+    ((1.0, 1.0), [100.0]),
+])
+def test_only_candidates_whose_interval_overlaps_the_best_are_trialled(interval, expected):
+    from commpipe.adapt.trial import overlaps_best, trial_rows
+
+    rows = _rows()
+    best = rows[2]
+    picked = trial_rows(rows, best, k=3, interval=interval)
+    assert [r["predicted_ms"] for r in picked] == expected
+    # every row left out is one the model tells apart from the best
+    for r in rows:
+        assert (r in picked) == overlaps_best(r["predicted_ms"], 100.0, interval)
+
+
+def test_the_admitted_switch_comes_first_and_the_list_is_capped_at_twice_k():
+    from commpipe.adapt.trial import trial_rows
+
+    rows = _rows()
+    chosen = rows[0]                                  # 119 ms: admitted for its net saving
+    picked = trial_rows(rows, chosen, k=3, interval=(0.8, 1.2))
+    assert picked[0] is chosen
+    assert [r["predicted_ms"] for r in picked] == [119.0, 100.0, 110.0, 121.0, 150.0]
+    # the admitted switch is trialled even when it lies outside the best's interval
+    far = rows[1]                                     # 400 ms
+    assert [r["predicted_ms"] for r in trial_rows(rows, far, 3, (1.0, 1.2))] == [400.0, 100.0,
+                                                                                  110.0, 119.0]
+    # 2k at most: k=2 keeps the admitted switch and the 3 best overlapping
+    assert [r["predicted_ms"] for r in trial_rows(rows, chosen, 2, (0.8, 1.2))] == [119.0, 100.0,
+                                                                                   110.0, 121.0]
+    assert trial_rows(rows, chosen, 0, (0.8, 1.2)) == [chosen]
+
+
+def test_plan_trials_takes_the_interval_it_is_given():
+    from commpipe.adapt.trial import plan_trials, trial_cost_s
+
+    rows = _rows()
+    best = rows[2]
+    # 3000 -> 100 ms over a 100-step horizon saves 290 s: every overlapping trial pays
+    narrow, cost, v = plan_trials(rows, best, 3000.0, 1000, AdaptConfig(), (1.0, 1.2))
+    assert v.admit and [r["predicted_ms"] for r in narrow] == [100.0, 110.0, 119.0]
+    assert cost == pytest.approx(trial_cost_s(narrow, AdaptConfig().trial_steps + 1))
+    wide, _, _ = plan_trials(rows, best, 3000.0, 1000, AdaptConfig(), (0.8, 1.2))
+    assert len(wide) == 5
+
+
+def test_step_time_factors_are_the_planners_interval():
+    from commpipe.plan.interval import CPU_STEP_QUANTILES, RATIO_QUANTILES, step_time_factors
+
+    # GPUs: the interval is of measured / predicted *throughput*; step time is its inverse, so
+    # the slow end of the step comes from the low end of the throughput
+    low, high = step_time_factors(on_cpu=False)
+    assert low == pytest.approx(1.0 / RATIO_QUANTILES[90])
+    assert high == pytest.approx(1.0 / RATIO_QUANTILES[10])
+    assert low < 1.0 / RATIO_QUANTILES[50] < high
+    assert step_time_factors(on_cpu=True) == (CPU_STEP_QUANTILES[10], CPU_STEP_QUANTILES[90])
+    assert CPU_STEP_QUANTILES[10] < CPU_STEP_QUANTILES[90]
