@@ -18,6 +18,7 @@ class MoEFamily:
     unit = "token"
     # every TP rank routes the whole sequence through replicated experts: no sequence shards
     sequence_parallel = False
+    planner = None   # commpipe plan does not price routed experts and their all-to-all yet
 
     def presets(self) -> dict:
         return dict(M.PRESETS)

@@ -97,12 +97,14 @@ class ExpertParallelExperts(GroupedExperts):
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x [sum(counts), h], counts [E] rows per global expert -> the experts' outputs."""
         comm, ep, local = self.comm, self.comm.size("ep"), self.local
-        send = torch.tensor(counts, dtype=torch.int64).view(ep, local)   # [dest, local expert]
+        # on x's device: NCCL exchanges device tensors only
+        send = torch.tensor(counts, dtype=torch.int64, device=x.device).view(ep, local)
         recv = comm.all_to_all_single(send.flatten(), [local] * ep, [local] * ep, "ep")
-        recv = recv.view(ep, local)                                      # [source, local expert]
+        recv = recv.view(ep, local).cpu()                    # [source, local expert]; one sync
+        send = send.cpu()                                    # [dest, local expert]
         input_splits, output_splits = send.sum(1).tolist(), recv.sum(1).tolist()
         rows = _AllToAll.apply(x, comm, output_splits, input_splits)     # source-major
-        order = _expert_major(recv)
+        order = _expert_major(recv).to(x.device)
         out = super().forward(rows[order], recv.sum(0).tolist())          # expert-major
         back = torch.empty_like(out).index_copy(0, order, out)          # source-major again
         return _AllToAll.apply(back, comm, input_splits, output_splits)
