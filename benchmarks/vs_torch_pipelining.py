@@ -9,7 +9,8 @@ communication) is timed; no optimizer. Steps are taken in pairs, one of each run
 order alternating (commpipe first, then torch first, ...), so a slow spell of a shared machine
 lands on both sides of a pair. Per schedule it prints the median step times and the median of
 the per-pair ratios commpipe/torch with its interquartile range and range (below 1.0 means
-commpipe is faster), and whether the losses agree.
+commpipe is faster), the same median of the steps' CPU seconds summed over the ranks (what a
+step costs, however loaded the machine), and whether the losses agree.
 
 Schedules compared (ours -> theirs): 1f1b -> Schedule1F1B, gpipe -> ScheduleGPipe,
 interleaved -> ScheduleInterleaved1F1B, zbh1 -> ScheduleInterleavedZeroBubble (given one stage
@@ -88,6 +89,7 @@ def compare(schedule: str, args, comm: Comm, rank: int, world: int) -> dict:
         return sum(x.item() for x in losses) / m if losses else 0.0
 
     times = {"ours": [], "theirs": []}
+    cpu = {"ours": [], "theirs": []}     # this process's CPU seconds (all its threads) per step
     loss_vals = {"ours": 0.0, "theirs": 0.0}
     side = {"ours": (run_ours, ours), "theirs": (run_theirs, theirs_modules)}
     for it in range(args.pairs + WARMUP_PAIRS):
@@ -96,16 +98,23 @@ def compare(schedule: str, args, comm: Comm, rank: int, world: int) -> dict:
             for mod in modules.values():
                 mod.zero_grad(set_to_none=True)
             comm.barrier()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             loss_vals[name] = fn()
+            c1 = time.process_time()
             comm.barrier()
             if it >= WARMUP_PAIRS:
                 times[name].append(time.perf_counter() - t0)
+                cpu[name].append(c1 - c0)
 
     # the loss lives on the rank holding the last stage; share it through the chokepoint
     both = torch.tensor([loss_vals["ours"], loss_vals["theirs"]], dtype=torch.float64)
     comm.all_reduce(both, "world")
-    return {"times": times, "loss": (both[0].item(), both[1].item())}
+    # CPU seconds of each step summed over the ranks: what the step cost, whatever else the
+    # machine ran meanwhile (wall times on a shared host also measure the other load)
+    cpu_all = torch.tensor([cpu["ours"], cpu["theirs"]], dtype=torch.float64)
+    comm.all_reduce(cpu_all, "world")
+    return {"times": times, "cpu": {"ours": cpu_all[0].tolist(), "theirs": cpu_all[1].tolist()},
+            "loss": (both[0].item(), both[1].item())}
 
 
 def quartiles(xs: list[float]) -> tuple[float, float, float]:
@@ -141,18 +150,20 @@ def main() -> None:
         print(f"pp={world} m={args.microbatches} preset={args.preset} seq={args.seq_len} "
               f"mbs={args.micro_batch_size} pairs={args.pairs} (+{WARMUP_PAIRS} warm-up)")
         print(f"{'schedule':<12} {'commpipe ms':>11} {'torch ms':>9} {'ratio':>6} "
-              f"{'IQR':>13} {'range':>13}  losses agree")
+              f"{'IQR':>13} {'range':>13} {'cpu ratio':>9}  losses agree")
         for x, r in results.items():
             ours, theirs = r["times"]["ours"], r["times"]["theirs"]
             ratios = [o / t for o, t in zip(ours, theirs)]
             q1, med, q3 = quartiles(ratios)
+            cpu_ratio = statistics.median(o / t for o, t in zip(r["cpu"]["ours"], r["cpu"]["theirs"]))
             lo, hi = r["loss"]
             agree = abs(lo - hi) <= 1e-5 * abs(hi)
             print(f"{x:<12} {statistics.median(ours) * 1e3:>11.2f} "
                   f"{statistics.median(theirs) * 1e3:>9.2f} {med:>6.3f} "
-                  f"{f'{q1:.3f}-{q3:.3f}':>13} {f'{min(ratios):.3f}-{max(ratios):.3f}':>13}  "
-                  f"{agree} ({lo:.6f} / {hi:.6f})")
-        print("ratio: median over pairs of commpipe/torch step time (below 1.0: commpipe faster)")
+                  f"{f'{q1:.3f}-{q3:.3f}':>13} {f'{min(ratios):.3f}-{max(ratios):.3f}':>13} "
+                  f"{cpu_ratio:>9.3f}  {agree} ({lo:.6f} / {hi:.6f})")
+        print("ratio: median over pairs of commpipe/torch step time (below 1.0: commpipe faster); "
+              "cpu ratio: the same of the CPU seconds a step took, summed over the ranks")
     dist.barrier()
     dist.destroy_process_group()
 
