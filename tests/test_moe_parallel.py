@@ -218,3 +218,27 @@ def test_family_builds_the_counted_stages():
     loss = family.loss_sum(MoEOutput(logits, aux), tokens)
     torch.testing.assert_close(loss, moe_loss_sum(logits, tokens, aux))
     assert aux > 0
+
+
+def test_ep_from_a_job_file_and_a_run_config(tmp_path):
+    """--ep is a [parallelism] key of a job TOML and reads back from a run's config.json."""
+    import argparse
+    import json
+
+    from commpipe.train import cli as train_cli
+    from commpipe.train.jobconfig import parse_known_args
+
+    def config(argv):
+        parser = argparse.ArgumentParser()
+        train_cli.add_arguments(parser)
+        args, rest = parse_known_args(parser, argv)
+        assert rest == []
+        return train_cli.config_from_args(args)
+
+    toml = tmp_path / "job.toml"
+    toml.write_text('[model]\nmodel = "moe-tiny"\n[parallelism]\ndp = 4\nep = 2\n')
+    cfg = config(["--config", str(toml)]).resolve(4)
+    assert (cfg.ep, cfg.dims.dp) == (2, 4)
+    run = tmp_path / "config.json"
+    run.write_text(json.dumps(cfg.to_dict(), default=str))
+    assert config(["--config", str(run)]).ep == 2

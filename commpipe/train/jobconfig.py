@@ -43,7 +43,7 @@ from pathlib import Path
 # every flag of `commpipe train` is in exactly one section)
 SECTIONS = {
     "model": ("model", "precision", "recompute"),
-    "parallelism": ("tp", "cp", "pp", "dp", "stage_layers", "zero1", "sequence_parallel", "overlap",
+    "parallelism": ("tp", "cp", "pp", "dp", "ep", "stage_layers", "zero1", "sequence_parallel", "overlap",
                     "tp_forward_overlap", "dp_bucket_mb"),
     "schedule": ("schedule", "vpp", "microbatches", "dp_microbatches", "strict_order"),
     "training": ("steps", "seq_len", "micro_batch_size", "global_batch", "seed", "lr", "min_lr",
@@ -192,7 +192,7 @@ def _convert(action, value, where: str, negate: bool):
 
 # -- a run folder's config.json -----------------------------------------------------------------
 # TrainConfig fields that are the flag of the same name
-SAME = ("model", "schedule", "vpp", "micro_batch_size", "global_batch", "seq_len", "steps",
+SAME = ("model", "ep", "schedule", "vpp", "micro_batch_size", "global_batch", "seq_len", "steps",
         "seed", "data", "tokenizer", "vocab_size", "eval_every", "eval_batches", "save_every",
         "init_from",
         "resume", "overwrite", "timeout_s", "out", "trace", "log_every", "device", "precision",
