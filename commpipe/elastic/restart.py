@@ -26,6 +26,9 @@ from __future__ import annotations
 import datetime
 import os
 
+# steps between copies of the state on another node (commpipe.train.peer_copies) unless
+# --peer-copy-every says; their cost on a healthy run is in docs/checkpoints.md
+PEER_COPY_EVERY = 10
 _ATTEMPT: dict[str, str] = {}   # this process's attempt prefix, computed once per process
 
 
@@ -73,6 +76,8 @@ def elastic_config(cfg, world: int, restart: int = 0, log=print):
     cfg = copy.copy(cfg)
     if cfg.resume is None:
         cfg.resume = "latest"
+    if cfg.peer_copy_every is None:
+        cfg.peer_copy_every = PEER_COPY_EVERY
     if restart > 0:
         cfg.fail_at = None
     given = cfg.dims.world_size

@@ -208,14 +208,16 @@ def _rng_keys(rank: int) -> dict[str, torch.Tensor]:
 
 
 # -- save -------------------------------------------------------------------------------------------
-def full_state_here(trainer) -> dict[str, torch.Tensor]:
+def full_state_here(trainer, as_dp0: bool = False) -> dict[str, torch.Tensor]:
     """The whole-tensor state this rank writes (collective over TP): `model.<name>` from dp=0,
     cp=0, tp=0 of the stage holding it, `optim.<name>.exp_avg|exp_avg_sq|step` (step a 0-d
     float32) from tp=0, cp=0 of the DP rank keeping its AdamW state (dp=0, or the ZeRO-1 owner).
-    A checkpoint save writes it; an adaptive switch gathers it everywhere."""
+    A checkpoint save writes it; an adaptive switch gathers it everywhere. `as_dp0` (without
+    ZeRO-1, where every DP replica holds the same state): what the dp=0 rank of these
+    coordinates writes, from this replica (commpipe.train.peer_copies keeps it on another node)."""
     comm = trainer.comm
     c = comm.coords
-    model_writer = c["dp"] == 0 and c["cp"] == 0       # gathers TP shards; tp=0 writes
+    model_writer = (c["dp"] == 0 or as_dp0) and c["cp"] == 0   # gathers TP shards; tp=0 writes
     state: dict[str, torch.Tensor] = {}
     for name, p in trainer.named_params:
         if model_writer:
@@ -223,6 +225,8 @@ def full_state_here(trainer) -> dict[str, torch.Tensor]:
             if c["tp"] == 0:
                 state[f"model.{name}"] = full.cpu()
     adam, holds = adam_and_holder(trainer)
+    if as_dp0 and not reads_sharded_states(trainer):
+        holds = lambda p: True   # noqa: E731 - every replica steps with every state
     for name, p in trainer.named_params:
         st = adam.state.get(p) if holds(p) and c["cp"] == 0 else None
         if not st:
@@ -239,23 +243,29 @@ def full_state_here(trainer) -> dict[str, torch.Tensor]:
 
 def save(trainer, root) -> Path:
     """Save `trainer` after `trainer.step` steps into root/step_N (collective: every rank)."""
-    comm = trainer.comm
+    state = full_state_here(trainer)
+    state.update(_rng_keys(trainer.comm.rank))
+    return write_state(trainer.comm, state, root, trainer.step, lambda: meta_of(trainer))
+
+
+def write_state(comm, state: dict[str, torch.Tensor], root, step: int, meta) -> Path:
+    """Write a checkpoint root/step_N from each rank's part of the state (`full_state_here`'s
+    keys; collective: every rank); `meta()` gives commpipe.json's content on rank 0."""
     root = Path(root)
-    final = root / step_dirname(trainer.step)
+    final = root / step_dirname(step)
     tmp = root / f"{final.name}.tmp"
     if comm.rank == 0:
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)          # left by a save that crashed
     comm.barrier()
-    state = {k: v.reshape(1) if k.endswith(".step") else v for k, v in full_state_here(trainer).items()}
-    state.update(_rng_keys(comm.rank))
+    state = {k: v.reshape(1) if k.endswith(".step") else v for k, v in state.items()}
     try:
         with _quiet_single_process():
             dcp.save(state, storage_writer=FileSystemWriter(tmp),
                      no_dist=comm.dims.world_size == 1)
         comm.barrier()                                  # every rank's files are on disk
         if comm.rank == 0:
-            _write_json(tmp / META, _meta(trainer))
+            _write_json(tmp / META, meta())
             if final.exists():                          # a rerun reached this step again
                 shutil.rmtree(final)
             os.rename(tmp, final)
@@ -271,7 +281,8 @@ def save(trainer, root) -> Path:
     return final
 
 
-def _meta(trainer) -> dict:
+def meta_of(trainer) -> dict:
+    """commpipe.json of a checkpoint of `trainer` at its current step."""
     from commpipe.train.optim import lr_at
 
     cfg, d = trainer.cfg, trainer.cfg.dims

@@ -109,6 +109,11 @@ def add_arguments(p) -> None:
                         "(re)started job resumes from the latest checkpoint in OUT, under the "
                         "layout given here when the world has its size, else under the planner's "
                         "layout for the ranks there are, with the same global batch")
+    g.add_argument("--peer-copy-every", type=int, default=None, metavar="N",
+                   help="--elastic: every N steps each rank keeps a copy of its state in its "
+                        "node's memory and on another node; a restart resumes from the copies "
+                        "when they are newer than the latest checkpoint (0: off; default 10 "
+                        "under --elastic)")
     g.add_argument("--fail-at", default=None, metavar="RANK:STEP",
                    help="fault drill: rank RANK raises at step STEP, to check that the job "
                         "fails loudly on your cluster")
@@ -190,6 +195,7 @@ def config_from_args(args) -> TrainConfig:
                        overwrite=getattr(args, "overwrite", False), timeout_s=args.timeout_s,
                        hang_timeout_s=getattr(args, "hang_timeout_s", 60.0),
                        elastic=getattr(args, "elastic", False),
+                       peer_copy_every=getattr(args, "peer_copy_every", None),
                        fail_at=parse_fail_at(args.fail_at), out=args.out, monitor=monitor,
                        trace=args.trace, tensorboard=args.tensorboard, log_every=args.log_every,
                        device=args.device,

@@ -54,6 +54,7 @@ class TrainConfig:
     timeout_s: float = 300.0          # process-group timeout: a rank that stops answering
     hang_timeout_s: float = 60.0      # hang watchdog: no step for this long names the stuck rank
     elastic: bool = False             # re-plan for torchrun's world size, resume (commpipe.elastic)
+    peer_copy_every: int | None = None  # --elastic: state copies on another node (train.peer_copies)
     fail_at: tuple[int, int] | None = None  # fault drill: (rank, step) raises at that step
     out: str | None = None
     monitor: float | None = None
@@ -134,6 +135,12 @@ class TrainConfig:
         if self.hang_timeout_s < 0:
             raise ValueError(f"--hang-timeout-s {self.hang_timeout_s} must be >= 0 (0 turns the "
                              "hang watchdog off)")
+        if self.peer_copy_every is not None and self.peer_copy_every < 0:
+            raise ValueError(f"--peer-copy-every {self.peer_copy_every} must be >= 0 (0 turns the "
+                             "copies off)")
+        if self.peer_copy_every and not self.elastic:
+            raise ValueError("--peer-copy-every keeps copies for the restarts of --elastic; add "
+                             "--elastic (and run under torchrun's elastic agent) or drop it")
         o = self.optim
         for flag, value, ok, rule in (
                 ("--lr", o.lr, o.lr > 0, "must be > 0"),

@@ -262,6 +262,10 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
     out = Path(cfg.out) if cfg.out else None
     ckpt_root = checkpoint.checkpoints_dir(out) if out else None
     start = checkpoint.resolve_resume(cfg)
+    from commpipe.train.peer_copies import peer_copies
+
+    copies, restored = peer_copies(trainer, start, say)   # --elastic: newer state in memory?
+    start = restored or start
     saved_at = None
     if start is not None:
         meta = checkpoint.load(trainer, start)
@@ -272,7 +276,8 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
             say(f"note: global batch {cfg.global_batch}, the checkpoint's was {meta['global_batch']}; "
                 f"pass --global-batch {meta['global_batch']} to keep training on the same batch")
     elif cfg.resume:
-        say(f"no checkpoint in {ckpt_root} yet: starting at step 0")
+        say(f"no checkpoint in {ckpt_root} yet" + (" and no copy in memory" if copies else "")
+            + f": starting at step 0 (seed {cfg.seed})")
     if start is None and cfg.init_from:   # weights only: fresh optimizer, step 0
         from commpipe.train.weights import load_weights
 
@@ -282,7 +287,9 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
     if out is not None and trainer.is_logger:
         out.mkdir(parents=True, exist_ok=True)
         cfg.save(out / "config.json")
-        metrics_file = open_metrics(out / "metrics.jsonl", trainer.step, restart=True)
+        metrics_file = open_metrics(out / "metrics.jsonl", trainer.step, restart=True,
+                                    source="peer copies" if restored else
+                                    "checkpoint" if start else None)
     board = TensorBoardLog(out) if cfg.tensorboard else None   # the logging rank writes
     # --adapt: a commpipe.train.hooks.Steering field; its hook may switch the layout in memory
     controller = cfg.adapt.step_hook(trainer, out, log) if cfg.adapt is not None else None
@@ -339,6 +346,10 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
                     path = checkpoint.save(trainer, ckpt_root)
                     saved_at = trainer.step
                     say(f"saved {path}")
+            if copies is not None and copies.due(trainer.step) and saved_at != trainer.step \
+                    and not (stop or done):
+                with _unmonitored(trainer), _between(watchdog, "copy of the state"):
+                    copies.take(trainer)
             if stop:
                 where = f"; resume with --resume (checkpoint step {saved_at})" if out else \
                     " (no --out: nothing saved)"
@@ -347,6 +358,8 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
                 break
         trainer.write_trace()
         together = True
+        if copies is not None and trainer.step >= cfg.steps:
+            copies.close()   # the run is over: no restart will read them
     except TrainingDiverged:
         together = True  # every rank decided it from the same all-reduced values
         raise

@@ -11,13 +11,14 @@ from pathlib import Path
 TRACE_STEPS = 5   # --trace keeps the timeline of the last five steps (bounded in long runs)
 
 
-def open_metrics(path: Path, step: int, restart: bool = False):
+def open_metrics(path: Path, step: int, restart: bool = False, source: str | None = None):
     """metrics.jsonl opened to append from `step` on. Records of steps >= `step` (written after
     the checkpoint a resumed run starts from, or a torn last line; all of them when a requeued
     `--resume` finds no checkpoint and starts at 0) move to metrics.replaced.jsonl, so the file
     holds each step once and nothing is thrown away. A run that starts (`restart`: not an
     in-memory layout switch) and resumes (step > 0 or records moved) appends its restart
-    record to restarts.jsonl beside it (`restart_record`)."""
+    record to restarts.jsonl beside it (`restart_record`; `source`: what the state came from,
+    "checkpoint" or "peer copies", None for a start at step 0)."""
     if path.exists():
         keep, moved = [], []
         for line in path.read_text().splitlines(keepends=True):
@@ -28,7 +29,7 @@ def open_metrics(path: Path, step: int, restart: bool = False):
             (keep if ok else moved).append(line if line.endswith("\n") else line + "\n")
         if restart and (moved or step > 0):
             with open(path.with_name("restarts.jsonl"), "a") as f:
-                f.write(json.dumps(restart_record(step, keep, moved)) + "\n")
+                f.write(json.dumps({**restart_record(step, keep, moved), "from": source}) + "\n")
         if moved:
             with open(path.with_name("metrics.replaced.jsonl"), "a") as f:
                 f.writelines(moved)

@@ -18,12 +18,16 @@ from commpipe.files import check_out_dir
 
 # everything `commpipe train` writes into OUT (what --overwrite removes)
 RUN_FILES = ("config.json", "metrics.jsonl", "metrics.replaced.jsonl", "metrics.jsonl.tmp",
-             "restarts.jsonl", "checkpoints", "monitor", "trace", "tensorboard", "adapt.jsonl",
-             "adapt_relaunch.json")
+             "restarts.jsonl", "peer_copies.jsonl", "checkpoints", "monitor", "trace",
+             "tensorboard", "adapt.jsonl", "adapt_relaunch.json")
 # config.json fields that say where and how a run is observed, not what it computes
 NOT_THE_RUN = {"out", "resume", "init_from", "overwrite", "timeout_s", "log_every", "fail_at", "monitor",
                "trace", "tensorboard", "strict_order", "stage_balance", "spec", "save_every",
                "eval_every", "eval_batches"}
+
+# config.json fields an --elastic restart chooses anew for the ranks there are (elastic.restart)
+ELASTIC_LAYOUT = {"tp", "cp", "pp", "dp", "schedule", "vpp", "microbatches", "micro_batch_size",
+                  "dp_microbatches", "stage_layers", "slow_rank"}
 
 
 def prepare_run_folder(cfg, rank: int = 0) -> None:
@@ -57,6 +61,8 @@ def prepare_run_folder(cfg, rank: int = 0) -> None:
     from commpipe.train.checkpoint import checkpoints_dir, find_checkpoint
 
     diffs = config_differences(out, cfg)
+    if cfg.elastic:   # a restart on another world re-plans the layout: still the same run
+        diffs = [d for d in diffs if d[0] not in ELASTIC_LAYOUT]
     if cfg.resume and (cfg.resume == "latest" or _inside(Path(cfg.resume), out)):
         if cfg.resume != "latest" or find_checkpoint(checkpoints_dir(out)) is not None \
                 or not diffs:
