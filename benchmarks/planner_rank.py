@@ -1,7 +1,7 @@
 """Does `commpipe plan --gpu cpu` rank the layouts of this machine as they measure?
 
     python benchmarks/planner_rank.py                    # 23-27 min on 2 busy vCPUs (root: + emulated)
-    python benchmarks/planner_rank.py --no-emulated      # local ranks only, ~6 min
+    python benchmarks/planner_rank.py --no-emulated      # local ranks only, ~10 min
     python benchmarks/planner_rank.py --reuse            # predict OUT's measurements again
     python benchmarks/planner_rank.py --reuse --write-interval   # + the controller's interval
 
