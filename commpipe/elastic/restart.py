@@ -28,7 +28,7 @@ import os
 
 # steps between copies of the state on another node (commpipe.train.peer_copies) unless
 # --peer-copy-every says; their cost on a healthy run is in docs/checkpoints.md
-PEER_COPY_EVERY = 10
+PEER_COPY_EVERY = 20
 _ATTEMPT: dict[str, str] = {}   # this process's attempt prefix, computed once per process
 
 

@@ -112,7 +112,7 @@ def add_arguments(p) -> None:
     g.add_argument("--peer-copy-every", type=int, default=None, metavar="N",
                    help="--elastic: every N steps each rank keeps a copy of its state in its "
                         "node's memory and on another node; a restart resumes from the copies "
-                        "when they are newer than the latest checkpoint (0: off; default 10 "
+                        "when they are newer than the latest checkpoint (0: off; default 20 "
                         "under --elastic)")
     g.add_argument("--fail-at", default=None, metavar="RANK:STEP",
                    help="fault drill: rank RANK raises at step STEP, to check that the job "
