@@ -29,6 +29,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -147,6 +148,10 @@ def recovery(args) -> None:
             for proc in (a, b):
                 if proc.poll() is None:
                     proc.kill()
+                proc.wait()
+            from commpipe.train.peer_copies import run_dir
+
+            shutil.rmtree(run_dir(out), ignore_errors=True)   # the killed node's copies
         text = (Path(tmp) / "a.log").read_text()[before:]
         resumed = re.search(r"resumed from .* at step (\d+)", text)
         start = int(resumed.group(1)) if resumed else 0
