@@ -74,6 +74,7 @@ def elastic_config(cfg, world: int, restart: int = 0, log=print):
         raise ValueError("--elastic resumes from OUT/checkpoints after a restart; give --out DIR "
                          "and --save-every N")
     cfg = copy.copy(cfg)
+    cfg.elastic = True
     if cfg.resume is None:
         cfg.resume = "latest"
     if cfg.peer_copy_every is None:
