@@ -178,8 +178,11 @@ def run_elastic_demo(out: Path, kill=(1, 10), stop=(1, 30), hang_timeout_s: floa
         events.append(("node lost", max(r["step"] for r in recs()) + 1, time.time()))
         log(f"  step {events[-1][1]}: node {node} killed (agent and workers, SIGKILL)")
         rank, step = stop
-        _wait(job, lambda: any(world_of(r) == 2 and r["step"] >= step for r in recs()),
-              f"step {step} on the survivors")
+        # right after a save: the rank then freezes mid-step, and the watchdog names it after
+        # --hang-timeout-s (frozen during a save, it would take the 10x allowance of saves)
+        _wait(job, lambda: any(world_of(r) == 2 and r["step"] >= step
+                               and (r["step"] + 1) % SAVE_EVERY == 1 for r in recs()[-1:]),
+              f"step {step} on the survivors", poll_s=0.02)
         pid = job.worker_pid(rank)
         if pid is None:
             raise RuntimeError(f"no live worker of rank {rank} to stop")
