@@ -138,9 +138,17 @@ class Job:
                 return line
         return None
 
-    def wait_for_step(self, out: Path, step: int, timeout: float = 120) -> None:
+    def wait_for_step(self, out: Path, step: int, timeout: float = 120, after_save: int = 0) -> None:
+        """Until step `step` is done; with `after_save` (the --save-every), until the last step
+        done is one of the first three after a save: a rank stopped then freezes mid-step, not
+        in a save (which the watchdog allows ten timeouts)."""
+        def reached(recs):
+            if not after_save:
+                return any(r["step"] >= step for r in recs)
+            return bool(recs) and recs[-1]["step"] >= step and recs[-1]["step"] % after_save < 3
+
         end = time.monotonic() + timeout
-        while not any(r["step"] >= step for r in metric_lines(out)):
+        while not reached(metric_lines(out)):
             if self.proc.poll() is not None or time.monotonic() > end:
                 self.proc.kill()
                 time.sleep(0.5)
@@ -204,9 +212,9 @@ def test_watchdog_stays_quiet_on_a_healthy_run(tmp_path):
 def test_hung_rank_is_lost_and_an_elastic_job_restarts_and_finishes(tmp_path):
     out = tmp_path / "run"
     steps = 16
-    job = Job(out, 3, "--steps", str(steps), "--hang-timeout-s", str(HANG_S), "--save-every", "3",
+    job = Job(out, 3, "--steps", str(steps), "--hang-timeout-s", str(HANG_S), "--save-every", "6",
               "--elastic", torchrun=("--max-restarts", "1"))
-    job.wait_for_step(out, 4)
+    job.wait_for_step(out, 4, after_save=6)
     pid = worker_pid(job.proc.pid, 2)
     os.kill(pid, signal.SIGSTOP)
     t0 = time.monotonic()
