@@ -11,11 +11,14 @@ tests/test_elastic_restart.py under torchrun.
 
 from __future__ import annotations
 
+import shutil
+import socket
 from types import SimpleNamespace
 
 import pytest
 
 from commpipe.parallel.dims import ParallelDims
+from commpipe.train import peer_copies
 from commpipe.train.peer_copies import make_plan, newest_complete
 
 
@@ -91,3 +94,31 @@ def test_restart_picks_the_newest_step_the_remaining_nodes_hold_whole():
     # step 7's missing part on a node of its own: complete again, from two providers
     views[2] = ("b", {**held_b, 7: {"writers": [0, 2], "parts": [2]}})
     assert newest_complete(views, 6, 100) == (7, {0: 0, 2: 2})
+
+
+def test_tidying_keeps_the_newest_copy_and_survives_a_folder_removed_meanwhile(tmp_path,
+                                                                               monkeypatch):
+    # /dev/shm as tidying finds it: this run's node folder with an older and the newest step,
+    # two other runs' folders of dead agents; another node's tidying removes one of them
+    # while this one walks the listing
+    host = socket.gethostname()
+    ours = tmp_path / "commpipe-ours"
+    me = f"{host}-100"
+    for step in (3, 6):
+        (ours / me / f"step_{step:06d}").mkdir(parents=True)
+    (tmp_path / "commpipe-old" / f"{host}-101" / "step_000002").mkdir(parents=True)
+    (tmp_path / "commpipe-gone" / f"{host}-102").mkdir(parents=True)
+
+    runs = {101: "commpipe-old", 102: "commpipe-gone"}
+
+    def alive(pid):          # agents 101 and 102 are gone; at the first, another node's
+        for other, run in runs.items():          # tidying removes the other dead run whole
+            if other != pid:
+                shutil.rmtree(tmp_path / run, ignore_errors=True)
+        runs.clear()
+        return False
+
+    monkeypatch.setattr(peer_copies, "_alive", alive)
+    peer_copies._tidy(ours, me, 6)
+    assert sorted(p.name for p in (ours / me).iterdir()) == ["step_000006"]
+    assert not (tmp_path / "commpipe-old").exists()      # the dead agent's run, emptied

@@ -208,15 +208,26 @@ def _tidy(root: Path, me: str, step: int) -> None:
     from a newer checkpoint) and the folders of this host's agents that are gone, of any run:
     only its own agent's workers read a folder."""
     host = socket.gethostname()
-    for d in root.parent.glob("commpipe-*/*"):
+    # other nodes of this host tidy at the same time: a folder listed may be gone when read
+    runs = [r for r in _subdirs(root.parent) if r.name.startswith("commpipe-")]
+    for d in [d for r in runs for d in _subdirs(r)]:
         name, _, pid = d.name.rpartition("-")
         if d.name == me and d.parent == root:
-            for s in d.glob("step_*"):
-                if s.name < checkpoint.step_dirname(step):
+            for s in _subdirs(d):
+                if s.name.startswith("step_") and s.name < checkpoint.step_dirname(step):
                     shutil.rmtree(s, ignore_errors=True)
         elif name == host and pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(d, ignore_errors=True)
             _rmdir(d.parent)
+
+
+def _subdirs(path: Path) -> list[Path]:
+    """The folders in `path`; none when it is gone (removed by another node's tidying)."""
+    try:
+        with os.scandir(path) as it:
+            return [Path(e.path) for e in it if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []
 
 
 def _alive(pid: int) -> bool:
