@@ -40,23 +40,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# torchrun, joining the rendezvous once the first agent's store listens (torch imported before,
-# so the second node falls within the first one's last call even on a loaded host)
-JOIN_WHEN_LISTENING = """import socket, sys, time
-from torch.distributed.run import main
-def listening(port):
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-while not listening(int(sys.argv[1])):
-    time.sleep(0.02)
-main(sys.argv[2:])
-"""
-
-
 def agent(out: Path, port: int, log: Path, args, every: int | None, join: bool = False,
           steps: int | None = None, save_every: int | None = None) -> subprocess.Popen:
+    from commpipe.ports import torchrun_argv
+
     n = args.nproc_per_node
-    run = ["-c", JOIN_WHEN_LISTENING, str(port)] if join else ["-m", "torch.distributed.run"]
+    run = torchrun_argv(port, join)
     cmd = [sys.executable, *run, "--nnodes", "1:2", "--nproc-per-node",
            str(n), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
            "--rdzv-id", "elastic-bench", "--max-restarts", "1", "--monitor-interval", "0.2",

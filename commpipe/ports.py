@@ -37,3 +37,24 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+# torchrun for a node that joins a rendezvous another agent hosts on this machine: it imports
+# torch first and starts only once the store at the port listens, so its join falls within the
+# host agent's last call even on a loaded machine (the import alone can take longer than that,
+# and a late node then meets a job already running)
+JOIN_WHEN_LISTENING = """import socket, sys, time
+from torch.distributed.run import main
+def listening(port):
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+while not listening(int(sys.argv[1])):
+    time.sleep(0.02)
+main(sys.argv[2:])
+"""
+
+
+def torchrun_argv(port: int, join: bool = False) -> list[str]:
+    """The interpreter arguments that run torchrun: at once, or (`join`) once 127.0.0.1:port
+    listens."""
+    return ["-c", JOIN_WHEN_LISTENING, str(port)] if join else ["-m", "torch.distributed.run"]

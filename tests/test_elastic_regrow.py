@@ -26,10 +26,9 @@ from pathlib import Path
 import torch
 
 from commpipe.cli import main
-from commpipe.cluster.ports import free_port
+from commpipe.ports import free_port, torchrun_argv
 from commpipe.report.elastic import elastic_marks
 from commpipe.train import checkpoint
-from tests.test_elastic_restart import JOIN_WHEN_LISTENING
 from tests.test_failures import metric_lines
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +41,7 @@ AFTER = 6            # steps compared after the regrowth
 
 
 def agent(out: Path, port: int, log: Path, join: bool = False) -> subprocess.Popen:
-    run = ["-c", JOIN_WHEN_LISTENING, str(port)] if join else ["-m", "torch.distributed.run"]
+    run = torchrun_argv(port, join)
     cmd = [sys.executable, *run, "--nnodes", "1:2", "--nproc-per-node",
            "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
            "--rdzv-id", "elastic-regrow", "--max-restarts", "1", "--monitor-interval", "0.5",

@@ -28,9 +28,9 @@ import pytest
 import torch
 
 from commpipe.cli import main
-from commpipe.cluster.ports import free_port
 from commpipe.elastic.restart import elastic_config
 from commpipe.parallel.dims import ParallelDims
+from commpipe.ports import free_port, torchrun_argv
 from commpipe.train import checkpoint
 from commpipe.train.config import TrainConfig
 from commpipe.train.peer_copies import run_dir
@@ -86,22 +86,8 @@ def test_replan_without_out_is_refused(tmp_path):
         raise AssertionError("--elastic without --out was accepted")
 
 
-# torchrun, joining the rendezvous only once the store at the port listens: torch is imported
-# before, so the join falls within the first agent's last call even on a loaded host (the
-# import alone can take longer than that, and a late node then meets a job already running)
-JOIN_WHEN_LISTENING = """import socket, sys, time
-from torch.distributed.run import main
-def listening(port):
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-while not listening(int(sys.argv[1])):
-    time.sleep(0.02)
-main(sys.argv[2:])
-"""
-
-
 def agent(out: Path, port: int, log: Path, join: bool = False) -> subprocess.Popen:
-    run = ["-c", JOIN_WHEN_LISTENING, str(port)] if join else ["-m", "torch.distributed.run"]
+    run = torchrun_argv(port, join)
     cmd = [sys.executable, *run, "--nnodes", "1:2", "--nproc-per-node",
            "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}",
            "--rdzv-id", "elastic-test", "--max-restarts", "1", "--monitor-interval", "0.5",
