@@ -26,11 +26,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 MODEL = "arch=llama,layers=8,hidden=32,heads=4,kv_heads=2,ffn_hidden=64,vocab=128"
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zbh1", "stp"])      # stp: unit by unit, braided
-def test_bf16_autocast_training_tracks_fp32_cpu(schedule):
+@pytest.mark.parametrize("model, schedule", [("tiny", "1f1b"), ("tiny", "zbh1"),
+                                             ("tiny", "stp"),    # stp: unit by unit, braided
+                                             ("moe-tiny", "1f1b"), ("blip-tiny", "1f1b")])
+def test_bf16_autocast_training_tracks_fp32_cpu(model, schedule):
     losses = {}
     for device, precision in (("cpu", "fp32"), ("cuda", "bf16")):
-        cfg = TrainConfig(model="tiny", seq_len=32, global_batch=4, steps=3, device=device,
+        cfg = TrainConfig(model=model, seq_len=32, global_batch=4, steps=3, device=device,
                           schedule=schedule, seed=1, precision=precision)
         cfg.resolve(1)
         trainer = Trainer.build(cfg, Comm(ParallelDims(), 0, device=torch.device(device)))

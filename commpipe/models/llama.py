@@ -35,7 +35,8 @@ class RMSNorm(nn.Module):
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
     """cos/sin tables [s, head_dim/2] for the given (possibly non-contiguous) positions."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64,
+                                         device=positions.device) / head_dim))
     angles = positions.to(torch.float64)[:, None] * inv_freq[None, :]
     return angles.cos().float(), angles.sin().float()
 

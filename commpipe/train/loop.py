@@ -53,10 +53,12 @@ def step_flops(cfg: TrainConfig) -> float:
 
 
 def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    """auto: this rank's GPU (LOCAL_RANK) when CUDA is there, else the CPU; a bare `cuda` is
+    this rank's GPU too (torch.cuda.set_device needs an index)."""
+    if name == "auto" and not torch.cuda.is_available():
         return torch.device("cpu")
+    if name in ("auto", "cuda"):
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device(name)
 
 
