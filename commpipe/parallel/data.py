@@ -19,6 +19,8 @@ order their gradients became final (ready-order buckets, as torch DDP does).
 from __future__ import annotations
 
 import math
+import weakref
+from functools import partial
 
 import torch
 from torch import nn
@@ -66,6 +68,18 @@ class Bucket:
             offset += n
 
 
+def _call(ref: weakref.ref, method: str, p: nn.Parameter) -> None:
+    """A parameter hook calling `method` of the reducer `ref` points to, while it lives."""
+    reducer = ref()
+    if reducer is not None:
+        getattr(reducer, method)(p)
+
+
+def _remove_hooks(handles: list) -> None:
+    for h in handles:
+        h.remove()
+
+
 class GradReducer:
     """Sum gradients over the dp_cp group in flat buckets of about `bucket_mb` MB, each issued
     as soon as its gradients are final (overlap) or all after the backward (no overlap); with
@@ -86,9 +100,16 @@ class GradReducer:
         # (ZeRO-1 keeps its layout: it decides which rank owns which parameter)
         self._ready_order: list[nn.Parameter] | None = [] if overlap and not self.zero else None
         self._begin_step()
+        # the parameters reach the reducer only weakly: a strong reference from their hooks
+        # would make a cycle through autograd that Python's collector does not free, and a
+        # discarded Trainer (a layout switch, a restart in the same process) would keep all its
+        # parameters and gradients alive (on a GPU, gigabytes per discarded layout)
+        me = weakref.ref(self)
+        handles = []
         for p in params:
-            p.register_post_accumulate_grad_hook(self._autograd_accumulated)
-            p._grad_ready_hook = self._accumulated   # deferred weight-gradient GEMMs
+            handles.append(p.register_post_accumulate_grad_hook(partial(_call, me, "_autograd_accumulated")))
+            p._grad_ready_hook = partial(_call, me, "_accumulated")  # deferred weight-grad GEMMs
+        weakref.finalize(self, _remove_hooks, handles)
 
     def _autograd_accumulated(self, p: nn.Parameter) -> None:
         if p.__dict__.pop("_grad_deferred", False):   # nothing added: see weight_grad._Linear
