@@ -83,7 +83,9 @@ class Estimate:
                  exposed_comm_fraction=_num(self.exposed_comm_fraction),
                  breakdown_s={k: _num(v) for k, v in self.breakdown.items()},
                  host_contention=self.host_contention,
-                 memory_gb_per_stage=[round(s.total_gb, 3) for s in self.memory])
+                 memory_gb_per_stage=[round(s.total_gb, 3) for s in self.memory],
+                 reserve_gb_per_gpu=_num(max(self.memory, key=lambda s: s.total_gb).reserve_gb
+                                         if self.memory else float("nan")))
         if self.interval:
             d["interval"] = self.interval
         return d

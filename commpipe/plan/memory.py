@@ -82,11 +82,14 @@ class StageMemory:
     logits_gb: float
     reserve_gb: float
     inflight: float         # peak micro-batches in flight (units of the rank's share)
+    # commpipe's runtime: gradients that exist only while the loss backward runs (beside the
+    # saved softmax), part of the peak but not held for backward
+    loss_transient_gb: float = 0.0
 
     @property
     def total_gb(self) -> float:
         return (self.weights_gb + self.grads_gb + self.optimizer_gb + self.activations_gb
-                + self.logits_gb + self.reserve_gb)
+                + self.logits_gb + self.loss_transient_gb + self.reserve_gb)
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -263,12 +266,12 @@ def stage_memory(spec: ModelSpec, layout: Layout, job: Job, inflight: list[float
         act = inflight[rank] * layers * act_layer
         if layout.recompute in ("full", "op"):
             act += full_layer                   # one layer rematerialised during its backward
-        logits = 0.0
+        logits = transient = 0.0
         if job.runtime == "commpipe":           # this runtime's own saved tensors
             last_inflight = layout.microbatches(job) if layout.schedule == "gpipe" else 1
-            act, logits = stage_activation_bytes(
+            act, logits, transient = stage_activation_bytes(
                 spec, layout.tp, tokens, job.sequence_parallel, layout.recompute, layers,
-                inflight[rank], stages - 1 in chunks, last_inflight, job.activation_bytes)
+                inflight[rank], stages - 1 in chunks, last_inflight, job.mixed)
         elif stages - 1 in chunks:
             # fp32 softmax saved per micro-batch whose backward has not run yet, plus the
             # transient bf16 logits of the one being computed; the final norm's input too
@@ -278,10 +281,10 @@ def stage_memory(spec: ModelSpec, layout: Layout, job: Job, inflight: list[float
         if (layers, params) not in states:
             states[layers, params] = state_bytes(spec, layout, job, layers, params)
         w, g, o = states[layers, params]
-        tensors = w + g + o + act + logits
+        tensors = w + g + o + act + logits + transient
         reserve = _reserve_bytes(tensors, persistent_state_bytes(layout, job, params, w + g + o))
         out.append(StageMemory(rank, layers, params, w / GIB, g / GIB, o / GIB, act / GIB,
-                               logits / GIB, reserve / GIB, inflight[rank]))
+                               logits / GIB, reserve / GIB, inflight[rank], transient / GIB))
     return out
 
 

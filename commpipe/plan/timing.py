@@ -67,6 +67,7 @@ from commpipe.plan.kernels import (
     ub_sm_slowdown,
 )
 from commpipe.plan.layout import Job, Layout, zero_stage
+from commpipe.plan.runtime_kernels import commpipe_elementwise_bytes
 from commpipe.plan.memory import (
     layer_activation_bytes,
     linear_params_per_layer,
@@ -185,8 +186,10 @@ def layer_compute(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
     peak, ridge = gpu.achievable_tflops("bf16") * 1e12, gpu.ridge_flop_per_byte
     t, s = layout.tp, job.seq_len
     d = spec.head_dim
-    # torchtitan's eager Llama runs one GEMM per matrix; Megatron/TE fuse QKV and gate/up
-    shapes = layer_gemms(spec, layout, job, fused=not job.eager_ops)
+    # torchtitan's eager Llama and commpipe's own on a GPU run one GEMM per matrix;
+    # Megatron/TE fuse QKV and gate/up
+    own = job.runtime == "commpipe" and gpu.name != "cpu"
+    shapes = layer_gemms(spec, layout, job, fused=fused_gemms(job, gpu))
     cast = 0.0
     gemm = gemm_f = gemms_time(shapes, job, gpu, eff)
     if job.tp_overlap and t > 1 and len(shapes) == 4:
@@ -204,7 +207,10 @@ def layer_compute(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
         attn = 2 * heads * gemm_time(2 * q_len * d * s, q_len, d, s, peak, eff, ridge)
     hbm = hbm_rate(gpu)
     eager = eager_elementwise_bytes(spec, layout, job) if job.eager_ops else None
-    if eager:
+    if own:     # commpipe's eager kernels, counted op by op (runtime_kernels.py)
+        moved = commpipe_elementwise_bytes(spec, layout, job)
+        elem, elem_b = moved[0] / hbm, moved[1] / hbm
+    elif eager:
         # counted kernel by kernel (kernels.py), no fitted factor
         elem, elem_b = eager[0] / hbm, eager[1] / hbm
     else:
@@ -213,6 +219,12 @@ def layer_compute(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
     copy_f, copy_b = fsdp_copies(spec, layout, job, hbm)
     return {"gemm": gemm, "gemm_f": gemm_f, "attn": attn, "elem": elem + cast,
             "elem_b": elem_b + 2 * cast, "copy_f": copy_f, "copy_b": copy_b}
+
+
+def fused_gemms(job: Job, gpu) -> bool:
+    """QKV and gate/up as one GEMM each (Megatron/TE), or one per matrix: torchtitan's eager
+    Llama, and commpipe's own on a GPU (its CPU rates are measured on its own runs)."""
+    return not (job.eager_ops or (job.runtime == "commpipe" and gpu.name != "cpu"))
 
 
 def gemms_time(shapes: list[tuple], job: Job, gpu, eff: Efficiency) -> float:
@@ -268,7 +280,7 @@ def stage_costs(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
         # travels while the weight-gradient GEMMs of the projections it feeds run: QKV for the
         # attention, gate and up for the MLP (dW has the forward GEMM's shape and FLOPs)
         entry = tp_one if not job.sequence_parallel else tp_one / 2
-        shapes = layer_gemms(spec, layout, job, fused=not job.eager_ops)   # as layer_compute
+        shapes = layer_gemms(spec, layout, job, fused=fused_gemms(job, cluster.gpu))
         fed = (shapes[:1], shapes[2:3]) if len(shapes) == 4 else (shapes[:3], shapes[4:6])
         tp_b -= sum(min(entry, gemms_time(g, job, cluster.gpu, eff)) for g in fed)
     cp_size, cp_stride = groups["cp"]
