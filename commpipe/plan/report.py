@@ -84,8 +84,9 @@ def print_estimate(e: Estimate, cluster) -> None:
         print("memory per pipeline rank (GB): weights grads optimizer activations logits reserve = total")
         shown = e.memory if len(e.memory) <= 8 else e.memory[:4] + e.memory[-4:]
         for s in shown:
+            logits = s.logits_gb + s.loss_transient_gb
             print(f"  rank {s.rank:>3} ({s.layers:>3} layers): {s.weights_gb:7.2f} {s.grads_gb:6.2f} "
-                  f"{s.optimizer_gb:8.2f} {s.activations_gb:10.2f} {s.logits_gb + s.loss_transient_gb:6.2f} {s.reserve_gb:6.2f}"
+                  f"{s.optimizer_gb:8.2f} {s.activations_gb:10.2f} {logits:6.2f} {s.reserve_gb:6.2f}"
                   f" = {s.total_gb:7.2f}  ({s.inflight:g} micro-batches in flight)")
     if e.step_time_s == e.step_time_s:
         print(f"step {e.step_time_s:.4f} s, {e.microbatches} micro-batches; model "

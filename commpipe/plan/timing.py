@@ -67,7 +67,6 @@ from commpipe.plan.kernels import (
     ub_sm_slowdown,
 )
 from commpipe.plan.layout import Job, Layout, zero_stage
-from commpipe.plan.runtime_kernels import commpipe_elementwise_bytes
 from commpipe.plan.memory import (
     layer_activation_bytes,
     linear_params_per_layer,
@@ -75,6 +74,7 @@ from commpipe.plan.memory import (
     stage_layer_counts,
     stage_params,
 )
+from commpipe.plan.runtime_kernels import commpipe_elementwise_bytes
 from commpipe.plan.zero_costs import dp_cost, fsdp_copies, zero_exposed
 from commpipe.schedules.registry import info as schedule_info
 
