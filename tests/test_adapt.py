@@ -54,17 +54,19 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
 
     res: dict = {}
     try:
-        ref_cfg = _cfg(pp=4, steps=12).resolve(world)
+        ref_cfg = _cfg(pp=4, steps=15).resolve(world)
         ref = Trainer.build(ref_cfg, Comm(ref_cfg.dims, rank))
-        res["ref"] = [ref.train_step()["loss"] for _ in range(12)]
+        res["ref"] = [ref.train_step()["loss"] for _ in range(15)]
 
-        cfg = _cfg(pp=4, steps=12).resolve(world)
+        cfg = _cfg(pp=4, steps=15).resolve(world)
         tr = Trainer.build(cfg, Comm(cfg.dims, rank))
         losses = [tr.train_step()["loss"] for _ in range(3)]
         kept = []
         for plan in (Plan(2, 1, 2, 1, (2, 2), "1f1b", 8, 1),      # new layout: reshard
                      Plan(2, 1, 2, 1, (3, 1), "1f1b", 8, 1),      # same layout: re-split
-                     Plan(1, 1, 2, 2, (3, 1), "1f1b", 4, 1)):     # TP -> DP replicas
+                     Plan(1, 1, 2, 2, (3, 1), "1f1b", 4, 1),      # TP -> DP replicas
+                     # re-placement: the same degrees, stages on ranks {0, 1} and {2, 3}
+                     Plan(1, 1, 2, 2, (3, 1), "1f1b", 4, 1, order="tp-cp-pp-dp")):
             before = gather_state(tr)
             tr, seconds = switch(tr, plan)
             after = gather_state(tr)
@@ -96,7 +98,7 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
         def lossy(new, state, _load=sw.load_state):
             _load(new, {k: v for k, v in state.items() if not k.startswith("optim.")})
 
-        cfg = _cfg(pp=4, steps=12).resolve(world)
+        cfg = _cfg(pp=4, steps=15).resolve(world)
         tr = Trainer.build(cfg, Comm(cfg.dims, rank))
         planted = [tr.train_step()["loss"] for _ in range(3)]
         sw.load_state, kept_load = lossy, sw.load_state
@@ -136,7 +138,7 @@ def four_ranks():
 def test_in_memory_switches_keep_the_state_bit_for_bit_and_the_losses(four_ranks):
     per_rank, _, _ = four_ranks
     expect = [("tp2-cp1-pp2-dp1", [2, 2], 3), ("tp2-cp1-pp2-dp1", [3, 1], 6),
-              ("tp1-cp1-pp2-dp2", [3, 1], 9)]
+              ("tp1-cp1-pp2-dp2", [3, 1], 9), ("tp1-cp1-pp2-dp2 ranks tp-cp-pp-dp", [3, 1], 12)]
     for r in per_rank:
         sizes = set()
         for (ok, n, seconds, dims, split, step, own_ok, all_optim), want in zip(r["kept"], expect):
@@ -147,7 +149,7 @@ def test_in_memory_switches_keep_the_state_bit_for_bit_and_the_losses(four_ranks
         # parameters and their exp_avg, exp_avg_sq and step: 4 tensors each, every time
         assert len(sizes) == 1 and sizes.pop() % 4 == 0
     ref, switched = per_rank[0]["ref"], per_rank[0]["switched"]
-    assert len(switched) == 12
+    assert len(switched) == 15
     for step, (a, b) in enumerate(zip(ref, switched)):
         assert abs(a - b) <= 1e-5, f"step {step}: {a} (never switched) vs {b}"
     assert ref[3:] != ref[:6]      # the losses do move: the comparison is not vacuous

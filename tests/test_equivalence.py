@@ -62,6 +62,8 @@ def layouts_of(world: int) -> list[ParallelDims]:
            for tp, cp, pp, dp in itertools.product((1, 2), repeat=4) if tp * cp * pp * dp == world]
     if world == 4:
         out.append(ParallelDims(pp=4))
+    if world == 8:   # the other rank placement: stages inside, DP replicas across (dims.order)
+        out.append(ParallelDims(pp=2, dp=2, tp=2, order="tp-cp-pp-dp"))
     return out
 
 

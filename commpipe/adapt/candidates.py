@@ -1,23 +1,30 @@
 """Candidate plans for the same processes and the same global batch, cheapest switch first:
 (a) another split of layers over the pipeline stages, (b) another micro-batch count or
 schedule, (d) the same plan with the micro-batches shared unevenly across DP replicas (a
-rebalance: nothing moves), (c) another tp x cp x pp x dp layout (each with its balanced split)."""
+rebalance: nothing moves), (c) the same degrees with the ranks placed in another order (a
+re-placement: which groups cross the slow link), and every other tp x cp x pp x dp layout (each
+with its balanced split), in both orders."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from commpipe.adapt.config import AdaptConfig
 from commpipe.adapt.model import CostModel
 from commpipe.adapt.plan import Plan
 from commpipe.models.spec import ModelSpec, divisors
-from commpipe.parallel.dims import ParallelDims
+from commpipe.parallel.dims import DEFAULT_ORDER
 from commpipe.schedules.registry import ONE_CHUNK, info
 
+# rank placements tried (commpipe.parallel.dims): DP inside PP (Megatron's default) or PP inside
+# DP (consecutive stages on consecutive ranks); TP and CP stay innermost, on the fastest links
+ORDERS = (DEFAULT_ORDER, "tp-cp-pp-dp")
 # one stage per rank (any uneven split works), the running default first
 SCHEDULES = ("1f1b",) + tuple(n for n in ONE_CHUNK if n != "1f1b")
 
 
 def _feasible(plan: Plan, spec: ModelSpec, seq_len: int, global_batch: int) -> bool:
-    dims = ParallelDims(dp=plan.dp, pp=plan.pp, cp=plan.cp, tp=plan.tp)
+    dims = plan.dims()
     try:
         dims.check_model(spec, seq_len, list(plan.stage_layers))
         m = dims.check_batch(global_batch, plan.micro_batch_size)
@@ -39,7 +46,8 @@ def resplits(cur: Plan, model: CostModel) -> list[Plan]:
                 out.add(tuple(new))
     out.discard(cur.stage_layers)
     return [Plan(cur.tp, cp=cur.cp, pp=cur.pp, dp=cur.dp, stage_layers=s, schedule=cur.schedule,
-                 microbatches=cur.microbatches, micro_batch_size=cur.micro_batch_size)
+                 microbatches=cur.microbatches, micro_batch_size=cur.micro_batch_size,
+                 order=cur.order)
             for s in sorted(out)]
 
 
@@ -56,7 +64,8 @@ def rebatches(base: Plan, global_batch: int, max_per_stage: int,
         for sched in schedules:
             if info(sched).m_problem(base.pp, m):
                 continue
-            p = Plan(base.tp, base.cp, base.pp, base.dp, base.stage_layers, sched, m, mbs)
+            p = Plan(base.tp, base.cp, base.pp, base.dp, base.stage_layers, sched, m, mbs,
+                     order=base.order)
             if p != base:
                 out.append(p)
     return out
@@ -101,7 +110,7 @@ def rebalances(cur: Plan, model: CostModel) -> list[Plan]:
             continue
         even = len(set(counts)) == 1
         plan = Plan(cur.tp, cur.cp, cur.pp, cur.dp, cur.stage_layers, cur.schedule,
-                    cur.microbatches, cur.micro_batch_size, () if even else counts)
+                    cur.microbatches, cur.micro_batch_size, () if even else counts, cur.order)
         if plan != cur:
             out.append(plan)
     return out
@@ -135,6 +144,16 @@ def layouts(cur: Plan, model: CostModel, spec: ModelSpec, seq_len: int, global_b
     return out
 
 
+def replacements(plans: list[Plan], world: int, ranks_per_node: int) -> list[Plan]:
+    """The same plans with their ranks placed in the other order (`ORDERS`): which of the
+    pipeline stages and the DP replicas sit inside a node and which span nodes. Only where it
+    changes a group (pp > 1 and dp > 1) and the world spans more than one node."""
+    if world <= ranks_per_node:
+        return []
+    return [replace(p, order=o) for p in plans if p.pp > 1 and p.dp > 1
+            for o in ORDERS if o != p.order]
+
+
 def candidates(cur: Plan, model: CostModel, spec: ModelSpec, seq_len: int, global_batch: int,
                world: int, ranks_per_node: int, acfg: AdaptConfig) -> list[Plan]:
     """Every feasible plan other than `cur`, in the order (a), (b), (d), (c); (d) only with
@@ -149,7 +168,9 @@ def candidates(cur: Plan, model: CostModel, spec: ModelSpec, seq_len: int, globa
     if acfg.rebalance:
         found += rebalances(cur, model)
     if acfg.layouts:
-        found += layouts(cur, model, spec, seq_len, global_batch, world, ranks_per_node)
+        others = layouts(cur, model, spec, seq_len, global_batch, world, ranks_per_node)
+        found += replacements([cur], world, ranks_per_node) + others
+        found += replacements(others, world, ranks_per_node)
     seen, out = {cur}, []
     for p in found:
         if p not in seen and _feasible(p, spec, seq_len, global_batch):

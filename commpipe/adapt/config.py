@@ -127,7 +127,7 @@ class AdaptConfig:
         """The allowance for rebuilding under a switch of `kind` before one was measured."""
         return {"rebatch": self.rebatch_base_s, "rebalance": self.rebalance_base_s,
                 "resplit": self.resplit_base_s,
-                "reshard": self.reshard_base_s}[kind]
+                "reshard": self.reshard_base_s, "replace": self.reshard_base_s}[kind]
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,6 @@ from commpipe.models.spec import (
     layer_flops_per_token,
     layer_param_count,
 )
-from commpipe.parallel.dims import ParallelDims
 from commpipe.plan.cluster import Cluster, Link
 from commpipe.plan.gpus import GPU
 from commpipe.schedules import generate
@@ -87,7 +86,7 @@ class CostModel:
         self.rpn = max(1, ranks_per_node)
         self.m = measured
         cur = measured.plan
-        self.dims = ParallelDims(dp=cur.dp, pp=cur.pp, cp=cur.cp, tp=cur.tp)
+        self.dims = cur.dims()
         c = measured.costs
         host = measured.host_ms
         units, fb_f = [], []
@@ -219,7 +218,7 @@ class CostModel:
 
     def replica_slowdown(self, plan: Plan, d: int) -> float:
         """The slowest measured factor among DP replica d's ranks under `plan`."""
-        dims = ParallelDims(dp=plan.dp, pp=plan.pp, cp=plan.cp, tp=plan.tp)
+        dims = plan.dims()
         return max(self.k.get(dims.rank_of(pp=s, dp=d, cp=q, tp=t), 1.0) for s in range(plan.pp)
                    for q in range(plan.cp) for t in range(plan.tp))
 
@@ -227,7 +226,7 @@ class CostModel:
         """(makespan without communication, with it) of `m` micro-batches through the pipeline,
         each stage at the slowest factor among its ranks in `replicas`."""
         spec, seq = self.spec, self.seq_len
-        dims = ParallelDims(dp=plan.dp, pp=plan.pp, cp=plan.cp, tp=plan.tp)
+        dims = plan.dims()
         program = generate(plan.schedule, plan.pp, m, 1)
         n = program.num_stages
         act_bytes = self.m.element_bytes * plan.micro_batch_size * (seq // plan.cp) * spec.hidden
@@ -259,7 +258,7 @@ class CostModel:
 
     def _dp_ms(self, plan: Plan) -> float:
         n = plan.pp
-        dims = ParallelDims(dp=plan.dp, pp=plan.pp, cp=plan.cp, tp=plan.tp)
+        dims = plan.dims()
         dp_ms = 0.0
         if plan.dp * plan.cp > 1:   # gradients are summed over DP and CP ranks (GradReducer):
             # an all-reduce of the largest stage's TP shard, fp32
@@ -274,7 +273,7 @@ class CostModel:
 
     def stage_rate(self, plan: Plan, s: int) -> float:
         """ms per unit of work of stage s under `plan`: its slowest rank's measured factor."""
-        dims = ParallelDims(dp=plan.dp, pp=plan.pp, cp=plan.cp, tp=plan.tp)
+        dims = plan.dims()
         group = [dims.rank_of(pp=s, dp=d, cp=q, tp=t) for d in range(plan.dp)
                  for q in range(plan.cp) for t in range(plan.tp)]
         k = max(self.k.get(g, 1.0) for g in group)

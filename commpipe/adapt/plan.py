@@ -1,7 +1,8 @@
 """`Plan`: one way to lay training out on the same processes, and the payback rule (pure Python).
 
-A plan is (tp, cp, pp, dp, stage_layers, schedule, microbatches, micro_batch_size and, for
-uneven data parallelism, the micro-batches of each DP replica) with the global batch fixed:
+A plan is (tp, cp, pp, dp, stage_layers, schedule, microbatches, micro_batch_size, for uneven
+data parallelism the micro-batches of each DP replica, and the rank order that places the
+groups on the processes: commpipe.parallel.dims) with the global batch fixed:
 every plan computes the same values (commpipe's layouts are numerically equal), so
 a switch changes speed, never results.
 """
@@ -9,6 +10,8 @@ a switch changes speed, never results.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+
+from commpipe.parallel.dims import DEFAULT_ORDER
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,7 @@ class Plan:
     microbatches: int
     micro_batch_size: int
     dp_microbatches: tuple[int, ...] = ()   # per DP replica (commpipe.train.dp_split); (): even
+    order: str = DEFAULT_ORDER              # rank placement (ParallelDims.order)
 
     def __post_init__(self):   # read back from JSON as lists
         object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
@@ -36,7 +40,13 @@ class Plan:
         n = cfg.program().num_stages
         layers = tuple(len(r) for r in split_layers(cfg.spec.layers, n, cfg.stage_layers))
         return cls(d.tp, d.cp, d.pp, d.dp, layers, cfg.schedule, cfg.microbatches,
-                   cfg.micro_batch_size, tuple(cfg.dp_microbatches or ()))
+                   cfg.micro_batch_size, tuple(cfg.dp_microbatches or ()), d.order)
+
+    def dims(self):
+        """The rank grid of this plan (commpipe.parallel.dims.ParallelDims)."""
+        from commpipe.parallel.dims import ParallelDims
+
+        return ParallelDims(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp, order=self.order)
 
     @property
     def name(self) -> str:
@@ -45,13 +55,20 @@ class Plan:
                 f"m{self.microbatches}x{self.micro_batch_size} layers {split}")
         if self.dp_microbatches:
             name += " dp-m " + ",".join(str(x) for x in self.dp_microbatches)
+        if self.order != DEFAULT_ORDER:
+            name += f" ranks {self.order}"
         return name
 
     def same_layout(self, other: Plan) -> bool:
-        """Same process groups (tp, cp, pp, dp): a switch re-splits or re-batches only."""
-        return (self.tp, self.cp, self.pp, self.dp) == (other.tp, other.cp, other.pp, other.dp)
+        """Same process groups (tp, cp, pp, dp and rank order): a switch re-splits or re-batches
+        only."""
+        return (self.tp, self.cp, self.pp, self.dp, self.order) == \
+            (other.tp, other.cp, other.pp, other.dp, other.order)
 
     def kind_of_switch(self, other: Plan) -> str:
+        if (self.tp, self.cp, self.pp, self.dp) == (other.tp, other.cp, other.pp, other.dp) \
+                and self.order != other.order:
+            return "replace"       # the same degrees, ranks placed differently
         if not self.same_layout(other):
             return "reshard"
         if self.stage_layers != other.stage_layers:
@@ -72,11 +89,9 @@ class Plan:
         """A new, resolved TrainConfig running this plan; everything else as in `cfg`."""
         import copy
 
-        from commpipe.parallel.dims import ParallelDims
-
         new = copy.copy(cfg)
         new.optim = copy.copy(cfg.optim)
-        new.dims = ParallelDims(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp)
+        new.dims = self.dims()
         new.stage_layers = list(self.stage_layers)
         new.schedule, new.vpp = self.schedule, 1
         new.microbatches, new.micro_batch_size = self.microbatches, self.micro_batch_size
@@ -88,10 +103,7 @@ class Plan:
 def held_parts(plan: Plan, rank: int) -> set:
     """The model parts rank holds under `plan` (full tensors once its TP group gathers them):
     ("layer", i), ("embedding",), ("head",)."""
-    from commpipe.parallel.dims import ParallelDims
-
-    dims = ParallelDims(dp=plan.dp, pp=plan.pp, cp=plan.cp, tp=plan.tp)
-    stage = dims.coords(rank)["pp"]
+    stage = plan.dims().coords(rank)["pp"]
     start = sum(plan.stage_layers[:stage])
     parts = {("layer", i) for i in range(start, start + plan.stage_layers[stage])}
     if stage == 0:

@@ -1,10 +1,17 @@
 """`ParallelDims`: the layout (dp, pp, cp, tp) and its rank grid.
 
-Rank order follows Megatron-LM's default "tp-cp-dp-pp": TP is innermost (consecutive ranks, so
-TP groups share a node), then CP, then DP, and PP outermost (pipeline stages span nodes):
+Rank order follows Megatron-LM's default "tp-cp-dp-pp" (innermost first): TP is innermost
+(consecutive ranks, so TP groups share a node), then CP, then DP, and PP outermost (pipeline
+stages span nodes):
 
     grid = arange(world).view(pp, dp, cp, tp)
     rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
+
+`order` names another placement of the same degrees, as Megatron's RankGenerator order does:
+"tp-cp-pp-dp" puts consecutive pipeline stages on consecutive ranks (inside a node) and the DP
+replicas outermost, so the gradient all-reduce crosses nodes and the stage-to-stage messages do
+not. Every group, peer and coordinate follows from `coords` / `rank_of`; the values computed are
+the same under any order (the adaptive controller re-places ranks this way when a link slows).
 
 Validation is pure Python so that bad input fails before any process group starts.
 """
@@ -15,7 +22,8 @@ from dataclasses import dataclass
 
 from commpipe.models.spec import ModelSpec, divisors
 
-DIM_NAMES = ("pp", "dp", "cp", "tp")  # outermost first
+DIM_NAMES = ("pp", "dp", "cp", "tp")  # outermost first (the default order)
+DEFAULT_ORDER = "tp-cp-dp-pp"         # innermost first, as Megatron-LM writes it
 
 
 def _fmt(values: list[int]) -> str:
@@ -28,19 +36,34 @@ class ParallelDims:
     pp: int = 1
     cp: int = 1
     tp: int = 1
+    order: str = DEFAULT_ORDER   # rank placement, innermost dimension first (module docstring)
 
     def __post_init__(self):
         for name in DIM_NAMES:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
+        if sorted(self.order.split("-")) != sorted(DIM_NAMES):
+            raise ValueError(f"rank order {self.order!r} must name tp, cp, dp and pp once each, "
+                             f"innermost first (default {DEFAULT_ORDER}; e.g. tp-cp-pp-dp)")
 
     @property
     def world_size(self) -> int:
         return self.dp * self.pp * self.cp * self.tp
 
     def __str__(self) -> str:
-        return f"tp{self.tp}-cp{self.cp}-pp{self.pp}-dp{self.dp}"
+        base = f"tp{self.tp}-cp{self.cp}-pp{self.pp}-dp{self.dp}"
+        return base if self.order == DEFAULT_ORDER else f"{base} ranks {self.order}"
+
+    def stride(self, dim: str) -> int:
+        """Rank distance between neighbours of one dimension: the product of the degrees of the
+        dimensions inside it in `order`."""
+        out = 1
+        for d in self.order.split("-"):
+            if d == dim:
+                return out
+            out *= getattr(self, d)
+        raise ValueError(f"unknown dimension {dim!r}; use one of {DIM_NAMES}")
 
     # -- validation -------------------------------------------------------------------------
     def check_world(self, world_size: int) -> None:
@@ -103,14 +126,11 @@ class ParallelDims:
     # -- the rank grid ------------------------------------------------------------------------
     def coords(self, rank: int) -> dict[str, int]:
         """Rank -> {"pp": .., "dp": .., "cp": .., "tp": ..}."""
-        tp_rank = rank % self.tp
-        cp_rank = (rank // self.tp) % self.cp
-        dp_rank = (rank // (self.tp * self.cp)) % self.dp
-        pp_rank = rank // (self.tp * self.cp * self.dp)
-        return {"pp": pp_rank, "dp": dp_rank, "cp": cp_rank, "tp": tp_rank}
+        return {d: (rank // self.stride(d)) % getattr(self, d) for d in DIM_NAMES}
 
     def rank_of(self, pp: int = 0, dp: int = 0, cp: int = 0, tp: int = 0) -> int:
-        return ((pp * self.dp + dp) * self.cp + cp) * self.tp + tp
+        at = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
+        return sum(at[d] * self.stride(d) for d in DIM_NAMES)
 
     def groups(self, dim: str) -> list[list[int]]:
         """All rank groups of one dimension ("tp", "cp", "dp", "pp" or "dp_cp")."""

@@ -24,7 +24,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from commpipe.parallel.dims import ParallelDims
+from commpipe.parallel.dims import DEFAULT_ORDER, ParallelDims
 from commpipe.schedules import Action, generate
 from commpipe.sim.costs import CostTable
 from commpipe.sim.engine import SimResult, simulate
@@ -74,7 +74,8 @@ def load_run(run_dir) -> tuple[dict, dict[int, list[Event]]]:
         raise FileNotFoundError(f"{cfg_path} not found: is {run_dir} a `commpipe train --out` folder?")
     cfg = json.loads(cfg_path.read_text())
     d = cfg["dims"]
-    dims = ParallelDims(dp=d["dp"], pp=d["pp"], cp=d["cp"], tp=d["tp"])
+    dims = ParallelDims(dp=d["dp"], pp=d["pp"], cp=d["cp"], tp=d["tp"],
+                        order=d.get("order", DEFAULT_ORDER))
     per_stage = {}
     for pp_rank in range(dims.pp):
         rank = dims.rank_of(pp=pp_rank)
@@ -194,7 +195,8 @@ def calibrate_run(run_dir):
     act_bytes = 4.0 * cfg["micro_batch_size"] * (cfg["seq_len"] // d["cp"]) * spec["hidden"]
     split = None
     if d["tp"] > 1:
-        dims = ParallelDims(dp=d["dp"], pp=d["pp"], cp=d["cp"], tp=d["tp"])
+        dims = ParallelDims(dp=d["dp"], pp=d["pp"], cp=d["cp"], tp=d["tp"],
+                            order=d.get("order", DEFAULT_ORDER))
         ranks = {dims.rank_of(pp=r): r for r in range(d["pp"])}
         split = {ranks[k]: v for k, v in tp_split(run_dir).items() if k in ranks} or None
     return program, calibrate(program, per_rank, act_bytes, split), per_rank

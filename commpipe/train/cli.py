@@ -28,6 +28,11 @@ def add_layout_arguments(p) -> None:
                    help="expert parallelism of MoE models: experts sharded over groups of EP "
                         "ranks carved from the dp*cp ranks; must divide dp*cp and the expert "
                         "count (default 1)")
+    g.add_argument("--rank-order", default="tp-cp-dp-pp",
+                   help="how the groups are placed on the ranks, innermost first (Megatron's "
+                        "order): tp-cp-dp-pp (default: DP replicas inside a pipeline stage's "
+                        "node, stages across nodes) or tp-cp-pp-dp (consecutive stages on "
+                        "consecutive ranks, DP replicas across nodes)")
     g.add_argument("--schedule", default="1f1b",
                    help="pipeline schedule name (gpipe, 1f1b, interleaved, zbh1, zbv, and the "
                         "braided stp, dualpipev) or a schedule .csv (default 1f1b)")
@@ -176,7 +181,8 @@ def config_from_args(args) -> TrainConfig:
         except ValueError:
             raise ValueError(f"--dp-microbatches {args.dp_microbatches!r}: write one count per "
                              "DP replica, like 3,1") from None
-    dims = ParallelDims(dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp)
+    dims = ParallelDims(dp=args.dp, pp=args.pp, cp=args.cp, tp=args.tp,
+                        order=getattr(args, "rank_order", "tp-cp-dp-pp"))
     optim = OptimConfig(lr=args.lr, min_lr=args.min_lr, warmup_steps=args.warmup, clip=args.clip,
                         zero1=args.zero1)
     monitor = parse_monitor_flag(args.comm_monitor)

@@ -43,8 +43,8 @@ from pathlib import Path
 # every flag of `commpipe train` is in exactly one section)
 SECTIONS = {
     "model": ("model", "precision", "recompute"),
-    "parallelism": ("tp", "cp", "pp", "dp", "ep", "stage_layers", "zero1", "sequence_parallel", "overlap",
-                    "tp_forward_overlap", "dp_bucket_mb"),
+    "parallelism": ("tp", "cp", "pp", "dp", "ep", "rank_order", "stage_layers", "zero1",
+                    "sequence_parallel", "overlap", "tp_forward_overlap", "dp_bucket_mb"),
     "schedule": ("schedule", "vpp", "microbatches", "dp_microbatches", "strict_order"),
     "training": ("steps", "seq_len", "micro_batch_size", "global_batch", "seed", "lr", "min_lr",
                  "warmup", "clip"),
@@ -221,6 +221,8 @@ def _from_run_config(data: dict, path) -> dict:
             out[field] = (field, value)
         elif field == "dims":
             out.update({d: (f"dims.{d}", value[d]) for d in ("tp", "cp", "pp", "dp")})
+            if "order" in value:
+                out["rank_order"] = ("dims.order", value["order"])
         elif field == "optim":
             out.update({flag: (f"optim.{k}", value[k]) for k, flag in OPTIM.items() if k in value})
         elif field == "monitor":
