@@ -65,6 +65,8 @@ class Family:
     set_tied: Callable                          # (config, bool) -> None
     parameters: Callable                        # spec -> {commpipe name: shape}
     derived: tuple[str, ...] = field(default=())  # regexes of buffers recomputed, not stored
+    # tensors of another layout a folder may hold -> the names and shapes the rules read
+    canonical: Callable | None = None
 
 
 FAMILIES: dict[str, Family] = {}
@@ -77,7 +79,7 @@ def register(family: Family) -> Family:
 
 def _load_families() -> None:
     # each module registers itself on import; models/ holds one per family
-    from commpipe.models import hf_blip, hf_llama  # noqa: F401
+    from commpipe.models import hf_blip, hf_llama, hf_moe  # noqa: F401
 
 
 def family_for_arch(arch: str) -> Family:
@@ -120,8 +122,8 @@ def to_commpipe(family: Family, spec, config: dict, tensors: dict[str, torch.Ten
                 where: str = "the checkpoint") -> tuple[dict[str, torch.Tensor], dict]:
     """commpipe's full parameters (float32, its master weights) from Hugging Face tensors, and
     the origin record that lets `to_hf` write the same folder back (config, keys, dtypes)."""
+    tensors = family.canonical(tensors) if family.canonical else dict(tensors)
     given = set(tensors)
-    tensors = dict(tensors)
     for tie in family.ties(spec):
         if tie.source not in tensors and tie.alias in tensors and not tie.by_config:
             tensors[tie.source] = tensors[tie.alias]     # one Parameter, saved under either name
