@@ -5,10 +5,10 @@
     commpipe convert --from runs/t --to-hf models/llama2-7b-tuned
 
 A Hugging Face folder is config.json plus model.safetensors (or the shards an index names), as
-save_pretrained writes it: LlamaForCausalLM (Llama 2 and 3 configs) and
-BlipForConditionalGeneration. The commpipe side is a checkpoint folder that any layout loads
+save_pretrained writes it: LlamaForCausalLM (Llama 2 and 3 configs), BlipForConditionalGeneration
+and MixtralForCausalLM. The commpipe side is a checkpoint folder that any layout loads
 (commpipe.train.weights); --from also takes a run folder (its latest checkpoint). The name
-mapping lives in commpipe.models.hf_llama and commpipe.models.hf_blip.
+mapping lives in commpipe.models.hf_llama, hf_blip and hf_moe.
 """
 
 from __future__ import annotations

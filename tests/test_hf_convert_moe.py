@@ -180,6 +180,22 @@ def test_sliding_window_covering_the_context_is_full_attention():
     assert hf_moe.spec_from_config(config, "t").layers == 2
 
 
+@pytest.mark.parametrize("layers, aux, written, back", [
+    (1, 0.04, (True, 0.02), 0.04),   # one layer: Hugging Face's loss is top_k x commpipe's
+    (2, 0.0, (False, 0.001), 0.0),   # no balancing loss: output_router_logits off
+    (2, 0.02, (False, 0.01), 0.0),   # a pooled loss is another objective: left off
+])
+def test_balancing_loss_written_for_hugging_face(layers, aux, written, back):
+    """commpipe's aux_loss_coef -> (output_router_logits, router_aux_loss_coef) and back."""
+    from commpipe.models.moe_spec import MoESpec
+
+    spec = MoESpec("m", layers=layers, hidden=64, heads=4, kv_heads=2, vocab=128, experts=4,
+                   top_k=2, expert_ffn=32, aux_loss_coef=aux)
+    config = hf_moe.config_from_spec(spec, None)
+    assert (config["output_router_logits"], config["router_aux_loss_coef"]) == written
+    assert hf_moe.spec_from_config(config, "m").aux_loss_coef == back
+
+
 def test_commpipe_weights_load_in_hugging_face(tmp_path, capsys):
     """A commpipe MoE model (no Hugging Face origin) exported and read back by transformers'
     from_pretrained computes the same logits; a shape Mixtral cannot hold is refused."""
