@@ -52,6 +52,7 @@ class Layout:
     name: str = ""
     extra: dict = field(default_factory=dict, compare=False)   # per-layout training flags
     pinned: frozenset | None = field(default=None, compare=False, repr=False)
+    ep: int = 1             # expert-parallel size (MoE models): consecutive ranks of dp*cp
 
     def __post_init__(self):
         ParallelDims(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp)   # validates the degrees
@@ -121,12 +122,18 @@ class Layout:
             s += f" zero{self.zero}"
             if self.dp_shard and self.dp_shard != self.dp * self.cp:
                 s += f" shard{self.dp_shard}"
+        if self.ep > 1:
+            s += f" EP{self.ep}"
         return s
 
     def to_dict(self) -> dict:
-        """What the planner reports of a layout (`commpipe plan/estimate --json`)."""
-        return {k: getattr(self, k) for k in ("tp", "cp", "pp", "dp", "vpp", "micro_batch_size",
-                                              "schedule", "recompute", "zero", "dp_shard")}
+        """What the planner reports of a layout (`commpipe plan/estimate --json`); `ep` where
+        experts are sharded (a MoE estimate reports it always)."""
+        d = {k: getattr(self, k) for k in ("tp", "cp", "pp", "dp", "vpp", "micro_batch_size",
+                                           "schedule", "recompute", "zero", "dp_shard")}
+        if self.ep > 1:
+            d["ep"] = self.ep
+        return d
 
     def grid_dict(self) -> dict:
         """What a sweep records of an entry (sweep.jsonl, its fingerprint): unpinned schedule,

@@ -38,6 +38,11 @@ class LayerForm:
     tied_head: bool = False           # the head reuses the embedding (synced across the pipeline)
     # --eager-ops' op-by-op count of torchtitan's Llama kernels describes this layer
     eager_ops: bool = True
+    # a Mixture-of-Experts decoder: its spec (commpipe.models.moe_spec.MoESpec), whose MLPs
+    # commpipe.plan.moe prices (router, shared and routed experts, the EP all-to-alls, expert
+    # states over ep); the layer machinery then prices attention, norms, embedding and head
+    # (the spec's `ffn_hidden` is 0). None: the layers' MLP is the dense one of `ffn_hidden`
+    routed: object = None
 
 
 class ModelFamily(Protocol):
@@ -150,8 +155,10 @@ def planner_of(family: ModelFamily) -> str | None:
 
 
 def layout_planned(spec) -> bool:
-    """Does the layout search (its memory and time models) price `spec`?"""
-    return planner_of(family_of(spec)) == "layers"
+    """Does the layout search (its memory and time models) price `spec` as commpipe's own
+    runtime runs it (the train-time memory checks ask)? Routed-expert layers are priced for GPU
+    frameworks only (commpipe.plan.moe), so not for them."""
+    return planner_of(family_of(spec)) == "layers" and layer_form(spec).routed is None
 
 
 @lru_cache(maxsize=256)

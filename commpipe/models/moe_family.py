@@ -9,7 +9,7 @@ commpipe.parallel.expert.
 from __future__ import annotations
 
 from commpipe.models import moe_spec as M
-from commpipe.models.family import register
+from commpipe.models.family import LayerForm, register
 
 
 class MoEFamily:
@@ -18,7 +18,8 @@ class MoEFamily:
     unit = "token"
     # every TP rank routes the whole sequence through replicated experts: no sequence shards
     sequence_parallel = False
-    planner = None   # commpipe plan does not price routed experts and their all-to-all yet
+    # the layout search over decoder layers, its MLPs priced as routed experts (commpipe.plan.moe)
+    planner = "layers"
 
     def presets(self) -> dict:
         return dict(M.PRESETS)
@@ -65,6 +66,11 @@ class MoEFamily:
         from commpipe.models.moe import stage_loss_sum
 
         return stage_loss_sum(logits, labels)
+
+    def layer_form(self, spec) -> LayerForm:
+        """LLaMA's attention and norms; the MLPs are the routed layer `spec` describes (no
+        op-by-op eager kernel count for it)."""
+        return LayerForm(eager_ops=False, routed=spec)
 
     @property
     def hf(self):

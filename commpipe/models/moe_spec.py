@@ -82,6 +82,13 @@ class MoESpec:
     def value_head_dim(self) -> int:
         return self.v_head_dim if self.attention == "mla" else self.head_dim
 
+    @property
+    def ffn_hidden(self) -> int:
+        """Width of a dense MLP in every layer, as the planner's layer machinery reads a
+        `ModelSpec`: none. commpipe.plan.moe prices the dense (`dense_ffn`) and routed MLPs
+        from `layer_form(spec).routed`, beside the attention the layer machinery prices."""
+        return 0
+
     def is_moe_layer(self, i: int) -> bool:
         return i >= self.dense_layers
 

@@ -17,21 +17,24 @@ import sys
 from dataclasses import replace
 
 from commpipe.models.family import family_for_model, layer_form, planner_of
-from commpipe.models.spec import resolve_model
 from commpipe.plan.cluster import apply_links, apply_probe, default_cluster, override_links
 from commpipe.plan.frameworks import FRAMEWORKS, default_framework, framework_job_fields
 from commpipe.plan.gpus import resolve_gpu
 from commpipe.plan.layout import PRECISIONS, RECOMPUTE, SCHEDULES, ZERO_STAGES, Job, runtime_job
 from commpipe.plan.timing import default_efficiency
 
-FIXABLE = ("tp", "cp", "pp", "dp", "vpp", "micro_batch_size", "schedule", "recompute", "zero", "dp_shard")
+FIXABLE = ("tp", "cp", "pp", "dp", "vpp", "micro_batch_size", "schedule", "recompute", "zero", "dp_shard",
+           "ep")
 
 
 def add_common_arguments(p, require_layout: bool = False) -> None:
     """Model, cluster and job flags shared by `plan` and `estimate`."""
     g = p.add_argument_group("model and job")
-    g.add_argument("--model", help="named shape (llama3-8b, llama3-70b, llama3-405b, ...) or fields "
-                                   "arch=gpt,layers=96,hidden=12288,heads=96,vocab=51200")
+    g.add_argument("--model", help="named shape (llama3-8b, llama3-70b, llama3-405b, mixtral-8x7b, "
+                                   "...) or fields arch=gpt,layers=96,hidden=12288,heads=96,vocab=51200")
+    g.add_argument("--expert-imbalance", type=float, default=1.25,
+                   help="MoE: token copies the busiest expert-parallel rank receives over the mean "
+                        "(default 1.25, Switch Transformer's capacity factor; plan/moe.py)")
     g.add_argument("--global-batch", type=int, help="sequences per optimizer step")
     g.add_argument("--seq-len", type=int, help="tokens per sequence")
     g.add_argument("--precision", default="bf16", choices=PRECISIONS,
@@ -96,6 +99,11 @@ def add_common_arguments(p, require_layout: bool = False) -> None:
     lay.add_argument("--dp-shard", type=int,
                      help="ranks one ZeRO shard group spans (HSDP: shard inside, replicate across); "
                           "default the whole dp*cp group")
+    lay.add_argument("--ep", type=int,
+                     help="MoE: expert-parallel size, consecutive ranks of dp*cp holding experts/ep "
+                          "experts each" + (" (default 1)" if require_layout else
+                                            "; searched over the divisors of dp*cp that divide the "
+                                            "expert count when not given"))
     p.add_argument("--json", action="store_true", help="print only JSON on stdout")
 
 
@@ -132,7 +140,40 @@ def job_from_args(args) -> Job:
         fields["fp8_params"] = False
     return Job(args.global_batch, args.seq_len, precision=args.precision,
                dp_overlap=not args.no_dp_overlap, sequence_parallel=not args.no_sequence_parallel,
-               flash_attention=flash, **fields)
+               flash_attention=flash, expert_imbalance=args.expert_imbalance, **fields)
+
+
+def resolve_planned(model: str):
+    """The spec of `--model` for the layer planner (`plan`, `estimate`): any family whose
+    `planner` is "layers" (LLaMA and GPT shapes, MoE decoders); others are refused by name."""
+    family = family_for_model(model)
+    spec = family.resolve(model)
+    if planner_of(family) != "layers":
+        raise ValueError(f"commpipe estimate prices a stack of decoder layers; arch={family.arch} "
+                         f"models are planned by `commpipe plan --model {model}`")
+    return spec
+
+
+def check_experts(spec, job: Job, ep: int | None, layout=None) -> None:
+    """MoE shapes the planner cannot price, an --ep the model or the layout (`estimate`'s) cannot
+    take, and --ep on a dense model, fail before any search."""
+    from commpipe.plan.layout import zero_stage
+    from commpipe.plan.moe import layout_problem, model_problem, routed_spec
+
+    problem = model_problem(spec, job)
+    if not problem and layout is not None:
+        problem = layout_problem(spec, layout, zero_stage(layout, job))
+    if problem:
+        raise ValueError(problem)
+    if ep is not None:
+        moe = routed_spec(spec)
+        if moe is None and ep != 1:
+            raise ValueError(f"--ep {ep} shards routed experts; {spec.name} (arch={spec.arch}) has "
+                             "none: drop --ep")
+        if ep < 1 or (moe is not None and moe.experts % ep):
+            ok = [e for e in range(1, moe.experts + 1) if moe.experts % e == 0] if moe else [1]
+            raise ValueError(f"--ep {ep} does not divide the model's {moe.experts if moe else 0} "
+                             f"experts; use --ep in {ok} (and dividing dp*cp)")
 
 
 def check_framework_flags(args, spec, zero: int | None) -> None:
@@ -255,11 +296,12 @@ def _plan_layers(args) -> int:
     from commpipe.plan.report import print_plan
     from commpipe.plan.search import search
 
-    spec = resolve_model(args.model)
+    spec = resolve_planned(args.model)
     fixed = fixed_from_args(args)
     check_framework_flags(args, spec, fixed.get("zero"))
     cluster, eff = cluster_from_args(args, profile_path=args.profile)
     job = for_cluster(job_from_args(args), cluster, framework_from_args(args))
+    check_experts(spec, job, fixed.get("ep"))
     try:
         result = search(spec, job, cluster, eff, fixed, top=args.top)
     except ValueError as e:

@@ -14,15 +14,16 @@ from __future__ import annotations
 import json
 import sys
 
-from commpipe.models.spec import resolve_model
 from commpipe.plan.cli import (
     add_common_arguments,
     add_intervals,
+    check_experts,
     check_framework_flags,
     cluster_from_args,
     for_cluster,
     framework_from_args,
     job_from_args,
+    resolve_planned,
     zero_from_args,
 )
 from commpipe.plan.estimate import estimate
@@ -38,7 +39,7 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     if not args.model:
         raise ValueError("--model is required (a named shape or arch=...,layers=... fields)")
-    spec = resolve_model(args.model)
+    spec = resolve_planned(args.model)
     job = job_from_args(args)
     tp, cp, pp = args.tp or 1, args.cp or 1, args.pp or 1
     gpus = args.gpus
@@ -62,9 +63,10 @@ def run(args) -> int:
     if args.dp_shard is not None and not zero:
         raise ValueError("--dp-shard shards ZeRO states; use it with --zero 1, 2 or 3")
     layout = Layout(tp, cp, pp, dp, vpp, args.micro_batch_size or 1, schedule, args.recompute or "none",
-                    zero, args.dp_shard or 0)
+                    zero, args.dp_shard or 0, ep=args.ep or 1)
     cluster, eff = cluster_from_args(args, num_gpus=gpus, profile_path=args.profile)
     job = for_cluster(job, cluster, framework_from_args(args))
+    check_experts(spec, job, args.ep, layout)
     est = estimate(spec, layout, job, cluster, eff)
     add_intervals([est], cluster)
     if args.json:

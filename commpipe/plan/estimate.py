@@ -21,12 +21,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from commpipe.models.family import layer_form
+from commpipe.models.family import family_of, layer_form
 from commpipe.models.spec import ModelSpec, flops_per_token
 from commpipe.plan import host
+from commpipe.plan import moe as moe_plan
 from commpipe.plan.cluster import Cluster
 from commpipe.plan.layout import Job, Layout, layout_problem
 from commpipe.plan.memory import StageMemory, chunk_stages, memory_problem, rank_chunks, stage_memory
+from commpipe.plan.moe_costs import summary as moe_summary
 from commpipe.plan.pipeline import action_counts, braid_span, busy_overlap, peak_inflight, simulate_step
 from commpipe.plan.timing import Efficiency, StageCosts, default_efficiency, stage_costs
 from commpipe.schedules.registry import info
@@ -54,6 +56,7 @@ class Estimate:
     busy_s: list[float] = field(default_factory=list)   # per pipeline rank: inside actions
     wake_contention: float = 1.0     # ranks in play per host core (plan.host)
     interval: dict | None = None     # TFLOP/s prediction interval (plan.interval), GPU clusters
+    moe: dict | None = None          # MoE models: ep, edp, all-to-all bytes and time (moe_costs)
 
     @property
     def memory_gb_per_gpu(self) -> float:
@@ -69,7 +72,7 @@ class Estimate:
         b = self.breakdown
         if not b or not self.step_time_s == self.step_time_s:
             return float("nan")
-        comm = sum(b.get(k, 0.0) for k in ("tp", "cp", "zero", "pp_p2p", "dp", "embedding_sync"))
+        comm = sum(b.get(k, 0.0) for k in ("tp", "cp", "zero", "pp_p2p", "dp", "embedding_sync", "ep"))
         return comm / self.step_time_s
 
     def to_dict(self) -> dict:
@@ -88,6 +91,9 @@ class Estimate:
                                          if self.memory else float("nan")))
         if self.interval:
             d["interval"] = self.interval
+        if self.moe is not None:
+            d["ep"] = self.layout.ep
+            d["moe"] = self.moe
         return d
 
 
@@ -98,7 +104,10 @@ def _num(x: float):
 def hardware_flops_per_token(spec: ModelSpec, seq_len: int, recompute: str, flash: bool) -> float:
     """FLOPs the GPUs execute: with full recompute the layers' forward runs twice (Megatron-LM
     papers report this); selective recompute replays only the attention core (s x s products)
-    when it is not fused into flash attention."""
+    when it is not fused into flash attention. A MoE decoder's: its family's count (plan.moe)."""
+    moe = moe_plan.routed_spec(spec)
+    if moe is not None:
+        return moe_plan.hardware_flops_per_token(moe, seq_len, recompute)
     if recompute == "full":
         return flops_per_token(spec, seq_len, recompute=True)
     base = flops_per_token(spec, seq_len)
@@ -309,6 +318,8 @@ def _finish_once(est: Estimate, spec: ModelSpec, job: Job, cluster: Cluster, cos
                  detail: bool) -> Estimate:
     layout, m = est.layout, est.microbatches
     args = cost_table_args(costs, layout, cluster)
+    if moe_plan.routed_spec(spec) is not None:
+        est.moe = moe_summary(spec, layout, job, cluster)
     makespan_ms, busy_ms = simulate_step(layout.schedule, layout.pp, layout.vpp, m, **args)
     tails = _tails(costs)
     worst = max(range(layout.pp), key=lambda r: tails[r])
@@ -322,11 +333,13 @@ def _finish_once(est: Estimate, spec: ModelSpec, job: Job, cluster: Cluster, cos
     per = {k: m * sum(getattr(costs, a)[c] + getattr(costs, b_)[c] for c in chunks)
            for k, a, b_ in (("tp", "tp_f", "tp_b"), ("cp", "cp_f", "cp_b"))}
     compute = m * sum(costs.comp_f[c] + costs.comp_i[c] + costs.comp_w[c] for c in chunks)
+    if costs.ep_f:      # MoE: the EP all-to-alls of the busiest rank, exposed (moe_costs.py)
+        per["ep"] = m * sum(costs.ep_f[c] + costs.ep_b[c] for c in chunks)
     if "tp_comm" in args:       # braided: the TP time the simulator left exposed on this rank
         rest = compute + per["cp"] + m * sum((costs.zero_f[c] if costs.zero_f else 0.0)
                                              + (costs.zero_b[c] if costs.zero_b else 0.0)
                                              for c in chunks)
-        per["tp"] = max(0.0, busy_ms[rb] / 1e3 - rest)
+        per["tp"] = max(0.0, busy_ms[rb] / 1e3 - rest - per.get("ep", 0.0))
     idle = makespan_ms / 1e3 - busy_ms[rb] / 1e3
     p2p = 0.0
     if detail and layout.pp > 1:
@@ -340,11 +353,14 @@ def _finish_once(est: Estimate, spec: ModelSpec, job: Job, cluster: Cluster, cos
                      "dp": costs.dp_exposed[worst], "optimizer": costs.optimizer[worst],
                      "step_sync": costs.step_sync[worst] if costs.step_sync else 0.0,
                      "embedding_sync": costs.embedding_sync}
+    if "ep" in per:
+        est.breakdown["ep"] = per["ep"]
     est.step_time_s = step
     est.bubble_fraction = sum(1 - b / makespan_ms for b in busy_ms) / len(busy_ms)
     tokens = job.global_batch * job.seq_len
     n = layout.gpus
-    est.tflops_per_gpu = flops_per_token(spec, job.seq_len) * tokens / step / n / 1e12
+    # the family's one FLOPs definition (a MoE decoder's counts its active experts)
+    est.tflops_per_gpu = family_of(spec).flops_per_unit(spec, job.seq_len) * tokens / step / n / 1e12
     hw = hardware_flops_per_token(spec, job.seq_len, layout.recompute, job.uses_flash(spec))
     est.hw_tflops_per_gpu = hw * tokens / step / n / 1e12
     # MFU against the peak of the precision the GEMMs run in (FP8's under --precision fp8)

@@ -97,6 +97,8 @@ class Job:
     #                             kernels.py); False: fused kernels (Megatron/TE, torch.compile)
     fsdp_copies: bool = False   # ZeRO-3 as PyTorch FSDP2: gathered weights copied out of, and
     #                             gradients into, flat NCCL buffers on the compute stream (kernels.py)
+    expert_imbalance: float = 1.25  # MoE: token copies routed to the busiest EP rank over the
+    #                             mean (Switch Transformer's capacity factor; plan/moe.py)
 
     def __post_init__(self):
         if self.global_batch < 1 or self.seq_len < 1:
@@ -160,8 +162,11 @@ def layout_problem(spec: ModelSpec, job: Job, layout: Layout, num_gpus: int | No
         m = dims.check_batch(job.global_batch, layout.micro_batch_size)
     except ValueError as e:
         return str(e)
+    from commpipe.plan.moe import layout_problem as expert_problem  # plan.moe reads Layout
+
     return (schedule_problem(layout.schedule, layout.pp, layout.vpp, m)
-            or info(layout.schedule).recompute_problem(layout.recompute))
+            or info(layout.schedule).recompute_problem(layout.recompute)
+            or expert_problem(spec, layout, zero_stage(layout, job)))
 
 
 def zero_options(pp: int, group: int, fixed: dict) -> list[int]:
@@ -179,7 +184,11 @@ def zero_options(pp: int, group: int, fixed: dict) -> list[int]:
 def enumerate_layouts(spec: ModelSpec, job: Job, num_gpus: int, fixed: dict | None = None,
                       schedules=SCHEDULES, recomputes=SEARCHED_RECOMPUTE, max_vpp: int = 8) -> list[Layout]:
     """Every valid layout for `num_gpus`; `fixed` pins any of tp, cp, pp, dp, vpp,
-    micro_batch_size, schedule, recompute, zero, dp_shard."""
+    micro_batch_size, schedule, recompute, zero, dp_shard, ep (MoE models: searched over the
+    divisors of dp*cp that divide the expert count)."""
+    from commpipe.plan.moe import ep_options
+    from commpipe.plan.moe import layout_problem as expert_problem
+
     fixed = {k: v for k, v in (fixed or {}).items() if v is not None}
     out: list[Layout] = []
     tps = [t for t in divisors(num_gpus) if spec.heads % t == 0 and spec.kv_heads % t == 0
@@ -218,7 +227,10 @@ def enumerate_layouts(spec: ModelSpec, job: Job, num_gpus: int, fixed: dict | No
                                     shard = fixed.get("dp_shard", 0) if z else 0
                                     if shard and (dp * cp) % shard:
                                         continue
-                                    out.append(Layout(tp, cp, pp, dp, vpp, mbs, sched, rc, z, shard))
+                                    for ep in ep_options(spec, dp * cp, fixed):
+                                        lay = Layout(tp, cp, pp, dp, vpp, mbs, sched, rc, z, shard, ep=ep)
+                                        if not expert_problem(spec, lay, z):
+                                            out.append(lay)
     return out
 
 

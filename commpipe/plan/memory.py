@@ -61,6 +61,13 @@ from commpipe.models.spec import ModelSpec, layer_param_count
 from commpipe.parallel.dims import split_layers
 from commpipe.plan.kernels import op_sac_activation_bytes
 from commpipe.plan.layout import Job, Layout, zero_stage
+from commpipe.plan.moe import (
+    expert_state_bytes,
+    rank_activation_bytes,
+    rank_layer_ids,
+    replicated_mlp_params,
+    routed_spec,
+)
 from commpipe.plan.runtime_memory import stage_activation_bytes
 from commpipe.schedules.registry import info
 
@@ -123,10 +130,13 @@ def _stage_params(spec: ModelSpec, schedule: str, pp: int, vpp: int, tp: int,
     per_layer = layer_params_per_rank(spec, tp)
     h, v, t = spec.hidden, spec.vocab, tp
     form = layer_form(spec)
+    moe = routed_spec(spec)
     out = []
-    for chunks in rank_chunks(schedule, pp, vpp):
+    for rank, chunks in enumerate(rank_chunks(schedule, pp, vpp)):
         layers = sum(counts[s] for s in chunks)
         params = layers * per_layer
+        if moe is not None:     # routers, shared experts, dense MLPs: replicated over EP (moe.py)
+            params += replicated_mlp_params(moe, rank_layer_ids(spec.layers, schedule, pp, vpp)[rank], tp)
         if 0 in chunks:
             params += v * h / t + seq_len * h
         if stages - 1 in chunks:
@@ -264,8 +274,10 @@ def stage_memory(spec: ModelSpec, layout: Layout, job: Job, inflight: list[float
     for rank, (layers, params) in enumerate(stage_params(spec, layout, job)):
         chunks = all_chunks[rank]
         act = inflight[rank] * layers * act_layer
+        mlp_act, mlp_full = rank_activation_bytes(spec, layout, job, rank)   # MoE MLPs (moe.py)
+        act += inflight[rank] * mlp_act
         if layout.recompute in ("full", "op"):
-            act += full_layer                   # one layer rematerialised during its backward
+            act += full_layer + mlp_full        # one layer rematerialised during its backward
         logits = transient = 0.0
         if job.runtime == "commpipe":           # this runtime's own saved tensors
             last_inflight = layout.microbatches(job) if layout.schedule == "gpipe" else 1
@@ -281,6 +293,9 @@ def stage_memory(spec: ModelSpec, layout: Layout, job: Job, inflight: list[float
         if (layers, params) not in states:
             states[layers, params] = state_bytes(spec, layout, job, layers, params)
         w, g, o = states[layers, params]
+        # a MoE rank's routed experts: E/ep per layer, optimizer sharded over edp (moe.py)
+        ew, eg, eo = expert_state_bytes(spec, layout, job, rank, zero_stage(layout, job))
+        w, g, o = w + ew, g + eg, o + eo
         tensors = w + g + o + act + logits + transient
         reserve = _reserve_bytes(tensors, persistent_state_bytes(layout, job, params, w + g + o))
         out.append(StageMemory(rank, layers, params, w / GIB, g / GIB, o / GIB, act / GIB,
@@ -291,10 +306,12 @@ def stage_memory(spec: ModelSpec, layout: Layout, job: Job, inflight: list[float
 def static_memory_gb(spec: ModelSpec, layout: Layout, job: Job) -> float:
     """Weights, gradients and optimizer states of the heaviest rank plus the reserve: a lower
     bound on its memory that needs no schedule walk (the search prunes with it first)."""
-    def bound(n, p):
-        states = sum(state_bytes(spec, layout, job, n, p))
+    def bound(n, p, experts):
+        states = sum(state_bytes(spec, layout, job, n, p)) + experts
         return states + _reserve_bytes(states, persistent_state_bytes(layout, job, p, states))
-    return max(bound(n, p) for n, p in set(stage_params(spec, layout, job))) / GIB
+    z = zero_stage(layout, job)
+    experts = [sum(expert_state_bytes(spec, layout, job, r, z)) for r in range(layout.pp)]
+    return max(bound(n, p, e) for (n, p), e in set(zip(stage_params(spec, layout, job), experts))) / GIB
 
 
 def memory_problem(stages: list[StageMemory], capacity_gb: float) -> str | None:

@@ -18,7 +18,7 @@ def row(n: int | str, e: Estimate) -> str:
             f"{lay.recompute:<9} {_zero(lay):>4} "
             f"{e.step_time_s:>8.4g} "
             f"{e.tflops_per_gpu:>8.1f} {e.mfu:>6.1%} {e.memory_gb_per_gpu:>7.1f} {b:>7.1%} "
-            f"{e.exposed_comm_fraction:>6.1%}")
+            f"{e.exposed_comm_fraction:>6.1%}" + (f" {lay.ep:>3}" if e.moe is not None else ""))
 
 
 def _zero(lay) -> str:
@@ -44,7 +44,7 @@ def print_plan(result: SearchResult, spec, job, cluster) -> None:
                 print(f" - {fix}")
         return
     print()
-    print(HEADER)
+    print(HEADER + (f" {'ep':>3}" if result.top[0].moe is not None else ""))
     for n, e in enumerate(result.top, 1):
         print(row(n, e))
     print("(step s: predicted step time; TFLOP/s: model FLOPs per GPU; mem GB: largest stage; "
@@ -96,3 +96,9 @@ def print_estimate(e: Estimate, cluster) -> None:
             print(interval_line(e))
         parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in e.breakdown.items() if v > 0)
         print(f"breakdown on the busiest rank: {parts}")
+    if e.moe is not None:
+        m = e.moe
+        print(f"experts: ep {m['ep']}, edp {m['edp']}, {m['tokens_per_expert']:.0f} token copies per "
+              f"local expert per micro-batch (imbalance {m['expert_imbalance']:g}); all-to-all "
+              f"{m['a2a_bytes_per_call'] / 1e6:.1f} MB, {m['a2a_s_per_call'] * 1e3:.3f} ms per call, "
+              "4 per MoE layer and micro-batch, exposed")

@@ -74,6 +74,7 @@ from commpipe.plan.memory import (
     stage_layer_counts,
     stage_params,
 )
+from commpipe.plan.moe_costs import add_routed_costs, expert_optimizer_seconds, expert_reduction
 from commpipe.plan.runtime_kernels import commpipe_elementwise_bytes
 from commpipe.plan.zero_costs import dp_cost, fsdp_copies, zero_exposed
 from commpipe.schedules.registry import info as schedule_info
@@ -149,16 +150,20 @@ class StageCosts:
     embedding_sync: float = 0.0
     zero_f: list[float] = field(default_factory=list)   # exposed ZeRO-3 parameter all-gathers
     zero_b: list[float] = field(default_factory=list)   # ... and ZeRO-2/3 gradient reduce-scatters
+    ep_f: list[float] = field(default_factory=list)     # exposed EP all-to-alls (moe_costs.py)
+    ep_b: list[float] = field(default_factory=list)
 
     @property
     def f(self) -> list[float]:
         z = self.zero_f or [0.0] * len(self.comp_f)
-        return [a + b + c + d for a, b, c, d in zip(self.comp_f, self.tp_f, self.cp_f, z)]
+        e = self.ep_f or [0.0] * len(self.comp_f)
+        return [a + b + c + d + x for a, b, c, d, x in zip(self.comp_f, self.tp_f, self.cp_f, z, e)]
 
     @property
     def i(self) -> list[float]:
         z = self.zero_b or [0.0] * len(self.comp_i)
-        return [a + b + c + d for a, b, c, d in zip(self.comp_i, self.tp_b, self.cp_b, z)]
+        e = self.ep_b or [0.0] * len(self.comp_i)
+        return [a + b + c + d + x for a, b, c, d, x in zip(self.comp_i, self.tp_b, self.cp_b, z, e)]
 
     @property
     def w(self) -> list[float]:
@@ -171,6 +176,8 @@ class StageCosts:
 
 def gemm_time(flops: float, m: float, k: float, n: float, peak: float, eff: Efficiency,
               ridge: float) -> float:
+    if flops <= 0:      # an empty GEMM: a MoE layer's dense MLP of width 0 (plan/moe.py)
+        return 0.0
     ai = m * k * n / (m * k + k * n + m * n)
     x_half = eff.ai_half_ridge * ridge
     return flops / (peak * eff.e_max * ai / (ai + x_half))
@@ -360,6 +367,8 @@ def stage_costs(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
         zf, zb = zero_exposed(spec, layout, job, cluster, n, comp_f, layer_i + lc["gemm"])
         out.zero_f.append(zf)
         out.zero_b.append(zb)
+    # a MoE decoder's MLPs and all-to-alls (its layers above were priced with ffn_hidden = 0)
+    add_routed_costs(spec, layout, job, cluster, eff, out, fused_gemms(job, cluster.gpu))
     _dp_and_optimizer(spec, layout, job, cluster, out, groups, eff)
     return out
 
@@ -396,8 +405,9 @@ def _dp_and_optimizer(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluste
     prices: dict = {}
     f, b = costs.f, costs.b
     for rank, (layers, params) in enumerate(stage_params(spec, layout, job)):
+        # a MoE rank's expert gradients reduce over edp, beside the rest over dp*cp
         total, exposed = dp_cost(spec, layout, job, cluster, f, b, groups, eff, chunks[rank], layers,
-                                 params, prices)
+                                 params, prices, expert_reduction(spec, layout, groups, rank))
         costs.dp_total.append(total)
         costs.dp_exposed.append(exposed)
         # the embedding and the head (with the final norm) count as one layer each
@@ -406,7 +416,7 @@ def _dp_and_optimizer(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluste
         if job.precision == "fp8":
             # the new weights cast to FP8 and transposed once per step (read 2, write 1 + 1)
             opt += layers * lin / shard * FP8_CAST_BYTES / hbm
-        costs.optimizer.append(opt)
+        costs.optimizer.append(opt + expert_optimizer_seconds(spec, layout, job, cluster, rank, z))
         costs.step_sync.append(sync)
     if layer_form(spec).tied_head and layout.pp > 1:
         # tied embedding: first and last stage all-reduce the word-embedding gradient

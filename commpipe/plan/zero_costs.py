@@ -87,13 +87,23 @@ def overlapped_dp_exposed(reduce_s: float, gather_s: float, params: float, f: li
 
 def dp_cost(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster, f: list[float],
             b: list[float], groups: dict, eff, mine: tuple, layers: int, params: float,
-            prices: dict) -> tuple[float, float]:
+            prices: dict, experts: tuple | None = None) -> tuple[float, float]:
     """(total, exposed) seconds per step of one pipeline rank's data-parallel traffic. `f`, `b`:
     one micro-batch's forward and backward per stage; `mine`: the rank's stages; `prices`: a
-    cache of the collectives' prices by parameter count (they do not depend on the rank)."""
+    cache of the collectives' prices by parameter count (they do not depend on the rank).
+    `experts`: (parameters, layout, (size, stride) of their group) of a MoE rank's routed
+    experts (moe_costs.expert_reduction), reduced over their own group on the same stream, so
+    their time joins the rest before the overlap is priced."""
     if params not in prices:
         prices[params] = _dp_prices(spec, layout, job, cluster, groups, eff, layers, params)
     kind, red, ag = prices[params]
+    if experts is not None and experts[0]:
+        n, lay, group = experts
+        if ("experts", n) not in prices:
+            prices["experts", n] = _dp_prices(spec, lay, job, cluster, dict(groups, dp_cp=group),
+                                              eff, 0, n)
+        _, red_e, ag_e = prices["experts", n]
+        red, ag, params = red + red_e, ag + ag_e, params + n
     if kind == "overlap":
         # commpipe's own runtime gathers the updated parameters after the step (parallel/data.py),
         # Megatron during the next step's forward

@@ -1,0 +1,158 @@
+"""Time of a Mixture-of-Experts decoder's MLPs in the layout planner: compute and the expert-
+parallel all-to-alls per stage (added to timing.StageCosts), and the expert gradients' share of
+the data-parallel reduction. What a rank holds: commpipe.plan.moe.
+
+Compute, per MoE layer and micro-batch on the busiest rank (T = b*s/cp tokens, k = top_k,
+imb = Job.expert_imbalance, L = E/ep local experts), every GEMM on timing.py's efficiency curve:
+    router          (T, h, E)
+    shared experts  (T, h, 2 S f), (T, S f, h)       a dense SwiGLU over every token
+    routed experts  L times (M, h, 2 f), (M, f, h)    M = T k imb / L = T k imb ep / E rows per
+                                                      expert: a grouped GEMM priced per expert,
+                                                      so small per-expert M loses efficiency
+Dense-MLP layers: (T, h, 2 F/tp), (T, F/tp, h), as LLaMA's MLP. Gate and up run as one GEMM
+(Megatron's GroupedMLP fc1, TE's fused layers), as separate GEMMs under per-matrix runtimes
+(timing.fused_gemms). Backward: an input- and a weight-gradient GEMM of each forward shape.
+Non-GEMM work (permutation, SwiGLU, routing) is HBM-bound, timing.py's rule: `elementwise` times
+the bytes the MLP keeps for backward, over the HBM rate, forward; twice that backward. Full
+recompute replays the MLP's forward in the backward; selective recompute's SwiGLU replay (one
+HBM-bound product per row) is not charged.
+
+Communication, per MoE layer and micro-batch: dispatch and combine all-to-alls in the forward,
+their transposes in the backward (commpipe.parallel.expert._AllToAll), two more under full
+recompute (the forward replayed). Each moves, per rank, its T k token copies of h activations,
+(ep-1)/ep of them to other ranks; the busiest rank receives imb times its share, so
+    bytes = T * k * h * activation_bytes * imb
+    time  = (ep-1)/ep * bytes / NVLink   + one latency step      EP group inside a node
+            max(peers on the node's share over NVLink, the other nodes' share over the NIC)
+            + one latency step                                   EP group across nodes
+The EP group is `ep` consecutive ranks of the dp*cp group (stride tp in commpipe's rank grid),
+placed by Cluster.placement. Exposed: no schedule hides it yet (a braided schedule runs its two
+passes one after the other around an MoE layer in the runtime: docs/moe.md), so it sits in the
+stage's forward and backward as TP collectives do without overlap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from commpipe.models import moe_spec as M
+from commpipe.parallel.dims import split_layers
+from commpipe.plan.cluster import Cluster
+from commpipe.plan.kernels import hbm_rate
+from commpipe.plan.moe import edp_size, expert_params, mlp_activation_bytes, routed_rows, routed_spec
+
+
+def all_to_all(cluster: Cluster, nbytes: float, size: int, stride: int) -> float:
+    """Seconds of an all-to-all in which every rank of the group {0, stride, ...} holds `nbytes`
+    addressed evenly to the `size` ranks (its own share stays)."""
+    if size <= 1 or nbytes <= 0:
+        return 0.0
+    inside, per_node = cluster.placement(size, stride)
+    intra = cluster.intra.bandwidth_gbps * 1e9
+    if inside:
+        return (size - 1) / size * nbytes / intra + cluster.intra.latency_s
+    # one NIC per GPU (rail-optimised), shared when a node has fewer NICs than group members
+    nics = per_node if cluster.nics_per_node is None else min(per_node, cluster.nics_per_node)
+    nic = cluster.inter.bandwidth_gbps * 1e9 * nics / per_node
+    local = (per_node - 1) / size * nbytes / intra
+    remote = (size - per_node) / size * nbytes / nic
+    return max(local, remote) + cluster.inter.latency_s
+
+
+def a2a_seconds(spec, layout, job, cluster: Cluster) -> float:
+    """One dispatch (or combine) all-to-all of one MoE layer and micro-batch on the busiest rank."""
+    moe = routed_spec(spec)
+    nbytes = routed_rows(layout, job, moe) * moe.hidden * job.activation_bytes
+    return all_to_all(cluster, nbytes, layout.ep, layout.tp)
+
+
+def mlp_gemms(moe, i: int, layout, job, fused: bool) -> list[tuple]:
+    """(M, K, N) of layer i's MLP GEMMs in one forward (module docstring)."""
+    h = moe.hidden
+    tokens = layout.micro_batch_size * job.seq_len / layout.cp
+
+    def swiglu(m, f):
+        return [(m, h, 2 * f), (m, f, h)] if fused else [(m, h, f), (m, h, f), (m, f, h)]
+
+    if not moe.is_moe_layer(i):
+        return swiglu(tokens, moe.dense_ffn / layout.tp)
+    local = moe.experts // layout.ep
+    rows = routed_rows(layout, job, moe) / local          # per local expert
+    out = [(tokens, h, moe.experts)]
+    if moe.shared_experts:
+        out += swiglu(tokens, moe.shared_experts * moe.expert_ffn)
+    # the grouped GEMM's fc1 is gate and up together whatever the runtime (one weight [2f, h])
+    return out + local * [(rows, h, 2 * moe.expert_ffn), (rows, moe.expert_ffn, h)]
+
+
+def add_routed_costs(spec, layout, job, cluster: Cluster, eff, costs, fused: bool) -> None:
+    """Add every stage's MLP compute and EP all-to-alls to `costs` (a timing.StageCosts whose
+    layers were priced with ffn_hidden = 0); nothing for a dense model."""
+    moe = routed_spec(spec)
+    if moe is None:
+        return
+    from commpipe.plan.timing import gemms_time
+
+    hbm = hbm_rate(cluster.gpu)
+    a2a = a2a_seconds(spec, layout, job, cluster)
+    full = layout.recompute == "full"
+    per_layer: dict = {}
+    for i in range(moe.layers):
+        key = moe.is_moe_layer(i)
+        if key not in per_layer:
+            gemm = gemms_time(mlp_gemms(moe, i, layout, job, fused), job, cluster.gpu, eff)
+            elem = eff.elementwise * mlp_activation_bytes(moe, i, layout, job, "none") / hbm
+            calls = 2 if key and layout.ep > 1 else 0
+            per_layer[key] = (gemm, elem, calls * a2a)
+    ep_f, ep_b = [], []
+    for s, layers in enumerate(split_layers(moe.layers, layout.pp * layout.vpp)):
+        f = i = w = comm_f = comm_b = 0.0
+        for layer in layers:
+            gemm, elem, comm = per_layer[moe.is_moe_layer(layer)]
+            f += gemm + elem
+            # backward: input-gradient GEMMs, twice the forward's HBM traffic, and under full
+            # recompute the forward (with its all-to-alls) replayed first
+            i += gemm + 2 * elem + (gemm + elem if full else 0.0)
+            w += gemm
+            comm_f += comm
+            comm_b += comm * (2 if full else 1)
+        costs.comp_f[s] += f
+        costs.comp_i[s] += i
+        costs.comp_w[s] += w
+        ep_f.append(comm_f)
+        ep_b.append(comm_b)
+    costs.ep_f, costs.ep_b = ep_f, ep_b
+
+
+def expert_reduction(spec, layout, groups: dict, rank: int):
+    """(expert parameters of pipeline rank `rank`, the layout they reduce over, their edp group
+    (size, stride)), or None for a dense model: what zero_costs.dp_cost adds to the rank's
+    data-parallel traffic. The edp group is every ep-th rank of the dp*cp group."""
+    if routed_spec(spec) is None:
+        return None
+    size, stride = groups["dp_cp"]
+    edp = edp_size(layout)
+    # ZeRO states of the experts shard over edp (Megatron's expert data-parallel group)
+    return expert_params(spec, layout, rank), replace(layout, dp_shard=edp), (edp, stride * layout.ep)
+
+
+def expert_optimizer_seconds(spec, layout, job, cluster: Cluster, rank: int, zero: int) -> float:
+    """HBM-bound Adam over the rank's expert parameters (timing.py's 28 or 24 bytes each),
+    sharded over edp under ZeRO-1."""
+    n = expert_params(spec, layout, rank)
+    if not n:
+        return 0.0
+    shard = edp_size(layout) if zero >= 1 else 1
+    return n / shard * (28 if job.mixed else 24) / hbm_rate(cluster.gpu)
+
+
+def summary(spec, layout, job, cluster: Cluster) -> dict:
+    """What `estimate --json` reports of the MoE layers under `layout` (key "moe")."""
+    moe = routed_spec(spec)
+    rows = routed_rows(layout, job, moe)
+    a2a = a2a_seconds(spec, layout, job, cluster)
+    return {"ep": layout.ep, "edp": edp_size(layout), "expert_imbalance": job.expert_imbalance,
+            "tokens_per_expert": rows / (moe.experts // layout.ep),
+            "a2a_bytes_per_call": rows * moe.hidden * job.activation_bytes,
+            "a2a_s_per_call": a2a,
+            "active_params": M.active_param_count(moe), "total_params": M.param_count(moe)}

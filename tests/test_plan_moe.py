@@ -1,0 +1,160 @@
+"""The layout planner on Mixture-of-Experts models (commpipe.plan.moe, plan.moe_costs): the EP
+all-to-alls against the hand-derived formula, expert gradients reduced over edp, expert states
+divided by ep, ep searched over the values training accepts, a Mixtral plan, clear errors.
+No process is launched."""
+
+from __future__ import annotations
+
+import pytest
+
+from commpipe.cli import main
+from commpipe.models import moe_spec as M
+from commpipe.models.family import resolve
+from commpipe.plan.cli import check_experts
+from commpipe.plan.cluster import default_cluster
+from commpipe.plan.estimate import estimate
+from commpipe.plan.gpus import resolve_gpu
+from commpipe.plan.layout import Job, Layout, enumerate_layouts
+from commpipe.plan.memory import GIB, stage_memory
+from commpipe.plan.search import search
+from commpipe.plan.timing import default_efficiency, stage_costs
+
+# 2 MoE layers of 8 experts, top-2; hidden 256, expert width 512
+SMALL = "arch=moe,layers=2,hidden=256,heads=4,kv_heads=4,vocab=1024,experts=8,top_k=2,expert_ffn=512"
+H, F, E, K = 256, 512, 8, 2
+
+
+def _setup(ep, dp=8, per_node=8, imbalance=1.0, mbs=2, seq=128, **job):
+    spec = resolve(SMALL)
+    cluster = default_cluster(resolve_gpu("h100"), dp, per_node)
+    layout = Layout(tp=1, cp=1, pp=1, dp=dp, micro_batch_size=mbs, zero=1, ep=ep)
+    return spec, layout, Job(global_batch=4 * dp * mbs, seq_len=seq, expert_imbalance=imbalance,
+                             **job), cluster
+
+
+@pytest.mark.parametrize("ep,per_node,imbalance", [(4, 8, 1.0), (4, 8, 1.5), (8, 2, 1.0)])
+def test_all_to_all_time_matches_the_hand_formula(ep, per_node, imbalance):
+    spec, layout, job, cluster = _setup(ep, per_node=per_node, imbalance=imbalance)
+    costs = stage_costs(spec, layout, job, cluster, default_efficiency(cluster.gpu))
+    # one dispatch (or combine): each rank's b*s*top_k token copies of h bf16 values, the busiest
+    # rank receiving `imbalance` times its share; (ep-1)/ep of them leave the rank
+    copies = layout.micro_batch_size * job.seq_len * K * imbalance
+    nbytes = copies * H * 2
+    nvlink = cluster.intra.bandwidth_gbps * 1e9
+    if per_node >= ep:      # the EP group sits inside a node
+        one = (ep - 1) / ep * nbytes / nvlink + cluster.intra.latency_s
+    else:                   # peers on this node over NVLink, the rest over this GPU's NIC
+        local = (per_node - 1) / ep * nbytes / nvlink
+        remote = (ep - per_node) / ep * nbytes / (cluster.inter.bandwidth_gbps * 1e9)
+        one = max(local, remote) + cluster.inter.latency_s
+    layers = 2
+    # dispatch + combine in the forward, their transposes in the backward
+    assert costs.ep_f[0] == pytest.approx(layers * 2 * one, rel=1e-12)
+    assert costs.ep_b[0] == pytest.approx(layers * 2 * one, rel=1e-12)
+    est = estimate(spec, layout, job, cluster)
+    m = est.microbatches
+    assert est.breakdown["ep"] == pytest.approx(m * layers * 4 * one, rel=1e-12)
+    assert est.moe["a2a_bytes_per_call"] == pytest.approx(nbytes)
+    assert est.to_dict()["ep"] == ep
+
+
+def test_expert_gradients_reduce_over_edp_and_the_rest_over_dp():
+    spec, layout, job, cluster = _setup(4)
+    costs = stage_costs(spec, layout, job, cluster, default_efficiency(cluster.gpu))
+    # commpipe.models.moe_spec's counts, by hand: the routed experts of both layers on this rank
+    experts = 2 * (E // 4) * 3 * H * F
+    replicated = M.param_count(spec) - 2 * E * 3 * H * F
+    g = 4 if job.grad_fp32 else 2
+    # ZeRO-1 with overlap: gradients reduce-scattered, bf16 weights all-gathered; experts over
+    # edp = 8/4 = 2 ranks, every 4th (stride ep*tp), the rest over all 8
+    want = (cluster.reduce_scatter(replicated * g, 8, 1) + cluster.all_gather(replicated * 2, 8, 1)
+            + cluster.reduce_scatter(experts * g, 2, 4) + cluster.all_gather(experts * 2, 2, 4))
+    assert costs.dp_total[0] == pytest.approx(want, rel=1e-9)
+
+
+def test_expert_states_are_divided_by_ep():
+    spec, base, job, cluster = _setup(1)
+    mem = {ep: stage_memory(spec, Layout(tp=1, pp=1, dp=8, micro_batch_size=2, zero=1, ep=ep), job,
+                            [1.0])[0] for ep in (1, 2, 4, 8)}
+    expert_params = 2 * E * 3 * H * F             # both MoE layers' routed experts
+    for ep, m in mem.items():
+        gone = expert_params * (1 - 1 / ep)
+        assert (mem[1].weights_gb - m.weights_gb) * GIB == pytest.approx(gone * 2, rel=1e-9)
+        assert (mem[1].grads_gb - m.grads_gb) * GIB == pytest.approx(gone * (4 if job.grad_fp32 else 2),
+                                                                    rel=1e-9)
+        # Adam's 12 bytes sharded over the ranks holding the same experts (edp = 8/ep)
+        assert m.optimizer_gb * GIB == pytest.approx(
+            (M.param_count(spec) - expert_params) * 12 / 8 + expert_params / ep * 12 / (8 // ep),
+            rel=1e-9)
+
+
+def test_expert_activations_count_the_routed_token_copies():
+    spec, layout, job, cluster = _setup(2, imbalance=1.0)
+    one = stage_memory(spec, layout, job, [1.0])[0].activations_gb
+    more = stage_memory(spec, layout, Job(job.global_batch, job.seq_len, expert_imbalance=2.0),
+                        [1.0])[0].activations_gb
+    tokens = layout.micro_batch_size * job.seq_len
+    # twice the copies: each keeps its dispatched input, gate, up, product and expert output
+    per_copy = (2 * H + 3 * F) * 2
+    assert (more - one) * GIB == pytest.approx(2 * tokens * K * per_copy, rel=1e-9)
+
+
+def test_ep_is_searched_over_the_values_training_accepts():
+    spec = resolve("moe-tiny")                       # 4 experts
+    job = Job(global_batch=16, seq_len=128)
+    layouts = enumerate_layouts(spec, job, 8)
+    seen = {(lay.dp * lay.cp, lay.ep) for lay in layouts}
+    for group, ep in seen:
+        assert group % ep == 0 and 4 % ep == 0
+    assert {ep for group, ep in seen if group == 8} == {1, 2, 4}
+    assert {lay.ep for lay in enumerate_layouts(spec, job, 8, {"ep": 2})} == {2}
+    # dense models keep one layout per combination, ep 1
+    dense = enumerate_layouts(resolve("tiny"), job, 8)
+    assert {lay.ep for lay in dense} == {1} and "ep" not in estimate(
+        resolve("tiny"), dense[0], job, default_cluster(resolve_gpu("h100"), 8, 8)).to_dict()
+
+
+def test_mixtral_plan_on_64_h100_is_feasible():
+    spec = resolve("mixtral-8x7b")
+    cluster = default_cluster(resolve_gpu("h100"), 64, 8)
+    result = search(spec, Job(256, 4096), cluster, None, {"tp": 1, "pp": 4}, top=3)
+    best = result.top[0]
+    assert best.feasible and best.memory_gb_per_gpu <= 80
+    assert best.layout.ep in (1, 2, 4, 8) and (best.layout.dp * best.layout.cp) % best.layout.ep == 0
+    # model FLOPs are the family's: active experts only
+    tokens = 256 * 4096
+    assert best.tflops_per_gpu * 1e12 * best.step_time_s * 64 == pytest.approx(
+        M.flops_per_token(spec, 4096) * tokens, rel=1e-9)
+    assert best.to_dict()["ep"] == best.layout.ep
+
+
+def test_plan_cli_on_mixtral_prints_a_feasible_layout(capsys):
+    rc = main(["plan", "--model", "mixtral-8x7b", "--gpu", "h100", "--gpus", "64", "--global-batch",
+               "256", "--seq-len", "4096", "--tp", "1", "--pp", "4", "--schedule", "interleaved",
+               "--micro-batch-size", "1", "--top", "1", "--json"])
+    import json
+
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out[0]["feasible"] and out[0]["ep"] == 8
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model", "moe-tiny", "--ep", "3"], "--ep 3 does not divide dp*cp = 8*1 = 8"),
+    (["--model", "moe-tiny", "--ep", "8"],
+     "--ep 8 does not divide the model's 4 experts; use --ep in [1, 2, 4]"),
+    (["--model", "tiny", "--ep", "2"], "--ep 2 shards routed experts"),
+    (["--model", "deepseek-v3"], "multi-head latent attention"),
+])
+def test_estimate_refuses_what_it_cannot_price(argv, message, capsys):
+    rc = main(["estimate", *argv, "--gpu", "h100", "--gpus", "8", "--global-batch", "8",
+               "--seq-len", "512"])
+    err = capsys.readouterr().err
+    assert rc == 2 and message in err
+    if "dp*cp" in message:
+        assert "use --ep in [1, 2, 4]" in err
+
+
+def test_plan_refuses_an_ep_that_does_not_divide_the_experts():
+    with pytest.raises(ValueError, match=r"--ep 3 does not divide the model's 8 experts; "
+                                         r"use --ep in \[1, 2, 4, 8\]"):
+        check_experts(resolve("mixtral-8x7b"), Job(8, 512), 3)
