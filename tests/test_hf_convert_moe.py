@@ -9,6 +9,7 @@ commpipe -> Hugging Face must be bit-identical.
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -146,6 +147,27 @@ def test_fused_expert_layout_converts_to_the_same_weights(saved, tmp_path):
     _, got = converted(tmp_path / "fused")
     assert sorted(got) == sorted(want)
     assert all(torch.equal(got[n], want[n]) for n in want)
+
+
+def test_bf16_folders_come_back_as_save_pretrained_writes_them(saved, tmp_path):
+    """A bf16 Mixtral, per-expert (save_pretrained) or fused, is trained in fp32 master weights
+    and written back in bf16, per expert: bit-identical to save_pretrained's folder."""
+    reference = copy.deepcopy(saved["mixtral"][2]).to(torch.bfloat16)
+    reference.save_pretrained(tmp_path / "hf")
+    want = load_file(tmp_path / "hf" / "model.safetensors")
+    (tmp_path / "fused").mkdir()
+    save_file({n: t.contiguous() for n, t in reference.state_dict().items()},
+              tmp_path / "fused" / "model.safetensors")
+    (tmp_path / "fused" / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
+    for source in ("hf", "fused"):
+        ckpt, back = tmp_path / f"{source}-ckpt", tmp_path / f"{source}-back"
+        assert main(["convert", "--from-hf", str(tmp_path / source), "--out", str(ckpt)]) == 0
+        assert read_weights(ckpt)[2]["layers.0.feed_forward.experts.w1"].dtype == torch.float32
+        assert main(["convert", "--from", str(ckpt), "--to-hf", str(back)]) == 0
+        got = load_file(back / "model.safetensors")
+        assert sorted(got) == sorted(want), source
+        for name, tensor in want.items():
+            assert got[name].dtype == torch.bfloat16 and torch.equal(got[name], tensor), name
 
 
 @pytest.mark.parametrize("plant", ["unpermuted rotary rows", "w1 and w3 swapped"])
