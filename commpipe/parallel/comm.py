@@ -205,6 +205,11 @@ class Comm:
     def _pg_of(self, dim: str):
         return None if dim == "world" else self._pg[dim]
 
+    def process_group(self, dim: str):
+        """The torch process group of `dim` (None for the default group, or a size-1 group)
+        for torch code that takes one, such as a DeviceMesh (commpipe.train.checkpoint_shards)."""
+        return self._pg_of(dim)
+
     def _group_ranks(self, dim: str) -> tuple[int, ...]:
         return tuple(range(self.dims.world_size)) if dim == "world" else self.groups[dim]
 

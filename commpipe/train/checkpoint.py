@@ -15,8 +15,12 @@ What is saved, under the parameter's logical name (`layers.<i>.…`, whatever st
     optim.<name>.exp_avg_sq    written by the rank holding them (dp=0, or the ZeRO-1 owner of
     optim.<name>.step          the parameter), cp=0, tp=0
     rng.rank<r>.cpu (.cuda)    each rank's torch RNG state
-Loading reads, on each rank, the full tensors of the parameters its stages hold and keeps its
-TP slice, so tp, cp, pp (stage split, schedule, vpp), dp and ZeRO-1 may all differ between
+The routed experts of a MoE layer under expert parallelism are the exception: each rank of
+one EP group writes its own rows of the stacked [experts, ...] tensors (and of their moments) as
+a DCP shard at its global offset, so the checkpoint still holds the full tensor
+(commpipe.train.checkpoint_shards). Loading reads, on each rank, the full tensors of the
+parameters its stages hold and keeps its TP slice (of an expert tensor only the rows of its own
+experts), so tp, cp, pp (stage split, schedule, vpp), dp, ep and ZeRO-1 may all differ between
 save and load. What cannot be resharded (another model shape or vocabulary, a missing tensor)
 is refused, before any process group starts, with the difference named.
 
@@ -41,6 +45,16 @@ from torch.distributed.checkpoint import FileSystemWriter
 from commpipe.files import StorageError
 from commpipe.models.spec import ModelSpec
 from commpipe.train.checkpoint_io import SafeReader, damaged, load_failure, read_metadata, save_failure
+from commpipe.train.checkpoint_shards import (  # noqa: F401 - gather_tp, shard_tp: adapt.switch
+    ep_sharded,
+    for_load,
+    full_shape,
+    gather_tp,
+    local_part,
+    shard_tp,
+    to_save,
+    writes_model,
+)
 
 FORMAT = 1
 META = "commpipe.json"
@@ -158,29 +172,7 @@ def check_compatible(meta: dict, cfg, path: Path) -> None:
                          f"give a larger --steps")
 
 
-# -- tensors: full logical tensors from TP shards and back ------------------------------------------
-def gather_tp(t: torch.Tensor, tp_dim: int | None, comm) -> torch.Tensor:
-    """The full tensor from this TP group's shards (all-gather through Comm along tp_dim)."""
-    if tp_dim is None or comm.size("tp") == 1:
-        return t.detach().clone()
-    moved = t.detach().movedim(tp_dim, 0).contiguous()     # Comm gathers along dim 0
-    return comm.all_gather(moved, "tp").movedim(0, tp_dim).contiguous()
-
-
-def shard_tp(full: torch.Tensor, tp_dim: int | None, comm) -> torch.Tensor:
-    if tp_dim is None or comm.size("tp") == 1:
-        return full
-    return full.chunk(comm.size("tp"), dim=tp_dim)[comm.local_rank("tp")]
-
-
-def full_shape(p: torch.Tensor, comm) -> tuple[int, ...]:
-    shape = list(p.shape)
-    tp_dim = getattr(p, "_tp_dim", None)
-    if tp_dim is not None:
-        shape[tp_dim] *= comm.size("tp")
-    return tuple(shape)
-
-
+# -- who holds the optimizer states ----------------------------------------------------------------
 def adam_and_holder(trainer):
     """(the AdamW holding this rank's states, predicate: does this rank hold p's states)."""
     from commpipe.parallel.data import Zero1
@@ -189,7 +181,8 @@ def adam_and_holder(trainer):
     if isinstance(opt, Zero1):
         return opt.optimizer, opt.owns
     dp0 = trainer.comm.local_rank("dp") == 0
-    return opt, lambda p: dp0
+    edp0 = trainer.comm.local_rank("edp") == 0     # experts: the first replica of these rows
+    return opt, lambda p: edp0 if ep_sharded(p) else dp0
 
 
 def reads_sharded_states(trainer) -> bool:
@@ -217,13 +210,12 @@ def full_state_here(trainer, as_dp0: bool = False) -> dict[str, torch.Tensor]:
     coordinates writes, from this replica (commpipe.train.peer_copies keeps it on another node)."""
     comm = trainer.comm
     c = comm.coords
-    model_writer = (c["dp"] == 0 or as_dp0) and c["cp"] == 0   # gathers TP shards; tp=0 writes
     state: dict[str, torch.Tensor] = {}
     for name, p in trainer.named_params:
-        if model_writer:
+        if writes_model(p, comm, as_dp0):     # the TP group gathers; tp=0 writes
             full = gather_tp(p, getattr(p, "_tp_dim", None), comm)
             if c["tp"] == 0:
-                state[f"model.{name}"] = full.cpu()
+                state[f"model.{name}"] = to_save(full, p, comm)
     adam, holds = adam_and_holder(trainer)
     if as_dp0 and not reads_sharded_states(trainer):
         holds = lambda p: True   # noqa: E731 - every replica steps with every state
@@ -235,8 +227,8 @@ def full_state_here(trainer, as_dp0: bool = False) -> dict[str, torch.Tensor]:
         for key in ("exp_avg", "exp_avg_sq"):
             full = gather_tp(st[key], tp_dim, comm)
             if c["tp"] == 0:
-                state[f"optim.{name}.{key}"] = full.cpu()
-        if c["tp"] == 0:
+                state[f"optim.{name}.{key}"] = to_save(full, p, comm)
+        if c["tp"] == 0 and (not ep_sharded(p) or comm.local_rank("ep") == 0):  # one step count
             state[f"optim.{name}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(())
     return state
 
@@ -288,7 +280,8 @@ def meta_of(trainer) -> dict:
     cfg, d = trainer.cfg, trainer.cfg.dims
     meta = {
         "format": FORMAT, "step": trainer.step, "model": cfg.spec.to_dict(),
-        "layout": {"tp": d.tp, "cp": d.cp, "pp": d.pp, "dp": d.dp, "schedule": cfg.schedule,
+        "layout": {"tp": d.tp, "cp": d.cp, "pp": d.pp, "dp": d.dp, "ep": cfg.ep,
+                   "schedule": cfg.schedule,
                    "vpp": cfg.vpp, "stage_layers": cfg.stage_layers, "zero1": cfg.optim.zero1},
         "world_size": d.world_size, "seed": cfg.seed, "seq_len": cfg.seq_len,
         "global_batch": cfg.global_batch,
@@ -337,10 +330,9 @@ def load(trainer, path) -> dict:
     reads = holds if reads_sharded_states(trainer) else (lambda p: True)
     want = model_wants(trainer, path, stored)
     for name, p in trainer.named_params:
-        shape = full_shape(p, comm)
         if reads(p) and f"optim.{name}.exp_avg" in stored:
             for k in ("exp_avg", "exp_avg_sq"):
-                want[f"optim.{name}.{k}"] = torch.empty(shape, dtype=p.dtype)
+                want[f"optim.{name}.{k}"] = for_load(p, comm)
             want[f"optim.{name}.step"] = torch.empty(1)
     same_world = meta["world_size"] == comm.dims.world_size
     if same_world:  # RNG streams are per rank: restored when the ranks are the same ones
@@ -350,13 +342,11 @@ def load(trainer, path) -> dict:
     copy_params(trainer, want)
     with torch.no_grad():
         for name, p in trainer.named_params:
-            tp_dim = getattr(p, "_tp_dim", None)
             if f"optim.{name}.step" in want:
                 adam.state[p] = {
                     "step": want[f"optim.{name}.step"].reshape(()).clone(),
-                    "exp_avg": shard_tp(want[f"optim.{name}.exp_avg"], tp_dim, comm).to(p.device).clone(),
-                    "exp_avg_sq": shard_tp(want[f"optim.{name}.exp_avg_sq"], tp_dim,
-                                           comm).to(p.device).clone(),
+                    **{k: local_part(want[f"optim.{name}.{k}"], p, comm).to(p.device).clone()
+                       for k in ("exp_avg", "exp_avg_sq")},
                 }
     if f"rng.rank{comm.rank}.cpu" in want:
         torch.set_rng_state(want[f"rng.rank{comm.rank}.cpu"])
@@ -368,8 +358,9 @@ def load(trainer, path) -> dict:
 
 
 def model_wants(trainer, path: Path, stored) -> dict[str, torch.Tensor]:
-    """Empty full tensors `model.<name>` for the parameters this rank holds, each checked
-    against the checkpoint's entry (`stored`: its DCP state_dict_metadata)."""
+    """Empty full tensors `model.<name>` for the parameters this rank holds (of an expert
+    weight under ep, its rows at their offset), each checked against the checkpoint's entry
+    (`stored`: its DCP state_dict_metadata)."""
     want: dict[str, torch.Tensor] = {}
     for name, p in trainer.named_params:
         key, shape = f"model.{name}", full_shape(p, trainer.comm)
@@ -378,7 +369,7 @@ def model_wants(trainer, path: Path, stored) -> dict[str, torch.Tensor]:
         if tuple(stored[key].size) != shape:
             raise ValueError(f"cannot load {path}: parameter {name} is {tuple(stored[key].size)} "
                              f"there, {shape} in this model")
-        want[key] = torch.empty(shape, dtype=p.dtype)
+        want[key] = for_load(p, trainer.comm)
     return want
 
 
@@ -396,7 +387,7 @@ def read_tensors(want: dict[str, torch.Tensor], path: Path, single_process: bool
 
 
 def copy_params(trainer, want: dict[str, torch.Tensor]) -> None:
-    """Each parameter's TP slice of its full tensor `want["model.<name>"]`."""
+    """Each parameter's part of what `model_wants` asked for: its TP slice, its expert rows."""
     with torch.no_grad():
         for name, p in trainer.named_params:
-            p.copy_(shard_tp(want[f"model.{name}"], getattr(p, "_tp_dim", None), trainer.comm))
+            p.copy_(local_part(want[f"model.{name}"], p, trainer.comm))

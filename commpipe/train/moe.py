@@ -5,7 +5,8 @@
   divide dp*cp and the expert count (commpipe.parallel.expert.check_ep); context parallelism,
   recomputation and multi-head latent attention under TP are not applied to MoE stages, and
   expert-parallel runs neither shard the optimizer (ZeRO-1) nor split DP micro-batches unevenly
-  nor write checkpoints;
+  nor restart elastically (their checkpoints store each expert shard at its offset,
+  commpipe.train.checkpoint_shards);
 - stages: the family's plain MoEStage modules, then tensor parallelism on attention, embedding
   and head (commpipe.parallel.tensor_moe) and the experts sharded over ep
   (commpipe.parallel.expert); the loss adds the load-balancing term the stages carried;
@@ -45,9 +46,7 @@ def resolve_config(cfg, world_size: int | None) -> None:
     if cfg.ep > 1:
         for flag, used in (("--zero1", cfg.optim.zero1), ("--dp-microbatches",
                                                           cfg.dp_microbatches is not None),
-                           ("--save-every", cfg.save_every > 0),
-                           ("--resume", cfg.resume is not None),
-                           ("--init-from", cfg.init_from is not None)):
+                           ("--elastic", cfg.elastic)):
             if used:
                 raise ValueError(f"{flag} is not supported with expert parallelism yet "
                                  f"(--ep {cfg.ep}); drop it or use --ep 1")
