@@ -158,3 +158,16 @@ def test_plan_refuses_an_ep_that_does_not_divide_the_experts():
     with pytest.raises(ValueError, match=r"--ep 3 does not divide the model's 8 experts; "
                                          r"use --ep in \[1, 2, 4, 8\]"):
         check_experts(resolve("mixtral-8x7b"), Job(8, 512), 3)
+
+
+def test_a_braided_schedule_leaves_the_all_to_alls_exposed():
+    # the runtime runs a braid's two passes one after the other around an MoE layer (docs/moe.md)
+    spec = resolve(SMALL.replace("layers=2", "layers=4"))
+    cluster = default_cluster(resolve_gpu("h100"), 8, 8)
+    job = Job(global_batch=16, seq_len=256)
+    ests = {s: estimate(spec, Layout(tp=2, pp=2, dp=2, schedule=s, ep=2), job, cluster)
+            for s in ("1f1b", "dualpipev")}
+    one = ests["1f1b"].moe["a2a_s_per_call"]
+    # each pipeline rank holds 2 of the 4 MoE layers (dualpipev: two chunks of one layer)
+    for e in ests.values():
+        assert e.breakdown["ep"] == pytest.approx(e.microbatches * 2 * 4 * one, rel=1e-12)
