@@ -171,3 +171,20 @@ def test_a_braided_schedule_leaves_the_all_to_alls_exposed():
     # each pipeline rank holds 2 of the 4 MoE layers (dualpipev: two chunks of one layer)
     for e in ests.values():
         assert e.breakdown["ep"] == pytest.approx(e.microbatches * 2 * 4 * one, rel=1e-12)
+
+
+@pytest.mark.parametrize("ep", [1, 2, 8])
+def test_the_priced_gemms_are_the_familys_flops(ep):
+    # one FLOPs definition: at imbalance 1 the MLP GEMMs priced for a layer (router, shared and
+    # routed experts, or the dense MLP) carry exactly moe_spec's forward FLOPs minus attention's
+    from commpipe.plan.moe_costs import mlp_gemms
+
+    spec = resolve(SMALL + ",shared_experts=2,dense_layers=1,dense_ffn=1024")
+    layout = Layout(dp=8, micro_batch_size=2, ep=ep)
+    job = Job(global_batch=16, seq_len=128, expert_imbalance=1.0)
+    tokens = 2 * 128
+    for fused in (True, False):
+        for i in range(spec.layers):
+            flops = sum(2 * m * k * n for m, k, n in mlp_gemms(spec, i, layout, job, fused))
+            want = M.layer_flops_per_token(spec, 128, i) - M.attention_flops_per_token(spec, 128)
+            assert flops / tokens == pytest.approx(want, rel=1e-12)
