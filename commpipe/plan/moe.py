@@ -32,10 +32,12 @@ prices LLaMA's MLP); full recompute keeps only the layer input, which the layer 
 
 `Job.expert_imbalance` (default 1.25): tokens routed to the busiest rank over the mean. Dropless
 routing gives no bound; the auxiliary balancing loss (Switch Transformer, Fedus et al. 2022,
-Sec. 2.2; Mixtral's and GShard's top-2 routing use the same loss) keeps loads near uniform, and
-Switch trains with expert capacity factor 1.25 (their Table 1), the headroom over the mean load
-per expert they provisioned so that few tokens overflow. It is taken here as the busiest rank's
-load: conservative for a rank holding several experts, whose loads average out.
+Sec. 2.2; Mixtral's released config weighs the same loss, router_aux_loss_coef 0.02) keeps loads
+near uniform. Switch benchmarks expert capacity factors (the capacity an expert is provisioned
+with over the mean load) of 1.0 to 2.0 and finds "Switch Transformers perform better at lower
+capacity factors (1.0, 1.25)" (their Table 1): 1.25 is the larger of the headrooms a balanced run
+needs there. It is taken here as the busiest rank's load: conservative for a rank holding several
+experts, whose loads average out, and an assumption for a dropless run, which has no capacity.
 """
 
 from __future__ import annotations
