@@ -357,3 +357,15 @@ def test_only_slowdowns_and_recoveries_of_compute_call_for_replanning():
     # links re-plan both ways: a degrade and a repair
     assert worth_replanning(det("link", "1->2", -0.9), stragglers)
     assert worth_replanning(det("link", "1->2", +4.0), stragglers)
+
+
+def test_small_pipeline_messages_give_no_link_rate():
+    """16 kB in 5 ms is a host's latency, not a 0.003 GB/s link; 4 MB in 5 ms is 0.8 GB/s."""
+    from commpipe.adapt.signals import link_rates
+
+    def summary(nbytes):
+        return {"links": {("pp", 0, 1): {"transfer_ms": 5.0, "bytes": nbytes, "sampled": 1}}}
+
+    window = [[summary(16_384)], [summary(16_384)]]
+    assert link_rates(window, 65_536) == {(0, 1): (None, None)}
+    assert link_rates([[summary(4e6)]], 65_536)[0, 1][1] == pytest.approx(4e6 / 5e6)

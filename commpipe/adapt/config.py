@@ -38,7 +38,8 @@ Defaults and why:
                   tiny models on 2 CPU cores. Replaced by the measured time after the first one.
   collective_min_bytes=65536
                   collectives smaller than 64 KiB per call (a loss, a norm) measure latency, not
-                  bandwidth: they are neither timed as signals nor used for the bus rate.
+                  bandwidth: they are neither timed as signals nor used for the bus rate; nor
+                  do pipeline messages that small give a link's rate to price other traffic.
   max_microbatches_per_stage=4
                   re-batching considers micro-batch counts from pp to 4 x max(pp, 2): beyond it
                   the bubble is already small and per-micro-batch overheads dominate.

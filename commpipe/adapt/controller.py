@@ -262,7 +262,7 @@ class Controller:
         measured = Measured(
             cur, costs, _host_ms(costs, per_rank),
             statistics.median(s[("step", "step")] for s, _ in recent),
-            links=link_rates(window),
+            links=link_rates(window, self.acfg.collective_min_bytes),
             collective_gbps=collective_rates(window, self.rpn, self.acfg.collective_min_bytes),
             rank_busy={r: statistics.median(v) for r, v in busy.items()},
             element_bytes=element_bytes,

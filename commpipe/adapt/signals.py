@@ -109,9 +109,13 @@ def step_signals(summaries: list[dict], step_time_ms: float) -> dict[tuple[str, 
     return out
 
 
-def link_rates(window: list[list[dict]]) -> dict[tuple[int, int], tuple[float | None, float]]:
+def link_rates(window: list[list[dict]], min_bytes: int = 0
+               ) -> dict[tuple[int, int], tuple[float | None, float | None]]:
     """(src, dst) -> (latency ms, GB/s) of pipeline links over a window of steps' summaries:
-    the median per-call bytes / median transfer time."""
+    the median per-call bytes / median transfer time. Messages smaller than `min_bytes` per call
+    measure latency and the host's scheduling, not bandwidth (16 kB between two processes of a
+    busy host took 2-20 ms, "0.001-0.03 GB/s", over a link that moves gigabytes a second): they
+    give no rate, and whatever needs the link's rate takes its class's."""
     times: dict = {}
     for summaries in window:
         for s in summaries:
@@ -122,7 +126,7 @@ def link_rates(window: list[list[dict]]) -> dict[tuple[int, int], tuple[float | 
     for key, vals in times.items():
         ms = statistics.median(t for t, _ in vals)
         nbytes = statistics.median(b for _, b in vals)
-        out[key] = (None, nbytes / (ms * 1e6) if nbytes else None)
+        out[key] = (None, nbytes / (ms * 1e6) if nbytes and nbytes >= min_bytes else None)
     return out
 
 
