@@ -192,8 +192,9 @@ def test_memory_is_estimated_before_training():
     problem = train_fit_problem(long, 1, capacity_gb=24.0)
     assert "seq_len 4194304" in problem and "--seq-len 524288 would need" in problem
     # on GPUs each rank has its own memory: more pipeline ranks fit llama3-8b (119.7 GiB of
-    # states: 8.03e9 parameters at 16 bytes) into 80 GB; not 2, since under bf16 autocast each
-    # of the first stage's two micro-batches in flight holds a bf16 copy of its weights
+    # states: 8.03e9 parameters at 16 bytes) into 80 GB; not 2: a stage's 60 GiB of states, the
+    # bf16 copy of its weights autocast keeps for the step and the activations of its
+    # micro-batches in flight exceed 79 GiB
     job = Job(8, 2048, precision="bf16", **runtime_job())
     problem = fit_problem(resolve_model("llama3-8b"), Layout(), job, False, [0], 79.0)
     assert "weights+gradients+optimizer 119.7 GiB" in problem and "--pp 4 (4 GPUs)" in problem

@@ -19,9 +19,10 @@ parallelism only; the five bf16 input casts of the linear maps (6 h each, 30 h) 
 input and are not split; the rest (rotary embedding in fp32, the repeated K/V, SwiGLU) is split
 by TP. The backward's h terms split in the same proportions.
 
-Per micro-batch and layer, beside the per-token bytes: under autocast each forward casts the
-layer's linear weights to bf16 (read 4, write 2 bytes a parameter) and each backward casts their
-bf16 gradients to fp32 (read 2, write 4); every micro-batch after the first of a step adds its
+Per layer, beside the per-token bytes: under autocast the step casts the layer's linear weights
+to bf16 once (read 4, write 2 bytes a parameter: autocast's cache stays open for the whole step,
+commpipe.runtime.executor `step_cast_cache`), each micro-batch's backward casts their bf16
+gradients to fp32 (read 2, write 4), and every micro-batch after the first of a step adds its
 gradient into `.grad` (read 4 + 4, write 4), in fp32 too.
 """
 
@@ -70,6 +71,6 @@ def commpipe_elementwise_bytes(spec: ModelSpec, layout: Layout, job: Job) -> tup
     m = max(layout.microbatches(job), 1)
     accumulate = GRAD_ACCUMULATE_BYTES * params * (m - 1) / m
     if job.precision != "fp32":
-        fwd += WEIGHT_CAST_BYTES * params
+        fwd += WEIGHT_CAST_BYTES * params / m       # once a step, shared by its micro-batches
         bwd += WEIGHT_CAST_BYTES * params
     return fwd, bwd + accumulate

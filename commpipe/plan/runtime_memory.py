@@ -20,10 +20,10 @@ a logit of one micro-batch) exist beside it: the last stage's peak.
 Under bf16 autocast (`mixed`) the parameters and the residual stream stay fp32, so the norms'
 tensors, the log-sum-exp and cos/sin keep 4 bytes; every linear map saves its own bf16 cast of
 its input (three casts of the attention input, two of the MLP input: 5 T h x 2 bytes instead of
-2 T h x 4), and Q, K, V, O and the MLP tensors are bf16. Autocast casts the weights once per
-forward region, which the runtime opens per micro-batch: each micro-batch in flight holds a bf16
-copy of its stage's linear weights (2 bytes a parameter), except under full recomputation, where
-the checkpointed forward saves nothing and one layer's copy exists while it is recomputed.
+2 T h x 4), and Q, K, V, O and the MLP tensors are bf16. The runtime keeps autocast's cache
+open for the whole step (commpipe.runtime.executor, `step_cast_cache`), so the stage holds one
+bf16 copy of its linear weights (2 bytes a parameter), shared by every micro-batch in flight and
+by recomputation.
 
 This is what `activation_mb` measures (tests/test_plan_runtime.py checks the prediction on
 tp2 pp2 CPU runs in fp32 and on one rank in bf16). The Megatron-style model in memory.py prices
@@ -78,23 +78,18 @@ def stage_activation_bytes(spec: ModelSpec, tp: int, tokens: float, sequence_par
                            last_inflight: float, mixed: bool) -> tuple[float, float, float]:
     """(activations, softmax, loss-backward transient) bytes at a rank's peak: `inflight`
     micro-batches of its `layers` layers, the head's share on the last stage, and under bf16
-    autocast the weight copies the micro-batches in flight hold."""
+    autocast the step's one bf16 copy of the stage's weights."""
     per_layer = layer_bytes(spec, tp, tokens, sequence_parallel, recompute, mixed)
     act = inflight * layers * per_layer
     recomputed = 0.0
     if recompute == "full":
         recomputed = layer_bytes(spec, tp, tokens, sequence_parallel, "none", mixed)
-    if mixed:
-        if recompute == "full":     # only the layer being recomputed holds a copy
-            recomputed += weight_copy_bytes(spec, tp, 1, head=False)
-        else:
-            act += inflight * weight_copy_bytes(spec, tp, layers, head=False)
+    if mixed:   # one bf16 copy of the stage's weights for the whole step
+        act += weight_copy_bytes(spec, tp, layers, head=last)
     softmax = transient = 0.0
     if last:
         head, sm = head_bytes(spec, tp, tokens, sequence_parallel, mixed)
         act += last_inflight * head
-        if mixed:
-            act += last_inflight * weight_copy_bytes(spec, tp, 0, head=True)
         softmax = last_inflight * sm
         # the loss backward frees the softmax before the recomputed layer exists
         recomputed = max(0.0, recomputed - softmax)

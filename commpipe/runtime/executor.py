@@ -112,6 +112,16 @@ class PipelineRuntime:
             return nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
+    def step_cast_cache(self):
+        """Around a whole step: autocast disabled, but open, so the bf16 casts of the weights
+        that each forward region makes are cached until the step ends (torch clears autocast's
+        cache only when the outermost autocast context exits). Every micro-batch then shares one
+        bf16 copy of each weight, as a bf16-parameter trainer holds one, instead of casting
+        again and keeping a copy per micro-batch in flight; the values are the same casts."""
+        if self.autocast_dtype is None:
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype, enabled=False)
+
     def run_step(self, tokens: list, labels: list | None, positions: torch.Tensor | None,
                  loss_scale: float, step: int = 0) -> torch.Tensor:
         """Run one step's program; returns the summed scaled loss of the micro-batches whose
@@ -120,7 +130,7 @@ class PipelineRuntime:
         batch fields (pixels, tokens, labels, ...; `labels` unused then)."""
         batches = [t if isinstance(t, dict) else {"tokens": t, "labels": labels[m]}
                    for m, t in enumerate(tokens)]
-        with torch.set_grad_enabled(not self.forward_only):
+        with torch.set_grad_enabled(not self.forward_only), self.step_cast_cache():
             return _StepRun(self, batches, positions, loss_scale, step).run()
 
 
