@@ -18,9 +18,8 @@ import itertools
 import re
 from dataclasses import dataclass, field
 
-from commpipe.parallel.dims import ParallelDims
+from commpipe.parallel.dims import DEFAULT_ORDER, ParallelDims
 
-DEFAULT_ORDER = "tp-cp-dp-pp"            # commpipe's rank grid, innermost first
 # train flags a sweep entry may set itself -> the field holding each
 PINNABLE = {"schedule": "schedule", "vpp": "vpp", "microbatches": "m_pinned"}
 
