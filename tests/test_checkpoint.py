@@ -1,5 +1,6 @@
 """Checkpoints: resume equals the uninterrupted run, and a checkpoint saved under one layout
-loads under another (model weights and AdamW states, with and without ZeRO-1).
+loads under another (model weights and AdamW states, with and without ZeRO-1, and the experts of
+a MoE model across expert-parallel degrees: tests/checkpoint_ep_jobs.py).
 
     python -m pytest tests/test_checkpoint.py -x -q
 
@@ -27,7 +28,9 @@ from commpipe.models.llama import build_model
 from commpipe.parallel.dims import ParallelDims
 from commpipe.train import checkpoint
 from commpipe.train.config import OptimConfig, TrainConfig
+from tests import checkpoint_ep_jobs
 from tests.dist_harness import free_port
+from tests.test_equivalence import check_params
 
 GLOBAL_BATCH, SEQ, STEPS, EVAL_BATCHES = 4, 16, 4, 2
 
@@ -99,6 +102,7 @@ def _worker(rank: int, world: int, port: int, root: str) -> None:
         d = _build(make_cfg(pp=4), rank)
         checkpoint.load(d, ck3)
         res["D"] = _snapshot(d)
+        res.update(checkpoint_ep_jobs.run(rank, root, _build))   # MoE under ep 1, 2, 4
         torch.save(res, root / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -142,6 +146,8 @@ def world4():
         saved = Path(tmp) / "a" / checkpoint.step_dirname(2)
         keep = Path(tempfile.mkdtemp()) / "ckpt"
         shutil.copytree(saved, keep)
+        shutil.copytree(Path(tmp) / "moe" / checkpoint.step_dirname(2), keep.parent / "moe")
+        shutil.copytree(Path(tmp) / "monitored", keep.parent / "monitored")
     out = {}
     for key in per_rank[0]:
         snaps = [pr[key] for pr in per_rank]
@@ -150,7 +156,7 @@ def world4():
             out[key]["params"], out[key]["opt"] = assemble(snaps)
         if "losses" in snaps[0]:
             out[key]["losses"] = next(s["losses"] for s in snaps if s["losses"])
-    out["ckpt"] = keep
+    out["ckpt"], out["moe_ckpt"], out["monitored"] = keep, keep.parent / "moe", keep.parent / "monitored"
     yield out
     shutil.rmtree(keep.parent, ignore_errors=True)
 
@@ -218,6 +224,70 @@ def test_single_process_loads_a_tp_pp_checkpoint(world4, tmp_path):
     for name, p in trainer.named_params:
         assert torch.equal(p.detach(), world4["A@2"]["params"][name]), name
     assert trainer.step == 2 and trainer.source.state_dict()["step"] == 2
+
+
+# -- MoE experts sharded over ep: saved as shards at their offsets, loaded under another ep -------
+@pytest.mark.parametrize("layout", list(checkpoint_ep_jobs.LAYOUTS))
+def test_ep_checkpoint_reshards_to_another_ep(world4, layout):
+    """Saved under ep2 x dp4 after 2 steps: every expert row and AdamW moment lands where the
+    other layout holds it, and 2 more steps follow the uninterrupted ep2 run (losses to the
+    tolerance above, parameters to test_equivalence's)."""
+    assert_same_state(world4[layout], world4["moe@2"], f"ep2 x dp4 -> {layout}")
+    after, want = world4[f"{layout}-after"], world4["moe"]
+    torch.testing.assert_close(torch.tensor(after["losses"]), torch.tensor(want["losses"][2:]),
+                               rtol=1e-5, atol=0)
+    # replicas were checked equal by assemble
+    check_params(want, dict(after, replicas_equal=True), f"ep2 x dp4 -> {layout}, 2 steps on")
+
+
+def test_ep_checkpoint_saved_under_pp2(world4):
+    assert_same_state(world4["ep4-from-pp2"], world4["pp2@3"], "ep2 x dp2 x pp2 -> ep4 x dp4")
+    assert all(st[2] == 3.0 for st in world4["ep4-from-pp2"]["opt"].values())
+
+
+def test_init_from_an_ep_checkpoint_loads_the_weights_only(world4):
+    got = world4["ep4-init"]
+    assert got["step"] == 0 and got["opt"] == {}
+    for name, value in world4["moe@2"]["params"].items():
+        assert torch.equal(got["params"][name], value), name
+
+
+def test_experts_loaded_into_the_wrong_slots_are_caught(world4):
+    """The planted bug (tests/checkpoint_ep_jobs.py): each rank's loaded expert rows reversed."""
+    got, want = world4["planted"], world4["moe@2"]
+    with pytest.raises(AssertionError, match="experts"):
+        assert_same_state(got, want, "planted")
+    dense = [n for n in want["params"] if ".experts." not in n]
+    assert all(torch.equal(got["params"][n], want["params"][n]) for n in dense)
+
+
+def test_single_process_loads_an_ep_checkpoint(world4):
+    from commpipe.train.loop import Trainer
+
+    cfg = checkpoint_ep_jobs.moe_cfg(ParallelDims(), 1).resolve(1)
+    trainer = Trainer.build(cfg)
+    checkpoint.load(trainer, world4["moe_ckpt"])
+    for name, p in trainer.named_params:
+        assert torch.equal(p.detach(), world4["moe@2"]["params"][name]), name
+    meta = checkpoint.read_meta(world4["moe_ckpt"])
+    assert meta["layout"]["ep"] == 2 and trainer.step == 2
+
+
+def test_ep_resume_through_the_loop_and_its_report(world4):
+    """--resume under ep2 x dp4 through the training loop continues exactly; its monitored run
+    folder's report lists EP's all-to-all (tests/checkpoint_ep_jobs.check_report)."""
+    assert world4["moe-resume"]["steps"] == [2, 3]
+    for got, want in zip(world4["moe-resume"]["losses"], world4["moe"]["losses"][2:]):
+        assert abs(got - want) <= 1e-6, (world4["moe-resume"]["losses"], world4["moe"]["losses"])
+    checkpoint_ep_jobs.check_report(world4["monitored"])
+
+
+def test_ep_runs_checkpoint_but_not_elastically():
+    cfg = checkpoint_ep_jobs.moe_cfg(ParallelDims(dp=4), 2, save_every=2, out="unused")
+    cfg.resolve(4)     # checkpoints are taken under expert parallelism
+    cfg = checkpoint_ep_jobs.moe_cfg(ParallelDims(dp=4), 2, elastic=True)
+    with pytest.raises(ValueError, match="--elastic is not supported with expert parallelism"):
+        cfg.resolve(4)
 
 
 # -- single process: the CLI loop, resume, refusals, atomicity --------------------------------------

@@ -452,6 +452,8 @@ def test_nccl_tests_factors(n):
     # all-gather and reduce-scatter (n-1)/n of the full tensor, send/recv and broadcast 1
     assert busbw_factor("all_reduce", n) == pytest.approx(2 * (n - 1) / n)
     assert busbw_factor("all_gather", n) == busbw_factor("reduce_scatter", n) == pytest.approx((n - 1) / n)
+    # alltoall.cu: of the n chunks a rank sends, the one it keeps crosses no link
+    assert busbw_factor("all_to_all", n) == pytest.approx((n - 1) / n)
     assert busbw_factor("send", n) == busbw_factor("recv", n) == busbw_factor("broadcast", n) == 1
     assert algbw_bytes("all_gather", 100, n) == 100 * n          # S is the gathered output
     assert algbw_bytes("reduce_scatter", 100 * n, n) == 100 * n  # S is the full input

@@ -27,9 +27,12 @@ def test_step_split_into_compute_exposed_comm_and_bubble():
               _ev(0, "pp", "wait", 4, 9), _ev(0, "dp_cp", "all_reduce", 10, 16, wait=1),
               _ev(0, "compute", "0B0", 15, 17)]
     got = split_window(events, 0.0, 20.0)
-    assert got == pytest.approx({"compute": 6.0, "pp": 3.0, "tp": 0.0, "cp": 0.0, "dp": 3.0, "other": 0.0,
-                                 "pp_wait": 5.0, "idle": 3.0})
+    assert got == pytest.approx({"compute": 6.0, "pp": 3.0, "tp": 0.0, "cp": 0.0, "dp": 3.0, "ep": 0.0,
+                                 "other": 0.0, "pp_wait": 5.0, "idle": 3.0})
     assert sum(got.values()) == pytest.approx(20.0)
+    # expert parallelism: the all-to-all's stream is EP, the experts' gradient all-reduce DP
+    moe = split_window([_ev(0, "ep", "all_to_all", 0, 2), _ev(0, "edp", "all_reduce", 2, 5)], 0.0, 5.0)
+    assert (moe["ep"], moe["dp"], moe["other"]) == (2.0, 3.0, 0.0)
     # rank 0 alone: the window is its first event to its last, 0-17
     assert split_window(events, 0.0, 17.0)["idle"] == 0.0
     # a second rank computing 0-10 and 18-20: the common window is 0-20; rank 0 idles 17-20,

@@ -12,9 +12,10 @@ so wait + transfer is the call's post-to-arrival time. Every record and link sum
 whether its link is intra_node (every rank on one node) or inter_node.
 Bandwidth is bytes moved / transfer time in decimal GB/s (1e9 bytes/s). For collectives the
 algorithm and bus bandwidths follow nccl-tests (doc/PERFORMANCE.md): algbw = S / t and
-busbw = algbw * factor with factor 2(n-1)/n for all-reduce, (n-1)/n for all-gather and
-reduce-scatter, 1 for broadcast and send/recv; S is the all-reduce / broadcast buffer, the
-*output* of all-gather and the *input* of reduce-scatter (the full tensor in every case).
+busbw = algbw * factor with factor 2(n-1)/n for all-reduce, (n-1)/n for all-gather,
+reduce-scatter and all-to-all, 1 for broadcast and send/recv; S is the all-reduce / broadcast
+buffer, the *output* of all-gather and the *input* of reduce-scatter and all-to-all (the full
+tensor in every case; of an all-to-all, the 1/n that a rank keeps never crosses a link).
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def sampled_seqs(base: int, fraction: float, upto: int) -> list[int]:
 def busbw_factor(op: str, n: int) -> float:
     if op == "all_reduce":
         return 2.0 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter"):
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):   # nccl-tests src/alltoall.cu
         return (n - 1) / n
     return 1.0  # broadcast, send, recv
 

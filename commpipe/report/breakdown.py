@@ -19,9 +19,10 @@ from pathlib import Path
 
 from commpipe.report.tables import after_warmup
 
-DIM_ORDER = ("pp", "tp", "cp", "dp", "other")
+DIM_ORDER = ("pp", "tp", "cp", "dp", "ep", "other")
 PARTS = ("compute", *DIM_ORDER, "pp_wait", "idle")
-STREAM_DIMS = {"pp": "pp", "tp": "tp", "cp": "cp", "dp": "dp", "dp_cp": "dp"}
+# edp: the expert gradients' reduction over the ranks holding the same experts (data parallel)
+STREAM_DIMS = {"pp": "pp", "tp": "tp", "cp": "cp", "dp": "dp", "dp_cp": "dp", "edp": "dp", "ep": "ep"}
 # lower wins where pieces overlap
 _RANK = {"compute": 0, **{d: 1 for d in DIM_ORDER}, "skew": 2, "pp_wait": 3}
 

@@ -102,7 +102,7 @@ def describe_sweep(root: Path) -> list[str]:
 
 
 BREAKDOWN_HEADER = ["Layout", "Traced step (ms)", "Compute", "Bubble: wait for stage", "Bubble: idle",
-                    "PP exposed", "TP exposed", "CP exposed", "DP exposed", "Other exposed"]
+                    "PP exposed", "TP exposed", "CP exposed", "DP exposed", "EP exposed", "Other exposed"]
 
 
 def breakdown_table(rows: list[dict]) -> list[list[str]]:
@@ -115,7 +115,7 @@ def breakdown_table(rows: list[dict]) -> list[list[str]]:
         w = b["window_ms"] or 1.0
         out.append([r.get("label") or r["name"], fmt(b["window_ms"]),
                     *(f"{fmt(b[k])} ({b[k] / w:.0%})"
-                      for k in ("compute", "pp_wait", "idle", "pp", "tp", "cp", "dp", "other"))])
+                      for k in ("compute", "pp_wait", "idle", "pp", "tp", "cp", "dp", "ep", "other"))])
     return out
 
 
@@ -123,7 +123,9 @@ DEFINITIONS = [
     "Times are medians over the steps after the first {warmup}; efficiency is throughput relative to the "
     "best layout. PP lat. is transfer time per pipeline call (waiting for the peer excluded), PP wait the "
     "time blocked on the neighbour stage, PP raw their sum, as a timer around the whole call sees it (all "
-    "three per call over the same timed calls). Collective bandwidth is nccl-tests bus bandwidth. "
+    "three per call over the same timed calls). Collective bandwidth is nccl-tests bus bandwidth; EP is "
+    "expert parallelism's all-to-all (token dispatch and combine), DP includes the expert gradients' "
+    "reduction over the ranks holding the same experts. "
     "Bandwidth counts only timed calls of at least 4 KiB: smaller ones (scalar reductions such as the "
     "loss) time the per-call latency, not the link.",
     "Where the time goes: each rank's traced step cut at every event boundary; a piece is compute when an "

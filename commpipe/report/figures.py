@@ -95,7 +95,7 @@ def pp_latency(rows, out: Path):
 
 def collective_latency(rows, out: Path):
     ok = [r for r in rows if r["status"] == "ok"]
-    dims = [d for d in ("tp", "cp", "dp") if any(r.get(f"{d}_latency_ms") is not None for r in ok)]
+    dims = [d for d in ("tp", "cp", "dp", "ep") if any(r.get(f"{d}_latency_ms") is not None for r in ok)]
     if not dims:
         return None
     fig, axes = plt.subplots(1, len(dims), figsize=(4.2 * len(dims), 4), squeeze=False)
@@ -110,7 +110,8 @@ def collective_latency(rows, out: Path):
         ax.set_ylabel("ms per call")
         ax.legend(fontsize=8)
     return (_save(fig, out / "collective_latency.png"),
-            "TP, CP and DP collectives: time per call once every member posted (transfer) and skew (wait).")
+            "TP, CP, DP and EP collectives: time per call once every member posted (transfer) and skew "
+            "(wait).")
 
 
 MARKERS = "osD^v<>ph*"

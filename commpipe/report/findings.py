@@ -27,7 +27,8 @@ def _name(r: dict) -> str:
 
 PART_WORDS = {"compute": "compute", "bubble_ms": "pipeline bubble", "pp": "exposed PP communication",
               "tp": "exposed TP communication", "cp": "exposed CP communication",
-              "dp": "exposed DP communication", "other": "other exposed communication"}
+              "dp": "exposed DP communication", "ep": "exposed EP communication",
+              "other": "other exposed communication"}
 
 
 def where_time_goes(b: dict) -> str:
@@ -123,7 +124,7 @@ def link_findings(sweep_dir, ok: list[dict], warmup: int) -> list[str]:
                            f"{rate(slow['gbps'])}, {ratio:.1f}x below the median of that layout's "
                            f"{dim.upper()} links ({rate(med)}).")
     out, pairs = [], []
-    for dim in ("pp", "tp", "cp", "dp"):
+    for dim in ("pp", "tp", "cp", "dp", "ep"):
         intra, inter = by_class.get((dim, "intra_node")), by_class.get((dim, "inter_node"))
         if intra and inter:
             a, b = statistics.median(intra), statistics.median(inter)

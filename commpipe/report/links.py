@@ -7,7 +7,11 @@ and transfer time are medians over the steps after warm-up in which it had timed
 class's, over all its links' steps): on a shared host a sender's I/O thread is sometimes not
 scheduled for tens of milliseconds, which the median leaves out. Point-to-point links (PP) give the
 receiver's per-message bandwidth; collective groups (TP, CP, DP) the nccl-tests bus bandwidth
-of the group's slowest member, entered in the matrix for every pair of the group. Steps whose
+of the group's slowest member, entered in the matrix for every pair of the group; so do
+expert parallelism's all-to-all exchanges (EP: dispatch, combine and the row counts before
+them, all in one record per group and step; a group's other EP calls, the gradient norm's
+scalar sum, are not a link) and, as DP, the expert gradients' all-reduce over the ranks holding
+the same experts (edp). Steps whose
 timed calls were smaller than MIN_BANDWIDTH_BYTES (scalar reductions) time latency, not the
 link, and are left out of bandwidth.
 """
@@ -27,7 +31,14 @@ def _median(values):
     values = list(values)
     return statistics.median(values) if values else None
 
-LINK_DIMS = {"pp": "pp", "tp": "tp", "cp": "cp", "dp": "dp", "dp_cp": "dp"}
+LINK_DIMS = {"pp": "pp", "tp": "tp", "cp": "cp", "dp": "dp", "dp_cp": "dp", "edp": "dp", "ep": "ep"}
+DIM_ORDER = ("pp", "tp", "cp", "dp", "ep")
+
+
+def is_link(rec: dict) -> bool:
+    """False for the calls of a dimension that do not measure its links: an EP group's
+    all-reduce (the gradient norm's experts term) beside its all-to-all."""
+    return not (LINK_DIMS.get(rec.get("dim")) == "ep" and rec.get("op") != "all_to_all")
 
 # A call this small times the per-call latency, not the link: the training loop's 8-byte loss
 # all-reduce shares the gradient all-reduce's stream (dp_cp), and 8 bytes over a 10 ms call read
@@ -56,7 +67,7 @@ def link_rows(run_dir, warmup: int = 1) -> list[dict]:
     first = min((r["step"] for r in records), default=0)
     for r in records:
         dim = LINK_DIMS.get(r.get("dim"))
-        if dim is None or r["step"] < first + warmup:
+        if dim is None or r["step"] < first + warmup or not is_link(r):
             continue
         if r["kind"] == "p2p":
             if dim != "pp":
@@ -96,7 +107,7 @@ def class_summary(links: list[dict]) -> list[dict]:
         a["steps"] += lk["steps"]
         a["n"] += lk["timed"]
         a["links"] += 1
-    order = {d: i for i, d in enumerate(("pp", "tp", "cp", "dp"))}
+    order = {d: i for i, d in enumerate(DIM_ORDER)}
     return [{"dim": d, "link_class": c, "gbps": _median(bw for bw, _ in a["steps"]),
              "transfer_ms": _median(ms for _, ms in a["steps"]), "timed": a["n"], "links": a["links"]}
             for (d, c), a in sorted(acc.items(), key=lambda kv: (order[kv[0][0]], kv[0][1]))]
@@ -146,13 +157,13 @@ CLASS_HEADER = ["Layout", "Dim", "Link class", "GB/s", "Transfer (ms/call)", "Li
 
 def class_table(sweep_dir, rows: list[dict], warmup: int = 1) -> list[list[str]]:
     """Cells of the per-class summary: one line per layout, dimension and link class."""
-    from commpipe.report.tables import fmt
+    from commpipe.report.tables import fmt, run_path
 
     out = []
     for r in rows:
         if r["status"] != "ok":
             continue
-        for c in class_summary(link_rows(Path(sweep_dir) / r["name"], warmup)):
+        for c in class_summary(link_rows(run_path(sweep_dir, r), warmup)):   # one run: its dir
             out.append([r.get("label") or r["name"], c["dim"].upper(), c["link_class"].replace("_", "-"),
                         fmt(c["gbps"]), fmt(c["transfer_ms"]), str(c["links"]), str(c["timed"])])
     return out

@@ -20,7 +20,8 @@ from commpipe.timeline import load_events  # noqa: E402,F401  (re-exported: comm
 
 DPI = 100
 # communication in warm colours, compute in blues, so the two never read alike
-DIM_COLORS = {"pp": "#d62728", "tp": "#ff7f0e", "cp": "#e377c2", "dp": "#8c564b", "other": "#7f7f7f"}
+DIM_COLORS = {"pp": "#d62728", "tp": "#ff7f0e", "cp": "#e377c2", "dp": "#8c564b", "ep": "#bcbd22",
+              "other": "#7f7f7f"}
 COMPUTE_COLORS = {"F": ("forward", "#3a5a98"), "B": ("backward", "#7ea6d8"),
                   "I": ("input grad", "#7ea6d8"), "W": ("weight grad", "#c5d8ef")}
 
@@ -32,15 +33,16 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-LINK_DIMS = {"pp": "pp", "tp": "tp", "cp": "cp", "dp": "dp", "dp_cp": "dp"}
-LINE_STYLES = {"pp": "-", "tp": "--", "cp": ":", "dp": "-."}
+LINE_STYLES = {"pp": "-", "tp": "--", "cp": ":", "dp": "-.", "ep": (0, (3, 1, 1, 1, 1, 1))}
 
 
 def _link_label(rec: dict) -> str | None:
-    """Label of a p2p link or of a TP/CP/DP collective group; None for what is not a link
-    (the pipeline group's loss all-reduce, world-wide calls)."""
+    """Label of a p2p link or of a TP/CP/DP/EP collective group; None for what is not a link
+    (the pipeline group's loss all-reduce, world-wide calls, an EP group's scalar sum)."""
+    from commpipe.report.links import LINK_DIMS, is_link
+
     dim = LINK_DIMS.get(rec.get("dim"))
-    if dim is None:
+    if dim is None or not is_link(rec):
         return None
     if rec.get("kind") == "p2p" or rec.get("op") in ("send", "recv"):
         return f"pp {rec['src']}→{rec['dst']}" if dim == "pp" else None
@@ -94,7 +96,8 @@ def links_over_steps(sweep_dir: Path, row, out: Path, max_lines: int = 14):
     a2.legend(fontsize=6, loc="center left", bbox_to_anchor=(1.0, 0.5))
     return (_save(fig, out / f"links_{row['name']}.png"),
             f"{row.get('label') or row['name']}: bandwidth and transfer time of each link and collective "
-            "group, per step (line style = dimension: PP solid, TP dashed, CP dotted, DP dash-dot).")
+            "group, per step (line style = dimension: PP solid, TP dashed, CP dotted, DP dash-dot, EP "
+            "dash-dot-dot).")
 
 
 def _event_color(e: dict) -> str:

@@ -19,7 +19,9 @@ Per dimension and step, from the monitor's records (commpipe/monitor/records.py)
   {dim}_intra_gbps, {dim}_inter_gbps: bandwidth of the dimension's intra- and inter-node links
               (bytes over transfer time of all timed calls, commpipe.report.links).
 PP counts only send/recv (the loss and gradient-norm all-reduces over the pipeline group are
-left out); DP is the gradient reduction, over the dp x cp group ("dp_cp") when CP is on.
+left out); DP is the gradient reduction, over the dp x cp group ("dp_cp") when CP is on, and of
+a MoE model's experts over the ranks holding the same experts ("edp"); EP is expert
+parallelism's all-to-all (token dispatch and combine; its groups' scalar sums are left out).
 """
 
 from __future__ import annotations
@@ -30,16 +32,17 @@ import statistics
 import textwrap
 from pathlib import Path
 
-DIMS = ("pp", "tp", "cp", "dp")
+DIMS = ("pp", "tp", "cp", "dp", "ep")
 P2P = ("send", "recv")
-COLUMNS = ["name", "label", "tp", "cp", "pp", "dp", "schedule", "microbatches", "placement", "status",
+COLUMNS = ["name", "label", "tp", "cp", "pp", "dp", "ep", "schedule", "microbatches", "placement", "status",
            "reason", "steps", "tflops_per_gpu", "step_time_ms", "bubble", "tokens_per_s", "final_loss",
            "efficiency",
            "pp_bw_gbps", "pp_latency_ms", "pp_wait_ms", "pp_raw_ms", "pp_calls",
            "tp_bw_gbps", "tp_latency_ms", "tp_wait_ms", "cp_bw_gbps", "cp_latency_ms", "cp_wait_ms",
-           "dp_bw_gbps", "dp_latency_ms", "dp_wait_ms",
+           "dp_bw_gbps", "dp_latency_ms", "dp_wait_ms", "ep_bw_gbps", "ep_latency_ms", "ep_wait_ms",
            "pp_intra_gbps", "pp_inter_gbps", "tp_intra_gbps", "tp_inter_gbps",
-           "cp_intra_gbps", "cp_inter_gbps", "dp_intra_gbps", "dp_inter_gbps", "study_tflops_per_gpu"]
+           "cp_intra_gbps", "cp_inter_gbps", "dp_intra_gbps", "dp_inter_gbps",
+           "ep_intra_gbps", "ep_inter_gbps", "study_tflops_per_gpu"]
 
 
 def read_jsonl(path) -> list[dict]:
@@ -79,7 +82,8 @@ def monitor_records(run_dir: Path) -> list[dict]:
     return out
 
 
-SELECT = {"pp": (("pp",), P2P), "tp": (("tp",), None), "cp": (("cp",), None), "dp": (("dp", "dp_cp"), None)}
+SELECT = {"pp": (("pp",), P2P), "tp": (("tp",), None), "cp": (("cp",), None),
+          "dp": (("dp", "dp_cp", "edp"), None), "ep": (("ep",), ("all_to_all",))}
 
 
 def dim_step_stats(records: list[dict], dim: str) -> dict[int, dict]:
@@ -142,7 +146,7 @@ def summarize_run(run_dir: Path, warmup: int = 1) -> dict:
         row["step_time_ms"] = None if t is None else t * 1e3
         row["tokens_per_s"] = _median(m.get("tokens_per_s") for m in kept)
         row["final_loss"] = metrics[-1].get("loss")
-        for key in ("tp", "cp", "pp", "dp", "schedule", "microbatches"):
+        for key in ("tp", "cp", "pp", "dp", "ep", "schedule", "microbatches"):
             if key in metrics[-1]:
                 row[key] = metrics[-1][key]
     row["bubble"] = _traced_bubble(run_dir)
@@ -204,8 +208,8 @@ def collect(sweep_dir, warmup: int = 1) -> list[dict]:
     root = Path(sweep_dir)
     rows = []
     for entry in discover(root):
-        row = {k: entry.get(k) for k in ("name", "label", "tp", "cp", "pp", "dp", "schedule", "placement",
-                                         "status", "reason", "dir")}
+        row = {k: entry.get(k) for k in ("name", "label", "tp", "cp", "pp", "dp", "ep", "schedule",
+                                         "placement", "status", "reason", "dir")}
         summary = summarize_run(run_path(root, row), warmup)
         for key, value in summary.items():
             if row.get(key) is None:
@@ -220,7 +224,8 @@ def collect(sweep_dir, warmup: int = 1) -> list[dict]:
             row["label"] = adaptive_label(run_path(root, row), row["name"]) or row.get("label")
         if not row.get("label") and row.get("tp") is not None:
             row["label"] = f"TP{row['tp']}/CP{row['cp']}/PP{row['pp']}" + (
-                f"/DP{row['dp']}" if (row.get("dp") or 1) > 1 else "")
+                f"/DP{row['dp']}" if (row.get("dp") or 1) > 1 else "") + (
+                f"/EP{row['ep']}" if (row.get("ep") or 1) > 1 else "")
         rows.append(row)
     # layouts that differ only in schedule (or vpp) would read alike: name it in their labels
     seen: dict = {}
@@ -302,7 +307,7 @@ def main_cells(r: dict, scale: float) -> list[str]:
     status = "ok" if r["status"] == "ok" else f"{r['status']}: {r.get('reason') or ''}".strip()
     tf = r.get("tflops_per_gpu")
     comm = ", ".join(f"{d.upper() if d != 'other' else d} {share(b[d], b['window_ms'])}"
-                     for d in ("pp", "tp", "cp", "dp", "other")
+                     for d in ("pp", "tp", "cp", "dp", "ep", "other")
                      if b.get(d) and b[d] / b["window_ms"] >= 0.005)
     return [r.get("label") or r["name"], *(fmt(r.get(k)) for k in ("tp", "cp", "pp", "dp")),
             fmt(r.get("microbatches")), fmt(r.get("step_time_ms")), fmt(r.get("tokens_per_s")),
@@ -315,7 +320,8 @@ def main_cells(r: dict, scale: float) -> list[str]:
 HEADER = ["Layout", "TP", "CP", "PP", "DP", "m", "TFLOP/s/GPU", "Step (ms)", "Bubble", "PP GB/s",
           "PP lat. (ms)",
           "PP calls/step", "PP wait (ms)", "PP raw (ms)", "TP GB/s", "TP lat. (ms)", "CP GB/s",
-          "CP lat. (ms)", "DP GB/s", "DP lat. (ms)", "Final loss", "Efficiency", "Status"]
+          "CP lat. (ms)", "DP GB/s", "DP lat. (ms)", "EP GB/s", "EP lat. (ms)", "Final loss",
+          "Efficiency", "Status"]
 
 
 def table_cells(r: dict) -> list[str]:
@@ -328,7 +334,8 @@ def table_cells(r: dict) -> list[str]:
             fmt(r.get("pp_latency_ms")), fmt(r.get("pp_calls")), fmt(r.get("pp_wait_ms")),
             fmt(r.get("pp_raw_ms")), fmt(r.get("tp_bw_gbps")), fmt(r.get("tp_latency_ms")),
             fmt(r.get("cp_bw_gbps")), fmt(r.get("cp_latency_ms")), fmt(r.get("dp_bw_gbps")),
-            fmt(r.get("dp_latency_ms")), fmt(r.get("final_loss"), 4),
+            fmt(r.get("dp_latency_ms")), fmt(r.get("ep_bw_gbps")), fmt(r.get("ep_latency_ms")),
+            fmt(r.get("final_loss"), 4),
             "–" if eff is None else f"{eff:.0%}", status]
 
 
@@ -347,12 +354,14 @@ def markdown_rows(header: list[str], rows: list[list[str]]) -> str:
 TERMINAL = [("Layout", None), ("m", "microbatches"), ("Step ms", "step_time_ms"), ("Bubble", "bubble"),
             ("PP intra", "pp_intra_gbps"), ("PP inter", "pp_inter_gbps"),
             ("TP intra", "tp_intra_gbps"), ("TP inter", "tp_inter_gbps"), ("Loss", "final_loss")]
+EP_TERMINAL = [("EP intra", "ep_intra_gbps"), ("EP inter", "ep_inter_gbps")]   # expert-parallel rows
 
 
 def terminal_table(rows: list[dict], width: int = 100, report: str = "report.html") -> str:
     """The few columns a terminal has room for, aligned in plain text within `width` columns:
     step time, bubble, and bandwidth inside a node apart from across nodes (GB/s: per message
-    for PP, nccl-tests bus bandwidth for TP). Everything else is in the report."""
+    for PP, nccl-tests bus bandwidth for TP, and for EP's all-to-all when a run measured it).
+    Everything else is in the report."""
     def cell(r, key):
         if key is None:
             return r.get("label") or r["name"]
@@ -361,8 +370,11 @@ def terminal_table(rows: list[dict], width: int = 100, report: str = "report.htm
         return fmt(r.get(key), 4 if key == "final_loss" else 3)
 
     ok = [r for r in rows if r["status"] == "ok"]
-    body = [[cell(r, key) for _, key in TERMINAL] for r in ok]
-    head = [h for h, _ in TERMINAL]
+    # EP only in the link classes a run measured: the label keeps its room
+    ep = [c for c in EP_TERMINAL if any(r.get(c[1]) is not None for r in ok)]
+    columns = TERMINAL[:-1] + ep + TERMINAL[-1:]
+    body = [[cell(r, key) for _, key in columns] for r in ok]
+    head = [h for h, _ in columns]
     widths = [max(len(x) for x in col) for col in zip(head, *body)]
     room = width - sum(widths[1:]) - 2 * (len(widths) - 1)
     widths[0] = max(8, min(widths[0], room))
@@ -373,7 +385,8 @@ def terminal_table(rows: list[dict], width: int = 100, report: str = "report.htm
         return "  ".join([first.ljust(widths[0]), *rest]).rstrip()
 
     lines = [line(head), line(["-" * w for w in widths])] + [line(b) for b in body]
-    lines.append("GB/s: PP per message, TP bus bandwidth; intra = links inside a node, inter = across nodes.")
+    lines.append(f"GB/s: PP per message, TP{'/EP all-to-all' if ep else ''} bus bandwidth; intra = links "
+                 "inside a node, inter = across nodes.")
     for r in rows:      # wrapped, not cut: the reason ends with what to change
         if r["status"] != "ok":
             lines += textwrap.wrap(f"{r.get('label') or r['name']}: {r['status']}: {r.get('reason') or ''}",

@@ -180,7 +180,7 @@ class Trainer:
             "step": self.step, "loss": loss_t.item(), "grad_norm": grad_norm, "lr": lr,
             "step_time_s": step_time, "tokens_per_s": tokens / step_time,
             "tflops_per_gpu": flops / step_time / cfg.dims.world_size / 1e12,
-            "tp": cfg.dims.tp, "cp": cfg.dims.cp, "pp": cfg.dims.pp, "dp": cfg.dims.dp,
+            "tp": cfg.dims.tp, "cp": cfg.dims.cp, "pp": cfg.dims.pp, "dp": cfg.dims.dp, "ep": cfg.ep,
             "schedule": cfg.schedule, "microbatches": cfg.microbatches,
             "micro_batch_size": cfg.micro_batch_size, "global_batch": cfg.global_batch,
             "dp_microbatches": list(cfg.dp_microbatches) if cfg.dp_microbatches else None,
