@@ -197,6 +197,11 @@ def check_shapes(family: Family, spec, state: dict, where: str) -> None:
                              f"{tuple(shape)}; the config and the tensors disagree")
 
 
+def set_tie_word_embeddings(config: dict, tied: bool) -> None:
+    """`Family.set_tied` of decoders whose config.json says it at the top level."""
+    config["tie_word_embeddings"] = tied
+
+
 def meta_parameters(module_factory) -> dict[str, tuple[int, ...]]:
     """{name: shape} of a module built on the meta device (no memory)."""
     with torch.device("meta"):

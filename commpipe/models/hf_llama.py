@@ -13,7 +13,15 @@ import copy as _copy
 
 import torch
 
-from commpipe.models.hf import Family, Rule, Tie, copy, meta_parameters, register
+from commpipe.models.hf import (
+    Family,
+    Rule,
+    Tie,
+    copy,
+    meta_parameters,
+    register,
+    set_tie_word_embeddings,
+)
 from commpipe.models.spec import ModelSpec
 
 # LlamaConfig's defaults (transformers' configuration_llama.py), for keys a config.json omits
@@ -117,13 +125,9 @@ def parameters(spec: ModelSpec) -> dict[str, tuple[int, ...]]:
     return meta_parameters(lambda: Transformer(spec))
 
 
-def _set_tied(config: dict, tied: bool) -> None:
-    config["tie_word_embeddings"] = tied
-
-
 FAMILY = register(Family(
     arch="llama", model_types=("llama",), architecture="LlamaForCausalLM",
     spec_from_config=spec_from_config, config_from_spec=config_from_spec, rules=rules,
     ties=lambda spec: [Tie("lm_head.weight", "model.embed_tokens.weight")],
-    tied=lambda config: bool(_get(config, "tie_word_embeddings")), set_tied=_set_tied,
+    tied=lambda config: bool(_get(config, "tie_word_embeddings")), set_tied=set_tie_word_embeddings,
     parameters=parameters, derived=(r"\.rotary_emb\.inv_freq$",)))

@@ -29,7 +29,15 @@ import re
 
 import torch
 
-from commpipe.models.hf import Family, Rule, Tie, copy, meta_parameters, register
+from commpipe.models.hf import (
+    Family,
+    Rule,
+    Tie,
+    copy,
+    meta_parameters,
+    register,
+    set_tie_word_embeddings,
+)
 from commpipe.models.hf_llama import halves_to_pairs, pairs_to_halves, rope_theta
 from commpipe.models.moe_spec import MoESpec
 
@@ -215,13 +223,9 @@ def parameters(spec: MoESpec) -> dict[str, tuple[int, ...]]:
     return meta_parameters(lambda: MoETransformer(spec))
 
 
-def _set_tied(config: dict, tied: bool) -> None:
-    config["tie_word_embeddings"] = tied
-
-
 FAMILY = register(Family(
     arch="moe", model_types=("mixtral",), architecture="MixtralForCausalLM",
     spec_from_config=spec_from_config, config_from_spec=config_from_spec, rules=rules,
     ties=lambda spec: [Tie("lm_head.weight", "model.embed_tokens.weight")],
-    tied=lambda config: bool(_get(config, "tie_word_embeddings")), set_tied=_set_tied,
+    tied=lambda config: bool(_get(config, "tie_word_embeddings")), set_tied=set_tie_word_embeddings,
     parameters=parameters, derived=(r"\.rotary_emb\.inv_freq$",), canonical=per_expert))
