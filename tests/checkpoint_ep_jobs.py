@@ -1,9 +1,9 @@
 """The expert-parallel jobs of tests/test_checkpoint.py's launch of 4 gloo processes: a MoE run
-saved under ep2 x dp4 and loaded under ep1 x dp4, ep4 x dp4 and ep2 x dp2 x pp2; the pp2 run
-saves again and ep4 loads that; a resume under ep2 x dp4 through the training loop with the
-communication monitor on, whose run folder `check_report` reads; a run started from the weights
-only; and a planted bug (each rank puts the rows it loaded into its experts in reverse order)
-that the comparisons must catch.
+saved under ep2 x dp4 and loaded under ep1 x dp4, ep4 x dp4 and ep2 x dp2 x pp2; the ep1 and
+pp2 runs save again, loaded under ep2 x dp4 and ep4 x dp4; a resume under ep2 x dp4 through the
+training loop with the communication monitor on, whose run folder `check_report` reads; a run
+started from the weights only; and a planted bug (each rank puts the rows it loaded into its
+experts in reverse order) that the comparisons must catch.
 
 Snapshots hold full tensors: each rank all-gathers its experts' rows (and their AdamW moments)
 over its ep group in group order, so tests/test_checkpoint.py's `assemble` compares them as
@@ -29,6 +29,10 @@ LAYOUTS = {  # key: (dims, ep); every one loads the ep2 x dp4 checkpoint
     "ep1-dp4": (ParallelDims(dp=4), 1),
     "ep4-dp4": (ParallelDims(dp=4), 4),
     "ep2-dp2-pp2": (ParallelDims(dp=2, pp=2), 2),
+}
+SAVE_AGAIN = {  # key of LAYOUTS that saves after step 3: (dims, ep) that loads that checkpoint
+    "ep1-dp4": (ParallelDims(dp=4), 2),           # whole expert tensors read as ep2 shards
+    "ep2-dp2-pp2": (ParallelDims(dp=4), 4),       # pp2's shards read as ep4's
 }
 
 
@@ -87,19 +91,21 @@ def run(rank: int, root: Path, build) -> dict:
     hist = train(moe_cfg(ParallelDims(dp=4), 2, resume=str(ck), monitor=1.0,
                          out=str(root / "monitored")), log=None)
     res["moe-resume"] = {"losses": [r["loss"] for r in hist], "steps": [r["step"] for r in hist]}
+    again = {}
     for key, (dims, ep) in LAYOUTS.items():
         t = build(moe_cfg(dims, ep), rank)
         checkpoint.load(t, ck)
         res[key] = snapshot(t)
         steps = [t.train_step()["loss"]]
-        if key == "ep2-dp2-pp2":         # pp2 x ep2 saves too: ep4 x dp4 loads it below
-            res["pp2@3"] = snapshot(t)
-            ck3 = checkpoint.save(t, root / "pp2")
+        if key in SAVE_AGAIN:            # saved after step 3, loaded below under another ep
+            res[f"{key}@3"] = snapshot(t)
+            again[key] = checkpoint.save(t, root / key)
         steps.append(t.train_step()["loss"])
         res[key + "-after"] = dict(snapshot(t), losses=steps)
-    t = build(moe_cfg(ParallelDims(dp=4), 4), rank)
-    checkpoint.load(t, ck3)
-    res["ep4-from-pp2"] = snapshot(t)
+    for key, (dims, ep) in SAVE_AGAIN.items():
+        t = build(moe_cfg(dims, ep), rank)
+        checkpoint.load(t, again[key])
+        res[f"from-{key}"] = snapshot(t)
     t = build(moe_cfg(ParallelDims(dp=4), 4), rank)      # --init-from: weights only
     load_weights(t, ck)
     res["ep4-init"] = snapshot(t)

@@ -240,9 +240,12 @@ def test_ep_checkpoint_reshards_to_another_ep(world4, layout):
     check_params(want, dict(after, replicas_equal=True), f"ep2 x dp4 -> {layout}, 2 steps on")
 
 
-def test_ep_checkpoint_saved_under_pp2(world4):
-    assert_same_state(world4["ep4-from-pp2"], world4["pp2@3"], "ep2 x dp2 x pp2 -> ep4 x dp4")
-    assert all(st[2] == 3.0 for st in world4["ep4-from-pp2"]["opt"].values())
+@pytest.mark.parametrize("saver", list(checkpoint_ep_jobs.SAVE_AGAIN))
+def test_ep_checkpoint_saved_under_ep1_and_pp2(world4, saver):
+    dims, ep = checkpoint_ep_jobs.SAVE_AGAIN[saver]
+    got = world4[f"from-{saver}"]
+    assert_same_state(got, world4[f"{saver}@3"], f"{saver} -> ep{ep} x dp{dims.dp}")
+    assert all(st[2] == 3.0 for st in got["opt"].values())
 
 
 def test_init_from_an_ep_checkpoint_loads_the_weights_only(world4):
