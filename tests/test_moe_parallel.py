@@ -4,9 +4,12 @@ the whole MoETransformer (fp32, CPU, gloo), with the tolerances of tests/test_eq
 
 Layouts, in one launch of 4 processes (and one of 8): experts replicated (ep 1) under tp2 x pp2;
 expert parallelism ep2 x dp4 (expert gradients summed over the 2 ranks holding
-the same experts), ep2 x pp2 under 1f1b, zbv and dualpipev, ep2 x tp2, and ep4 x dp8 on 8 ranks.
-A planted bug (expert gradients summed over the EP group, which holds *different* experts, instead
-of over the ranks replicating them) must fail the comparison.
+the same experts), ep2 x pp2 under 1f1b, zbv, dualpipev and stp, ep2 x tp2, and ep4 x dp8 on 8
+ranks. Under the braided schedules (dualpipev, stp) the stages run unit by unit, the EP
+all-to-alls on the edges between units (commpipe.runtime.units_moe); a probe checks that path is
+taken. Planted bugs must fail the comparison: expert gradients summed over the EP group, which
+holds *different* experts, instead of over the ranks replicating them; and, unit by unit, the
+dispatch all-to-all's adjoint dropped.
 """
 
 from __future__ import annotations
@@ -89,6 +92,35 @@ def plant_expert_grads_over_ep(trainer) -> None:
     reducer.buckets = over_ep([p for b in reducer.buckets for p in b.params])
 
 
+def probe_units(trainer) -> None:
+    """Records whether the runtime runs its stages unit by unit."""
+    trainer.test_log = {"units": trainer.runtime.units}
+
+
+def plant_dispatch_adjoint_dropped(trainer) -> None:
+    """Unit by unit, the dispatch all-to-all's adjoint dropped: the routing step's backward gets
+    zeros for the rows it sent, so the router and everything before it lose the experts' part
+    of their gradient."""
+    from commpipe.parallel.comm import _done_handle
+
+    probe_units(trainer)
+    for module in trainer.stages.values():
+        for experts in [m for m in module.modules() if hasattr(m, "unit_edges")]:
+            def unit_edges(make=experts.unit_edges, comm=experts.comm):
+                edges = make()
+                issue = edges.dispatch.issue
+
+                def dropped(t, backward):
+                    if not backward:
+                        return issue(t, backward)
+                    return _done_handle(comm, t.new_zeros(sum(edges.ex.input_splits), t.shape[1]))
+
+                edges.dispatch.issue = dropped
+                return edges
+
+            experts.unit_edges = unit_edges
+
+
 def run_ep_jobs(world: int, jobs: list) -> dict:
     """tests.dist_harness.run_jobs, with expert shards put back together: the experts a rank
     holds are rows [ep_rank * E/ep, ...) of each stacked expert weight."""
@@ -136,6 +168,7 @@ LAYOUTS = {  # world 4
     "dp2-pp2-ep2-1f1b": (ParallelDims(dp=2, pp=2), "1f1b", 2),
     "dp2-pp2-ep2-zbv": (ParallelDims(dp=2, pp=2), "zbv", 2),
     "dp2-pp2-ep2-dualpipev": (ParallelDims(dp=2, pp=2), "dualpipev", 2),
+    "dp2-pp2-ep2-stp": (ParallelDims(dp=2, pp=2), "stp", 2),
     "dp2-tp2-ep2": (ParallelDims(dp=2, tp=2), "1f1b", 2),
 }
 
@@ -144,8 +177,10 @@ LAYOUTS = {  # world 4
 def results_of(world: int) -> dict:
     if world == 8:
         return run_ep_jobs(8, [("dp8-ep4", moe_cfg(ParallelDims(dp=8), ep=4))])
-    jobs = [(key, moe_cfg(d, sched, ep)) for key, (d, sched, ep) in LAYOUTS.items()]
+    jobs = [(key, moe_cfg(d, sched, ep), probe_units) for key, (d, sched, ep) in LAYOUTS.items()]
     jobs.append(("planted-dp4-ep2", moe_cfg(ParallelDims(dp=4), ep=2), plant_expert_grads_over_ep))
+    jobs.append(("planted-dualpipev-adjoint", moe_cfg(ParallelDims(dp=2, pp=2), "dualpipev", 2),
+                 plant_dispatch_adjoint_dropped))
     return run_ep_jobs(4, jobs)
 
 
@@ -170,6 +205,21 @@ def test_layouts_match_single_device(world, reference):
     for key, got in results_of(world).items():
         if not key.startswith("planted-"):
             check_against(reference, got, key)
+
+
+def test_braided_schedules_run_moe_stages_by_units():
+    """dualpipev and stp hide the EP all-to-alls only if their stages run unit by unit; the
+    other schedules run them whole."""
+    for key in [*LAYOUTS, "planted-dualpipev-adjoint"]:
+        logs, braided = results_of(4)[key]["logs"], any(s in key for s in ("dualpipev", "stp"))
+        assert logs and all(log["units"] == braided for log in logs), (key, logs)
+
+
+def test_dropped_dispatch_adjoint_is_caught(reference):
+    got = results_of(4)["planted-dualpipev-adjoint"]
+    with pytest.raises(AssertionError, match="grad"):
+        check_grads(reference, got, "planted")
+    check_losses({"losses": reference["losses"][:1]}, {"losses": got["losses"][:1]}, "planted")
 
 
 def test_expert_grads_reduced_over_ep_is_caught(reference):

@@ -204,12 +204,26 @@ class MoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor):
         """x [b, s, h] -> (out [b, s, h], this layer's load-balancing loss)."""
+        rows, r = self.unit_route(x)
+        return self.unit_combine(self.experts(rows, r.counts), r, x), r.aux
+
+    # Units (DualPipe, DeepSeek-V3 section 3.2.2): the layer cut at its two token exchanges, so a
+    # unit-by-unit runtime (commpipe.runtime.units_moe) can keep expert parallelism's dispatch
+    # and combine all-to-alls in flight while another pass computes. forward() above is exactly
+    # unit_route -> experts -> unit_combine; with ep = 1 the exchanges move nothing.
+    def unit_route(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
+        """x [b, s, h] -> (the token copies grouped by expert [T k, h], Routing)."""
         flat = x.reshape(-1, x.shape[-1])                          # [T, h]
         r = self.route(flat)
-        out = self.combine(self.experts(self.dispatch(flat, r), r.counts), r)
+        return self.dispatch(flat, r), r
+
+    def unit_combine(self, y: torch.Tensor, r: Routing, x: torch.Tensor) -> torch.Tensor:
+        """The experts' outputs y [T k, h] (grouped by expert) weighted and summed per token,
+        plus the shared experts on the layer input x [b, s, h] -> [b, s, h]."""
+        out = self.combine(y, r)
         if self.shared is not None:
-            out = out + self.shared(flat)
-        return out.view_as(x), r.aux
+            out = out + self.shared(x.reshape(-1, x.shape[-1]))
+        return out.view_as(x)
 
 
 class MoEBlock(nn.Module):
@@ -225,11 +239,27 @@ class MoEBlock(nn.Module):
 
     def forward(self, x, positions):
         """-> (x out, load-balancing loss of this block; None for a dense block)."""
-        h = x + self.attention(self.attention_norm(x), positions)
+        h, n = self.unit_pre_mlp(x, self.unit_attn(self.unit_pre_attn(x), positions))
         if not self.is_moe:
-            return h + self.feed_forward(self.ffn_norm(h)), None
-        m, aux = self.feed_forward(self.ffn_norm(h))
-        return h + m, aux
+            return self.residual(h, self.feed_forward(n)), None
+        m, aux = self.feed_forward(n)
+        return self.residual(h, m), aux
+
+    # Units as LLaMA's Block offers them (commpipe.models.llama); a MoE block's MLP splits
+    # further at its all-to-alls (MoELayer.unit_route / unit_combine).
+    def unit_pre_attn(self, x):
+        return self.attention_norm(x)
+
+    def unit_attn(self, n, positions):
+        return self.attention(n, positions)
+
+    def unit_pre_mlp(self, x, a):
+        h = x + a
+        return h, self.ffn_norm(h)
+
+    @staticmethod
+    def residual(h, m):
+        return h + m
 
 
 class MoETransformer(nn.Module):
@@ -261,10 +291,15 @@ class MoETransformer(nn.Module):
         for layer in self.layers.values():
             h, layer_aux = layer(h, positions)
             if layer_aux is not None:
-                total = total + self.spec.aux_loss_coef * tokens * layer_aux
+                total = total + self.aux_term(layer_aux, tokens)
         if self.output is not None:
             h = self.output(self.norm(h))
         return h, total
+
+
+    def aux_term(self, layer_aux: torch.Tensor, tokens: int) -> torch.Tensor:
+        """One MoE layer's load-balancing loss in the summed-over-tokens units of the loss."""
+        return self.spec.aux_loss_coef * tokens * layer_aux
 
 
 class MoEOutput(NamedTuple):
@@ -284,6 +319,11 @@ class MoEStage(MoETransformer):
     def forward(self, tokens=None, hidden=None, aux=None) -> dict:
         x = tokens if self.tok_embeddings is not None else hidden
         h, total = super().forward(x, None, None if aux is None else aux.reshape(()))
+        return self.outputs(h, total)
+
+    def outputs(self, h: torch.Tensor, total: torch.Tensor) -> dict:
+        """The stage's output dict from its last hidden states (logits on the last stage) and
+        the balancing term summed so far."""
         if self.output is not None:
             return {"logits": MoEOutput(h, total)}
         return {"hidden": h, "aux": total.reshape(1)}

@@ -19,6 +19,8 @@ holding the same experts), never over `ep` (commpipe.parallel.data reads `_ep_sh
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -96,18 +98,71 @@ class ExpertParallelExperts(GroupedExperts):
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """x [sum(counts), h], counts [E] rows per global expert -> the experts' outputs."""
+        ex = self.exchange(counts, x.device)
+        rows = _AllToAll.apply(x, self.comm, ex.output_splits, ex.input_splits)   # source-major
+        return _AllToAll.apply(self.local_experts(rows, ex), self.comm, ex.input_splits,
+                               ex.output_splits)
+
+    def exchange(self, counts: list[int], device) -> Exchange:
+        """The row counts each rank sends each local expert, exchanged (one blocking
+        all-to-all of [ep, E/ep] integers), and the splits and regrouping they give."""
         comm, ep, local = self.comm, self.comm.size("ep"), self.local
-        # on x's device: NCCL exchanges device tensors only
-        send = torch.tensor(counts, dtype=torch.int64, device=x.device).view(ep, local)
+        # on the rows' device: NCCL exchanges device tensors only
+        send = torch.tensor(counts, dtype=torch.int64, device=device).view(ep, local)
         recv = comm.all_to_all_single(send.flatten(), [local] * ep, [local] * ep, "ep")
         recv = recv.view(ep, local).cpu()                    # [source, local expert]; one sync
         send = send.cpu()                                    # [dest, local expert]
-        input_splits, output_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-        rows = _AllToAll.apply(x, comm, output_splits, input_splits)     # source-major
-        order = _expert_major(recv).to(x.device)
-        out = super().forward(rows[order], recv.sum(0).tolist())          # expert-major
-        back = torch.empty_like(out).index_copy(0, order, out)          # source-major again
-        return _AllToAll.apply(back, comm, input_splits, output_splits)
+        return Exchange(send.sum(1).tolist(), recv.sum(1).tolist(),
+                        _expert_major(recv).to(device), recv.sum(0).tolist())
+
+    def local_experts(self, rows: torch.Tensor, ex: Exchange) -> torch.Tensor:
+        """The received rows (source-major) through this rank's experts, regrouped
+        expert-major for them and back to source-major for the combine."""
+        out = super().forward(rows[ex.order], ex.counts)                  # expert-major
+        return torch.empty_like(out).index_copy(0, ex.order, out)        # source-major again
+
+    def unit_edges(self) -> ExchangeEdges:
+        """The dispatch and combine of one micro-batch as unit edges (runtime/units_moe.py)."""
+        return ExchangeEdges(self)
+
+
+@dataclass
+class Exchange:
+    """One layer's token exchange for one micro-batch, as the row counts fixed it."""
+
+    input_splits: list[int]        # rows this rank sends each ep rank (dispatch)
+    output_splits: list[int]       # rows it receives from each
+    order: torch.Tensor            # received rows, source-major -> expert-major
+    counts: list[int]              # received rows per local expert
+
+
+class ExchangeEdges:
+    """A MoE layer's dispatch and combine all-to-alls for one micro-batch as edges of the
+    unit-by-unit runtime: `exchange` (in the routing step) fixes the splits, each edge's
+    `issue(t, backward)` starts its all-to-all asynchronously through Comm (dim "ep") and returns
+    the handle; the backward issues the same exchange reversed (the adjoint of an all-to-all)."""
+
+    def __init__(self, experts: ExpertParallelExperts):
+        self.experts, self.ex = experts, None
+        self.dispatch, self.combine = _Edge(self, False), _Edge(self, True)
+
+    def exchange(self, counts: list[int], device) -> None:
+        self.ex = self.experts.exchange(counts, device)
+
+    def local_experts(self, rows: torch.Tensor) -> torch.Tensor:
+        return self.experts.local_experts(rows, self.ex)
+
+
+class _Edge:
+    def __init__(self, edges: ExchangeEdges, back: bool):
+        self.edges, self.back = edges, back      # back: the combine (splits swapped)
+
+    def issue(self, t: torch.Tensor, backward: bool):
+        ex = self.edges.ex
+        splits = (ex.output_splits, ex.input_splits)
+        out_splits, in_splits = splits[::-1] if self.back != backward else splits
+        return self.edges.experts.comm.all_to_all_single(t, out_splits, in_splits, "ep",
+                                                         async_op=True)
 
 
 def _expert_major(recv: torch.Tensor) -> torch.Tensor:

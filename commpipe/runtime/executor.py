@@ -15,8 +15,9 @@ way, so a decoder stage can receive text hidden states and image features togeth
 take and return dicts named as in the descriptions (a module with `io_dict = True`); a plain
 LLaMA stage `stage(x, positions) -> tensor` is called through a thin adapter.
 Stages on the same rank (the turn of a V schedule) hand tensors over locally. Under a braided
-program (STP, DualPipeV) LLaMA stages run unit by unit (commpipe.runtime.units) and a braid
-alternates its two passes' units, each unit's TP collective in flight while the other computes.
+program (STP, DualPipeV) LLaMA and MoE stages run unit by unit (commpipe.runtime.units,
+units_moe) and a braid alternates its two passes' units, each unit's TP collective or EP
+all-to-all in flight while the other computes.
 Communication goes through the chokepoint (`Comm`); nothing here calls torch.distributed.
 
 A step's state lives in a `_StepRun`, with one method per action kind dispatched from a table
@@ -87,8 +88,9 @@ class PipelineRuntime:
                                  "commpipe.schedules.dry_run: a program that deadlocks has no "
                                  "common order")
         self.order = posting[self.pp_rank]
-        # Unit by unit (runtime/units.py): LLaMA stages under a braided program (STP,
-        # DualPipeV), so a braid alternates its passes' units with the TP collectives in flight
+        # Unit by unit (runtime/units.py): LLaMA and MoE stages under a braided program (STP,
+        # DualPipeV), so a braid alternates its passes' units with the TP collectives (and
+        # expert parallelism's all-to-alls, runtime/units_moe.py) in flight
         # between them; `units` forces it on or off (a validation runner sharing the stages
         # follows the training runner). Other stages run a braid's passes one after the other.
         braided = any(a.is_braid for acts in self.program.actions for a in acts)
@@ -293,14 +295,15 @@ class _StepRun:
         steps = getattr(rt.loss_fn, "steps", None) if st.is_last else None
 
         def tail(out):
-            out = {key: out}
+            out = out if isinstance(out, dict) else {key: out}   # a MoE stage's is a dict
             if steps is not None:
                 return self._forward_tail(
                     st, m, out, (yield from steps(out["logits"], self.batches[m]["labels"])))
             return self._forward_tail(st, m, out)
 
         unit = UnitPass(st.module, self.batches[m]["tokens"] if st.is_first else x["hidden"],
-                        self.positions, tail, rt.autocast, grad=not rt.forward_only)
+                        self.positions, tail, rt.autocast, grad=not rt.forward_only,
+                        extra={k: v for k, v in x.items() if k != "hidden"})
         if not rt.forward_only:
             self.unit_passes[(st.index, m)] = unit
         return _Pass(unit.forward_steps(), len(unit.steps))
@@ -333,7 +336,7 @@ class _StepRun:
         out = self.outputs.pop((s, m))
         if self.rt.units:
             steps = self.unit_passes.pop((s, m)).backward_steps(
-                None if st.is_last else grad["hidden"])
+                None if st.is_last else grad if st.io_dict else grad["hidden"])
         else:
             steps = iter([lambda: st.backward(out, grad)])
         return _Pass(self._backward_steps(a, st, steps), 0)

@@ -57,9 +57,12 @@ def _release(root: torch.Tensor) -> None:
     root.data = torch.empty(1, dtype=root.dtype, device=root.device).expand(root.shape)
 
 
-def _issue(tp, kind: str, backward: bool, t: torch.Tensor):
+def _issue(tp, kind, backward: bool, t: torch.Tensor):
     """The collective of one edge (table above), issued asynchronously; a tensor when the edge
-    moves nothing."""
+    moves nothing. `kind` may instead be an edge that issues its own collective
+    (`kind.issue(t, backward)`), as expert parallelism's all-to-alls (runtime/units_moe.py)."""
+    if not isinstance(kind, str):
+        return _InFlight(kind.issue(t.contiguous(), backward))
     comm, sp = tp.comm, tp.sequence_parallel
     gather = (kind == ENTER) != backward           # enter forward / exit backward gather
     if sp:                                         # along the sequence, as GatherSeq / ScatterSeq
@@ -81,7 +84,8 @@ class _Step:
     fn: object                     # (*inputs) -> tuple of outputs
     ins: tuple                     # edge names read
     outs: tuple                    # edge names written
-    kinds: tuple                   # per output: None, ENTER or EXIT (its edge's collective)
+    kinds: tuple                   # per output: None, ENTER, EXIT (its edge's collective) or an
+                                   # edge object with issue(t, backward)
     tp: object = None              # the layer's TPLayer (None: tp=1, edges move nothing)
     region: object = None          # TPRegion to flush while the input's adjoint travels
     leaves: list = field(default_factory=list)
@@ -89,7 +93,8 @@ class _Step:
 
 
 def supports_units(module) -> bool:
-    """A LLaMA stage (layers of `Block`) runs unit by unit; other stages run whole."""
+    """A LLaMA stage (layers of `Block`) or a MoE stage (layers of `MoEBlock`) runs unit by
+    unit; other stages run whole."""
     layers = getattr(module, "layers", None)
     return layers is not None and len(layers) > 0 and \
         all(hasattr(b, "unit_attn") for b in layers.values())
@@ -140,15 +145,26 @@ class UnitPass:
     whose `.grad` the executor reads). `tail(out)`: a generator returning what the stage output
     becomes (the scaled loss on the last stage, run outside autocast, yielding while the loss's
     collectives travel; else the dict the executor sends).
-    `autocast()`: a context for the steps. `grad=False`: forward only, nothing kept."""
+    `autocast()`: a context for the steps. `grad=False`: forward only, nothing kept.
+    `extra`: further stage inputs by name (a MoE stage's carried balancing term), read as edges
+    `in.<name>`; a stage whose output is a dict of such tensors (MoE) takes its gradient as a
+    dict too."""
 
-    def __init__(self, module, x, positions, tail, autocast, grad: bool = True):
+    def __init__(self, module, x, positions, tail, autocast, grad: bool = True,
+                 extra: dict | None = None):
         self.tail, self.autocast, self.grad = tail, autocast, grad
         self.env: dict = {"in": x}          # edge name -> tensor or collective in flight
+        self.env.update({f"in.{k}": v for k, v in (extra or {}).items()})
+        self.stage_inputs = set(self.env)   # leaves the executor reads .grad of
         self.edges: dict = {}               # edge name -> (collective or None, its TPLayer)
         self.grads: dict = {}               # edge name -> gradient or adjoint in flight
         self.output = None
-        self.steps = self._plan(module, positions)
+        if any(hasattr(b, "is_moe") for b in module.layers.values()):
+            from commpipe.runtime.units_moe import moe_plan
+
+            self.steps = moe_plan(module, x, "in.aux" in self.env)
+        else:
+            self.steps = self._plan(module, positions)
 
     @staticmethod
     def _plan(mod, positions) -> list[_Step]:
@@ -178,7 +194,7 @@ class UnitPass:
             args = []
             for name in step.ins:
                 v = _resolve(self.env.pop(name))
-                if name != "in" and self.grad and v.is_floating_point():
+                if name not in self.stage_inputs and self.grad and v.is_floating_point():
                     v = v.detach().requires_grad_()
                 args.append(v)
             with self.autocast():
@@ -202,10 +218,13 @@ class UnitPass:
         loss). The stage input's gradient lands in its `.grad`."""
         for step in reversed(self.steps):
             if step.outs == ("out",):
+                out = step.results[0]
                 if grad_out is None:
                     torch.autograd.backward(self.output)
+                elif isinstance(grad_out, dict):    # every sent tensor that carries a gradient
+                    sent = [(out[k], g) for k, g in grad_out.items() if out[k].requires_grad]
+                    torch.autograd.backward([t for t, _ in sent], [g.to(t.dtype) for t, g in sent])
                 else:
-                    out = step.results[0]
                     torch.autograd.backward(out, grad_out.to(out.dtype))
             else:
                 pairs = [(out, _resolve(self.grads.pop(name)))
@@ -214,7 +233,7 @@ class UnitPass:
                     torch.autograd.backward([o for o, _ in pairs],
                                             [g.to(o.dtype) for o, g in pairs])
             for name, leaf in zip(step.ins, step.leaves):
-                if name == "in" or not leaf.requires_grad:
+                if name in self.stage_inputs or not leaf.requires_grad:
                     continue
                 g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
                 kind, tp = self.edges[name]

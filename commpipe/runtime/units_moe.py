@@ -1,0 +1,116 @@
+"""A MoE stage run unit by unit (commpipe.runtime.units), for braided schedules: expert
+parallelism's all-to-alls sit on the edges between steps, so each is in flight while the other
+pass of the braid computes (DualPipe's overlap, DeepSeek-V3 report section 3.2.1).
+
+Per layer, the units of LLaMA's block (pre_attn, attn, pre_mlp), then a routed MLP cut at its
+two token exchanges (commpipe.models.moe.MoELayer.unit_route / unit_combine):
+
+    route     router, top-k, the local permutation grouping the token copies by expert, and the
+              exchange of row counts (a blocking all-to-all of E integers) that fixes the splits
+    experts   this rank's experts on the rows it received
+    combine   each token's k copies weighted and summed, plus the shared experts
+
+    edge                  forward                        backward (adjoint)
+    route -> experts      dispatch all-to-all            the reverse all-to-all
+    experts -> combine    combine all-to-all             the reverse all-to-all
+
+Each edge's all-to-all is issued asynchronously through Comm (dim "ep",
+commpipe.parallel.expert.ExchangeEdges) when its producer finishes and waited by its consumer;
+its adjoint is issued when the consumer's backward finishes and waited by the producer's
+backward. With ep = 1 the edges move nothing. The residual add runs in the next unit (the next
+layer's pre_attn or the stage's end), as for LLaMA; a dense layer's MLP is one unit. The stage's
+balancing term: each route step adds nothing in place but outputs its layer's term, and the end
+step sums the carried term and the layer terms in layer order, as MoETransformer.forward does,
+so the values are those of the whole stage: the same operations in the same order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from commpipe.runtime.units import _Step
+
+
+def moe_plan(mod, x: torch.Tensor, carried_aux: bool) -> list[_Step]:
+    """The steps of MoE stage `mod` on input x (tokens [b, s] or hidden states [b, s, h]);
+    `carried_aux`: the stage receives the balancing term so far (edge `in.aux`)."""
+    b, s = x.shape[:2]
+    tokens, positions = b * s, torch.arange(s, device=x.device)
+    steps, h, m, terms = [], "in", None, []
+    if mod.tok_embeddings is not None:
+        steps.append(_Step("embed", lambda t: (mod.tok_embeddings(t),), ("in",), ("e",), (None,)))
+        h = "e"
+    for i, block in mod.layers.items():
+        steps += _layer_steps(mod, i, block, positions, tokens, h, m)
+        h, m = f"{i}.h", f"{i}.m"
+        if block.is_moe:
+            terms.append(f"{i}.aux")
+    aux_in = ("in.aux",) if carried_aux else ()
+
+    def end(h, m, *aux):
+        total = aux[0].reshape(()) if carried_aux else torch.zeros((), device=h.device)
+        for term in aux[len(aux_in):]:
+            total = total + term
+        h = block.residual(h, m)
+        return (mod.outputs(mod.output(mod.norm(h)) if mod.output is not None else h, total),)
+
+    steps.append(_Step("end", end, (h, m, *aux_in, *terms), ("out",), (None,)))
+    return steps
+
+
+def _layer_steps(mod, i: str, block, positions, tokens: int, h: str, m: str | None) -> list:
+    """Block i's units; (h, m) name the previous layer's residual and MLP output (m None: the
+    stage input, nothing to add)."""
+
+    def pre_attn(*hm):
+        x = hm[0] if len(hm) == 1 else block.residual(*hm)
+        return x, block.unit_pre_attn(x)
+
+    steps = [
+        _Step("pre_attn", pre_attn, (h,) if m is None else (h, m), (f"{i}.x", f"{i}.n"),
+              (None, None)),
+        _Step("attn", lambda n: (block.unit_attn(n, positions),), (f"{i}.n",), (f"{i}.a",),
+              (None,)),
+    ]
+    if not block.is_moe:
+        return steps + [
+            _Step("pre_mlp", block.unit_pre_mlp, (f"{i}.x", f"{i}.a"), (f"{i}.h", f"{i}.n2"),
+                  (None, None)),
+            _Step("mlp", lambda n: (block.feed_forward(n),), (f"{i}.n2",), (f"{i}.m",), (None,)),
+        ]
+    ff = block.feed_forward
+    # expert parallelism's two all-to-alls for this micro-batch (None: ep = 1, nothing moves)
+    edges = ff.experts.unit_edges() if hasattr(ff.experts, "unit_edges") else None
+    routing = {}
+
+    def pre_mlp(x, a):
+        h, n = block.unit_pre_mlp(x, a)
+        return h, n, n      # n read by route and by combine (shared experts): two edges
+
+    def route(n):
+        rows, r = ff.unit_route(n)
+        routing["r"] = r
+        if edges is not None:
+            edges.exchange(r.counts, rows.device)
+        return rows, r.weights, mod.aux_term(r.aux, tokens)
+
+    def experts(rows):
+        if edges is not None:
+            return (edges.local_experts(rows),)
+        return (ff.experts(rows, routing["r"].counts),)
+
+    def combine(y, weights, n):
+        r = dataclasses.replace(routing.pop("r"), weights=weights)
+        return (ff.unit_combine(y, r, n),)
+
+    dispatch_edge, combine_edge = (edges.dispatch, edges.combine) if edges else (None, None)
+    return steps + [
+        _Step("pre_mlp", pre_mlp, (f"{i}.x", f"{i}.a"), (f"{i}.h", f"{i}.n2", f"{i}.n2s"),
+              (None, None, None)),
+        _Step("route", route, (f"{i}.n2",), (f"{i}.rows", f"{i}.w", f"{i}.aux"),
+              (dispatch_edge, None, None)),
+        _Step("experts", experts, (f"{i}.rows",), (f"{i}.y",), (combine_edge,)),
+        _Step("combine", combine, (f"{i}.y", f"{i}.w", f"{i}.n2s"), (f"{i}.m",), (None,)),
+    ]
