@@ -27,10 +27,6 @@ class Detection:
     onset_step: int      # first step of the shifted run
     step: int            # step at which the change was confirmed
 
-    @property
-    def delay_steps(self) -> int:
-        return self.step - self.onset_step
-
     def to_dict(self) -> dict:
         return asdict(self)
 

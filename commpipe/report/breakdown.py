@@ -110,9 +110,3 @@ def run_breakdown(run_dir, warmup: int = 1) -> dict | None:
     out["exposed_ms"] = sum(out[d] for d in DIM_ORDER)
     out["steps"] = steps
     return out
-
-
-def shares(b: dict) -> dict[str, float]:
-    """Each part and the bubble as a share of the window."""
-    w = b["window_ms"] or 1.0
-    return {k: b[k] / w for k in (*PARTS, "bubble_ms", "exposed_ms")}

@@ -59,10 +59,6 @@ SECTIONS = {
 }
 
 
-def section_of(dest: str) -> str | None:
-    return next((s for s, dests in SECTIONS.items() if dest in dests), None)
-
-
 def parse_known_args(parser: argparse.ArgumentParser, argv: list[str], owner=None):
     """`parser.parse_known_args(argv)`, with a `--config FILE` among argv setting the defaults
     of `owner` (the parser holding the train flags; default `parser`) first."""
