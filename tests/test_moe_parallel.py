@@ -16,19 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from commpipe.cluster.ports import free_port
 from commpipe.models.moe import build_moe, moe_loss_sum
 from commpipe.parallel.dims import ParallelDims
 from commpipe.train.config import TrainConfig
 from commpipe.train.source import make_source
-from tests.dist_harness import _worker, assemble
+from tests.dist_harness import assemble, spawn, train_jobs
 from tests.reference import reference_loop
 from tests.test_equivalence import check_against, check_grads, check_losses, make_cfg
 
@@ -124,10 +120,7 @@ def plant_dispatch_adjoint_dropped(trainer) -> None:
 def run_ep_jobs(world: int, jobs: list) -> dict:
     """tests.dist_harness.run_jobs, with expert shards put back together: the experts a rank
     holds are rows [ep_rank * E/ep, ...) of each stacked expert weight."""
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(world, free_port(), jobs, tmp), nprocs=world,
-                           start_method="spawn")
-        per_rank = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(world)]
+    per_rank = spawn(train_jobs, world, jobs)
     out = {}
     for key, cfg, *_ in jobs:
         results = [pr[key] for pr in per_rank]
