@@ -8,17 +8,14 @@ and async, with trailing dimensions, and that the monitor still books it as a re
 from __future__ import annotations
 
 import json
-import os
 import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from commpipe.parallel.comm import Comm
 from commpipe.parallel.dims import ParallelDims
-from tests.dist_harness import free_port
+from tests.dist_harness import spawn
 
 WORLD = 4
 
@@ -41,38 +38,30 @@ class Book:
         self.seen.append((call.op, call.nbytes, call.group))
 
 
-def _worker(rank, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def _worker(rank, world):
     got = {}
-    try:
-        for name, dims in (("tp4", ParallelDims(tp=4)), ("tp2", ParallelDims(tp=2, dp=2))):
-            comm = Comm(dims, rank)
-            seen = []
-            comm.observers.append(Book(seen))
-            x = _data(rank, 8)
-            sync = comm.reduce_scatter(x, "tp")
-            handle = comm.reduce_scatter(x * 2, "tp", async_op=True)
-            async_out = handle.wait().tolist()
-            booked = list(seen)                 # the two reduce-scatters, before the gather
-            with warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                gathered = comm.all_gather(x, "tp")
-            got[name] = {"sync": sync.tolist(), "async": async_out,
-                         "group": list(comm.groups["tp"]), "coord": comm.coords["tp"],
-                         "input_unchanged": bool(torch.equal(x, _data(rank, 8))), "seen": booked,
-                         "gathered": gathered.tolist(), "warnings": [str(w.message) for w in caught]}
-        (out / f"rank{rank}.json").write_text(json.dumps(got))
-    finally:
-        dist.destroy_process_group()
+    for name, dims in (("tp4", ParallelDims(tp=4)), ("tp2", ParallelDims(tp=2, dp=2))):
+        comm = Comm(dims, rank)
+        seen = []
+        comm.observers.append(Book(seen))
+        x = _data(rank, 8)
+        sync = comm.reduce_scatter(x, "tp")
+        handle = comm.reduce_scatter(x * 2, "tp", async_op=True)
+        async_out = handle.wait().tolist()
+        booked = list(seen)                 # the two reduce-scatters, before the gather
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            gathered = comm.all_gather(x, "tp")
+        got[name] = {"sync": sync.tolist(), "async": async_out,
+                     "group": list(comm.groups["tp"]), "coord": comm.coords["tp"],
+                     "input_unchanged": bool(torch.equal(x, _data(rank, 8))), "seen": booked,
+                     "gathered": gathered.tolist(), "warnings": [str(w.message) for w in caught]}
+    return json.loads(json.dumps(got))      # plain lists, as the checks below compare them
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("comm")
-    mp.spawn(_worker, args=(free_port(), out), nprocs=WORLD, join=True)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+def results():
+    return spawn(_worker, WORLD)
 
 
 @pytest.mark.parametrize("name", ["tp4", "tp2"])
