@@ -16,14 +16,9 @@ sequence both sides agree on (commpipe.schedules.order); these tests check that 
 from __future__ import annotations
 
 import functools
-import os
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from commpipe.parallel.comm import Comm
 from commpipe.parallel.dims import ParallelDims
@@ -31,7 +26,7 @@ from commpipe.runtime.executor import PipelineRuntime
 from commpipe.schedules import dry_run, generate, lower
 from commpipe.schedules.order import as_written, peer_of, posting_order
 from commpipe.schedules.validate import channel_order_conflicts, message_key
-from tests.dist_harness import free_port, run_jobs
+from tests.dist_harness import run_jobs, spawn
 from tests.reference import reference_run
 from tests.test_equivalence import check_against, check_grads, make_cfg
 
@@ -137,31 +132,24 @@ def test_planted_swap_of_two_receives_is_caught():
 
 
 # -- gloo in strict-order mode matches in issue order ------------------------------------------
-def _pair_worker(rank: int, port: int, outdir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    try:
-        got = {}
-        for strict in (False, True):
-            comm = Comm(ParallelDims(pp=2), rank, strict_order=strict)
-            if rank == 0:       # sends message 1 (tag 1), then message 2 (tag 2)
-                for h in [comm.isend(torch.tensor([float(t)]), 1, tag=t) for t in (1, 2)]:
-                    h.wait()
-            else:               # posts the receive for message 2 first
-                two, one = torch.zeros(1), torch.zeros(1)
-                handles = [comm.irecv(two, 0, tag=2), comm.irecv(one, 0, tag=1)]
-                for h in handles:
-                    h.wait()
-                got[strict] = (two.item(), one.item())
-        torch.save(got, Path(outdir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _pair_worker(rank: int, world: int) -> dict:
+    got = {}
+    for strict in (False, True):
+        comm = Comm(ParallelDims(pp=2), rank, strict_order=strict)
+        if rank == 0:       # sends message 1 (tag 1), then message 2 (tag 2)
+            for h in [comm.isend(torch.tensor([float(t)]), 1, tag=t) for t in (1, 2)]:
+                h.wait()
+        else:               # posts the receive for message 2 first
+            two, one = torch.zeros(1), torch.zeros(1)
+            handles = [comm.irecv(two, 0, tag=2), comm.irecv(one, 0, tag=1)]
+            for h in handles:
+                h.wait()
+            got[strict] = (two.item(), one.item())
+    return got
 
 
 def test_strict_comm_pairs_messages_in_issue_order():
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_pair_worker, args=(free_port(), tmp), nprocs=2, start_method="spawn")
-        got = torch.load(Path(tmp) / "rank1.pt")
+    got = spawn(_pair_worker, 2)[1]
     assert got[False] == (2.0, 1.0)       # by tag
     assert got[True] == (1.0, 2.0)        # by issue order: the first receive gets the first send
 
