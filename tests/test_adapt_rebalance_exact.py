@@ -16,16 +16,12 @@ same comparison.
 from __future__ import annotations
 
 import dataclasses
-import os
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from tests.dist_harness import free_port
+from tests.dist_harness import spawn
 from tests.test_equivalence import LOSS_RTOL, make_cfg
 
 BEFORE, AFTER = 3, 4          # steps before the switch, steps compared after it
@@ -40,10 +36,7 @@ def _cfg(counts=None):
     return cfg
 
 
-def _worker(rank: int, world: int, port: int, outdir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank: int, world: int, outdir: str) -> dict:
     from commpipe.adapt.plan import Plan
     from commpipe.adapt.switch import switch
     from commpipe.parallel.comm import Comm
@@ -59,38 +52,33 @@ def _worker(rank: int, world: int, port: int, outdir: str) -> None:
         return [trainer.train_step()["loss"] for _ in range(n)]
 
     res: dict = {}
-    try:
-        # even shares, then the controller's rebalance: the same plan with uneven counts
-        tr = build()
-        res["before"] = steps(tr, BEFORE)
-        path = checkpoint.save(tr, Path(outdir) / "ckpt")
-        plan = dataclasses.replace(Plan.of(tr.cfg), dp_microbatches=COUNTS)
-        res["phases"] = {}
-        tr, res["switch_s"] = switch(tr, plan, res["phases"])
-        res["counts"] = tr.cfg.dp_microbatches
-        res["switched"] = steps(tr, AFTER)
+    # even shares, then the controller's rebalance: the same plan with uneven counts
+    tr = build()
+    res["before"] = steps(tr, BEFORE)
+    path = checkpoint.save(tr, Path(outdir) / "ckpt")
+    plan = dataclasses.replace(Plan.of(tr.cfg), dp_microbatches=COUNTS)
+    res["phases"] = {}
+    tr, res["switch_s"] = switch(tr, plan, res["phases"])
+    res["counts"] = tr.cfg.dp_microbatches
+    res["switched"] = steps(tr, AFTER)
 
-        # static: --dp-microbatches 6,2 from the checkpoint of the same state
-        st = build(COUNTS)
-        checkpoint.load(st, path)
-        res["static"] = steps(st, AFTER)
+    # static: --dp-microbatches 6,2 from the checkpoint of the same state
+    st = build(COUNTS)
+    checkpoint.load(st, path)
+    res["static"] = steps(st, AFTER)
 
-        # a planted bug: the switched replicas average their gradients
-        bad = build()
-        checkpoint.load(bad, path)
-        bad, _ = switch(bad, plan)
-        plant_mean_of_replicas(bad)
-        res["planted"] = steps(bad, AFTER)
-    finally:
-        torch.save(res, Path(outdir) / f"rank{rank}.pt")
-        dist.destroy_process_group()
+    # a planted bug: the switched replicas average their gradients
+    bad = build()
+    checkpoint.load(bad, path)
+    bad, _ = switch(bad, plan)
+    plant_mean_of_replicas(bad)
+    res["planted"] = steps(bad, AFTER)
+    return res
 
 
 @pytest.fixture(scope="module")
-def two_ranks():
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(2, free_port(), tmp), nprocs=2, start_method="spawn")
-        return [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(2)]
+def two_ranks(tmp_path_factory):
+    return spawn(_worker, 2, str(tmp_path_factory.mktemp("rebalance")))
 
 
 @pytest.fixture(scope="module")
