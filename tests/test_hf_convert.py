@@ -9,14 +9,9 @@ tp=2 pp=2 must equal it, and Hugging Face -> commpipe -> Hugging Face must be bi
 from __future__ import annotations
 
 import json
-import os
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
@@ -25,7 +20,7 @@ from safetensors.torch import load_file  # noqa: E402
 from commpipe.cli import main  # noqa: E402
 from commpipe.models import hf_llama  # noqa: E402
 from commpipe.train.weights import read_weights, save_weights  # noqa: E402
-from tests.dist_harness import free_port  # noqa: E402
+from tests.dist_harness import spawn  # noqa: E402
 
 SEQ, GLOBAL_BATCH, SEED = 16, 4, 3
 
@@ -218,21 +213,15 @@ def test_init_from_refuses_another_model_and_resume_of_weights(saved, capsys):
 
 
 # -- tp=2 pp=2: the first step's loss from --init-from equals Hugging Face's ---------------------
-def _worker(rank: int, world: int, port: int, jobs: list, outdir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank: int, world: int, jobs: list) -> dict:
     from commpipe.parallel.comm import Comm
     from commpipe.train.loop import train
 
-    try:
-        losses = {}
-        for kind, cfg in jobs:
-            cfg.resolve(world)
-            losses[kind] = train(cfg, Comm(cfg.dims, rank), log=None)[0]["loss"]
-        torch.save(losses, Path(outdir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    losses = {}
+    for kind, cfg in jobs:
+        cfg.resolve(world)
+        losses[kind] = train(cfg, Comm(cfg.dims, rank), log=None)[0]["loss"]
+    return losses
 
 
 @pytest.mark.slow
@@ -247,9 +236,7 @@ def test_tp2_pp2_first_step_from_init_equals_hugging_face(saved):
         jobs.append((kind, TrainConfig(model=init_model(ckpt, None), init_from=ckpt,
                                        dims=ParallelDims(tp=2, pp=2), steps=1, seq_len=SEQ,
                                        global_batch=GLOBAL_BATCH, seed=SEED, device="cpu")))
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(4, free_port(), jobs, tmp), nprocs=4, start_method="spawn")
-        per_rank = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(4)]
+    per_rank = spawn(_worker, 4, jobs)
     for kind in ("llama", "blip"):
         _, spec, _ = read_weights(saved[kind][1])
         want = hf_loss(kind, saved[kind][2], spec)
