@@ -11,15 +11,10 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import re
-import tempfile
-from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
@@ -30,7 +25,7 @@ from commpipe.models import hf, hf_moe  # noqa: E402
 from commpipe.models.llama import cross_entropy_sum  # noqa: E402
 from commpipe.models.moe import MoETransformer  # noqa: E402
 from commpipe.train.weights import read_weights, save_weights  # noqa: E402
-from tests.dist_harness import free_port  # noqa: E402
+from tests.dist_harness import spawn  # noqa: E402
 
 SEQ, GLOBAL_BATCH, SEED = 16, 4, 3
 KINDS = ("mixtral", "mixtral-aux")
@@ -266,21 +261,15 @@ def test_cli_init_from_trains_the_converted_model(saved, tmp_path):
 
 
 # -- pp=2 and tp=2: the first step's loss from --init-from equals Hugging Face's ----------------
-def _worker(rank: int, world: int, port: int, jobs: list, outdir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank: int, world: int, jobs: list) -> dict:
     from commpipe.parallel.comm import Comm
     from commpipe.train.loop import train
 
-    try:
-        losses = {}
-        for kind, cfg in jobs:
-            cfg.resolve(world)
-            losses[kind] = train(cfg, Comm(cfg.dims, rank), log=None)[0]["loss"]
-        torch.save(losses, Path(outdir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    losses = {}
+    for kind, cfg in jobs:
+        cfg.resolve(world)
+        losses[kind] = train(cfg, Comm(cfg.dims, rank), log=None)[0]["loss"]
+    return losses
 
 
 @pytest.mark.slow
@@ -299,9 +288,7 @@ def test_pp2_and_tp2_first_step_from_init_equals_hugging_face(saved):
         jobs.append((kind, TrainConfig(model=init_model(ckpt, None), init_from=ckpt, dims=dims,
                                        steps=1, seq_len=SEQ, global_batch=GLOBAL_BATCH,
                                        micro_batch_size=mbs, seed=SEED, device="cpu")))
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(2, free_port(), jobs, tmp), nprocs=2, start_method="spawn")
-        per_rank = [torch.load(Path(tmp) / f"rank{r}.pt") for r in range(2)]
+    per_rank = spawn(_worker, 2, jobs)
     for kind in KINDS:
         _, spec, _ = read_weights(saved[kind][1])
         want = hf_loss(kind, saved[kind][2], spec)
