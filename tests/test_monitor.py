@@ -11,7 +11,6 @@ checks against hand-derived values.
 from __future__ import annotations
 
 import json
-import os
 import random
 import time
 from types import SimpleNamespace
@@ -19,8 +18,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from commpipe.monitor import Monitor, parse_monitor_flag
 from commpipe.monitor import megatron as cpm
@@ -38,7 +35,7 @@ from commpipe.monitor.records import (
 )
 from commpipe.parallel.comm import Comm, CommCall
 from commpipe.parallel.dims import ParallelDims
-from tests.dist_harness import free_port
+from tests.dist_harness import spawn
 
 STALL = 0.3
 MIXED_STEPS, MIXED_NUMEL = 16, 1 << 18    # a 1 MiB float32 all-reduce and an 8-byte one per step
@@ -101,9 +98,7 @@ def _stall_after_peer_posted(out, name, limit_s=30.0):
     time.sleep(STALL)
 
 
-def _worker(rank, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
+def _worker(rank, world, out):
     checks = {}
     try:
         comm = Comm(ParallelDims(pp=2), rank)
@@ -225,7 +220,6 @@ def _worker(rank, port, out):
         checks["restored"] = StandInP2P._communicate is _ORIGINAL
     finally:
         (out / f"checks{rank}.json").write_text(json.dumps(checks))
-        dist.destroy_process_group()
 
 
 def _read_jsonl(path):
@@ -235,7 +229,7 @@ def _read_jsonl(path):
 @pytest.fixture(scope="module")
 def run2(tmp_path_factory):
     out = tmp_path_factory.mktemp("monitor2")
-    mp.spawn(_worker, args=(free_port(), out), nprocs=2, join=True)
+    spawn(_worker, 2, out)
     return out
 
 
