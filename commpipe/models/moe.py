@@ -204,19 +204,14 @@ class MoELayer(nn.Module):
 
     def forward(self, x: torch.Tensor):
         """x [b, s, h] -> (out [b, s, h], this layer's load-balancing loss)."""
-        rows, r = self.unit_route(x)
-        return self.unit_combine(self.experts(rows, r.counts), r, x), r.aux
-
-    # Units (DualPipe, DeepSeek-V3 section 3.2.2): the layer cut at its two token exchanges, so a
-    # unit-by-unit runtime (commpipe.runtime.units_moe) can keep expert parallelism's dispatch
-    # and combine all-to-alls in flight while another pass computes. forward() above is exactly
-    # unit_route -> experts -> unit_combine; with ep = 1 the exchanges move nothing.
-    def unit_route(self, x: torch.Tensor) -> tuple[torch.Tensor, Routing]:
-        """x [b, s, h] -> (the token copies grouped by expert [T k, h], Routing)."""
         flat = x.reshape(-1, x.shape[-1])                          # [T, h]
         r = self.route(flat)
-        return self.dispatch(flat, r), r
+        return self.unit_combine(self.experts(self.dispatch(flat, r), r.counts), r, x), r.aux
 
+    # Units (DualPipe, DeepSeek-V3 section 3.2.1): the layer cut at its token exchanges, so a
+    # unit-by-unit runtime (commpipe.runtime.units_moe) can keep expert parallelism's
+    # all-to-alls in flight while another pass computes: route, dispatch, the experts, then
+    # unit_combine; forward() above is exactly their composition.
     def unit_combine(self, y: torch.Tensor, r: Routing, x: torch.Tensor) -> torch.Tensor:
         """The experts' outputs y [T k, h] (grouped by expert) weighted and summed per token,
         plus the shared experts on the layer input x [b, s, h] -> [b, s, h]."""
@@ -246,7 +241,7 @@ class MoEBlock(nn.Module):
         return self.residual(h, m), aux
 
     # Units as LLaMA's Block offers them (commpipe.models.llama); a MoE block's MLP splits
-    # further at its all-to-alls (MoELayer.unit_route / unit_combine).
+    # further at its all-to-alls (MoELayer: route, dispatch, experts, unit_combine).
     def unit_pre_attn(self, x):
         return self.attention_norm(x)
 

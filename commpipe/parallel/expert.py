@@ -106,14 +106,23 @@ class ExpertParallelExperts(GroupedExperts):
     def exchange(self, counts: list[int], device) -> Exchange:
         """The row counts each rank sends each local expert, exchanged (one blocking
         all-to-all of [ep, E/ep] integers), and the splits and regrouping they give."""
-        comm, ep, local = self.comm, self.comm.size("ep"), self.local
         # on the rows' device: NCCL exchanges device tensors only
-        send = torch.tensor(counts, dtype=torch.int64, device=device).view(ep, local)
-        recv = comm.all_to_all_single(send.flatten(), [local] * ep, [local] * ep, "ep")
-        recv = recv.view(ep, local).cpu()                    # [source, local expert]; one sync
-        send = send.cpu()                                    # [dest, local expert]
+        send = torch.tensor(counts, dtype=torch.int64, device=device)
+        return self.settle(counts, self.count_exchange(send).wait())
+
+    def count_exchange(self, send: torch.Tensor):
+        """The all-to-all of row counts per (rank, local expert), issued asynchronously."""
+        ep, local = self.comm.size("ep"), self.local
+        return self.comm.all_to_all_single(send, [local] * ep, [local] * ep, "ep", async_op=True)
+
+    def settle(self, counts: list[int], received: torch.Tensor) -> Exchange:
+        """The exchange that the counts sent (`counts`, per global expert) and received
+        ([ep * E/ep], per source rank and local expert) fix."""
+        ep, local = self.comm.size("ep"), self.local
+        recv = received.view(ep, local).cpu()                # [source, local expert]; one sync
+        send = torch.tensor(counts, dtype=torch.int64).view(ep, local)   # [dest, local expert]
         return Exchange(send.sum(1).tolist(), recv.sum(1).tolist(),
-                        _expert_major(recv).to(device), recv.sum(0).tolist())
+                        _expert_major(recv).to(received.device), recv.sum(0).tolist())
 
     def local_experts(self, rows: torch.Tensor, ex: Exchange) -> torch.Tensor:
         """The received rows (source-major) through this rank's experts, regrouped
@@ -137,20 +146,33 @@ class Exchange:
 
 
 class ExchangeEdges:
-    """A MoE layer's dispatch and combine all-to-alls for one micro-batch as edges of the
-    unit-by-unit runtime: `exchange` (in the routing step) fixes the splits, each edge's
-    `issue(t, backward)` starts its all-to-all asynchronously through Comm (dim "ep") and returns
-    the handle; the backward issues the same exchange reversed (the adjoint of an all-to-all)."""
+    """A MoE layer's three all-to-alls for one micro-batch as edges of the unit-by-unit
+    runtime (commpipe.runtime.units_moe), each `issue(t, backward)` starting its all-to-all
+    asynchronously through Comm (dim "ep") and returning the handle: `counts` (the row counts,
+    integers, no adjoint), then `dispatch` and `combine` with the splits that `settle` fixed
+    once the counts arrived; the backward issues the same exchange reversed (the adjoint of an
+    all-to-all). The counts travel on their own edge so that no step blocks on an exchange
+    queued behind another pass's all-to-all on the same link (gloo's one connection per rank
+    pair, NCCL's one stream per group)."""
 
     def __init__(self, experts: ExpertParallelExperts):
         self.experts, self.ex = experts, None
+        self.counts = _CountEdge(experts)
         self.dispatch, self.combine = _Edge(self, False), _Edge(self, True)
 
-    def exchange(self, counts: list[int], device) -> None:
-        self.ex = self.experts.exchange(counts, device)
+    def settle(self, counts: list[int], received: torch.Tensor) -> None:
+        self.ex = self.experts.settle(counts, received)
 
     def local_experts(self, rows: torch.Tensor) -> torch.Tensor:
         return self.experts.local_experts(rows, self.ex)
+
+
+class _CountEdge:
+    def __init__(self, experts: ExpertParallelExperts):
+        self.experts = experts
+
+    def issue(self, t: torch.Tensor, backward: bool):
+        return self.experts.count_exchange(t)
 
 
 class _Edge:

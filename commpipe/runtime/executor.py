@@ -306,7 +306,7 @@ class _StepRun:
                         extra={k: v for k, v in x.items() if k != "hidden"})
         if not rt.forward_only:
             self.unit_passes[(st.index, m)] = unit
-        return _Pass(unit.forward_steps(), len(unit.steps))
+        return _Pass(unit.forward_steps(), unit.turns)
 
     def _forward_tail(self, st: RuntimeStage, m: int, out: dict, loss=None):
         """What a stage's output becomes: the scaled loss on the last stage (in fp32, outside

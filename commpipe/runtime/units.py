@@ -159,12 +159,25 @@ class UnitPass:
         self.edges: dict = {}               # edge name -> (collective or None, its TPLayer)
         self.grads: dict = {}               # edge name -> gradient or adjoint in flight
         self.output = None
-        if any(hasattr(b, "is_moe") for b in module.layers.values()):
+        # A MoE pass hands the braid's turn to the other pass only where it has an all-to-all
+        # in flight (runtime/units_moe.py), so each exchange travels behind the other pass's
+        # whole run of units up to its own next exchange (DualPipe pairs attention and MLP
+        # compute with the other pass's dispatch and combine the same way); a LLaMA pass yields
+        # after every unit.
+        self.at_edges = any(hasattr(b, "is_moe") for b in module.layers.values())
+        if self.at_edges:
             from commpipe.runtime.units_moe import moe_plan
 
             self.steps = moe_plan(module, x, "in.aux" in self.env)
         else:
             self.steps = self._plan(module, positions)
+
+    @property
+    def turns(self) -> int:
+        """How often forward_steps yields before its tail (a braid slices its W to match)."""
+        if not self.at_edges:
+            return len(self.steps)
+        return max(1, sum(any(k is not None for k in s.kinds) for s in self.steps))
 
     @staticmethod
     def _plan(mod, positions) -> list[_Step]:
@@ -189,8 +202,10 @@ class UnitPass:
         return steps
 
     def forward_steps(self):
-        """Run the steps in order, yielding after each; then `self.output` holds the tail."""
+        """Run the steps in order, yielding after each (or, `at_edges`, after each that leaves
+        a collective in flight); then `self.output` holds the tail."""
         for step in self.steps:
+            issued = False
             args = []
             for name in step.ins:
                 v = _resolve(self.env.pop(name))
@@ -207,7 +222,9 @@ class UnitPass:
                 if isinstance(sent, _InFlight) and self.grad:
                     sent.root = out
                 self.env[name] = sent
-            yield step.unit
+                issued |= isinstance(sent, _InFlight)
+            if issued or not self.at_edges:
+                yield step.unit
         self.output = yield from self.tail(_resolve(self.env.pop("out")))
         if not self.grad:
             self.steps = []
@@ -215,8 +232,10 @@ class UnitPass:
     def backward_steps(self, grad_out):
         """Back-propagate step by step in reverse, yielding after each. `grad_out`: the
         gradient of the stage output, or None on the last stage (backward from the scalar
-        loss). The stage input's gradient lands in its `.grad`."""
+        loss). The stage input's gradient lands in its `.grad`. `at_edges`: yields only after
+        the steps that leave an adjoint in flight."""
         for step in reversed(self.steps):
+            issued = False
             if step.outs == ("out",):
                 out = step.results[0]
                 if grad_out is None:
@@ -238,9 +257,11 @@ class UnitPass:
                 g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
                 kind, tp = self.edges[name]
                 self.grads[name] = _issue(tp, kind, True, g) if kind else g
+                issued |= isinstance(self.grads[name], _InFlight)
             if step.region is not None and self.edges[step.ins[0]][0] == ENTER:
                 step.region.flush()      # dW GEMMs while the input-gradient collective travels
             step.leaves, step.results = [], ()
-            yield step.unit
+            if issued or not self.at_edges:
+                yield step.unit
         self.steps = []
 

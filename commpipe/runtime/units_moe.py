@@ -3,25 +3,28 @@ parallelism's all-to-alls sit on the edges between steps, so each is in flight w
 pass of the braid computes (DualPipe's overlap, DeepSeek-V3 report section 3.2.1).
 
 Per layer, the units of LLaMA's block (pre_attn, attn, pre_mlp), then a routed MLP cut at its
-two token exchanges (commpipe.models.moe.MoELayer.unit_route / unit_combine):
+token exchanges (commpipe.models.moe.MoELayer):
 
-    route     router, top-k, the local permutation grouping the token copies by expert, and the
-              exchange of row counts (a blocking all-to-all of E integers) that fixes the splits
+    route     router, top-k, rows per expert
+    dispatch  the splits the exchanged counts fix, the local permutation grouping each token's
+              copies by expert
     experts   this rank's experts on the rows it received
     combine   each token's k copies weighted and summed, plus the shared experts
 
-    edge                  forward                        backward (adjoint)
-    route -> experts      dispatch all-to-all            the reverse all-to-all
-    experts -> combine    combine all-to-all             the reverse all-to-all
+    edge                  forward                             backward (adjoint)
+    route -> dispatch     all-to-all of the row counts        none (integers)
+    dispatch -> experts   dispatch all-to-all (variable)      the reverse all-to-all
+    experts -> combine    combine all-to-all (variable)       the reverse all-to-all
 
 Each edge's all-to-all is issued asynchronously through Comm (dim "ep",
 commpipe.parallel.expert.ExchangeEdges) when its producer finishes and waited by its consumer;
-its adjoint is issued when the consumer's backward finishes and waited by the producer's
-backward. With ep = 1 the edges move nothing. The residual add runs in the next unit (the next
-layer's pre_attn or the stage's end), as for LLaMA; a dense layer's MLP is one unit. The stage's
-balancing term: each route step adds nothing in place but outputs its layer's term, and the end
-step sums the carried term and the layer terms in layer order, as MoETransformer.forward does,
-so the values are those of the whole stage: the same operations in the same order.
+an adjoint is issued when the consumer's backward finishes and waited by the producer's
+backward. The counts have their own edge: a blocking exchange would wait behind the other
+pass's all-to-all on the same link. With ep = 1 the edges move nothing. The residual add runs
+in the next unit (the next layer's pre_attn or the stage's end), as for LLaMA; a dense layer's
+MLP is one unit. Each route step outputs its layer's balancing term and the end step sums the
+carried term and the layer terms in layer order, as MoETransformer.forward does, so the values
+are those of the whole stage: the same operations in the same order.
 """
 
 from __future__ import annotations
@@ -81,20 +84,25 @@ def _layer_steps(mod, i: str, block, positions, tokens: int, h: str, m: str | No
             _Step("mlp", lambda n: (block.feed_forward(n),), (f"{i}.n2",), (f"{i}.m",), (None,)),
         ]
     ff = block.feed_forward
-    # expert parallelism's two all-to-alls for this micro-batch (None: ep = 1, nothing moves)
+    # expert parallelism's all-to-alls for this micro-batch (None: ep = 1, nothing moves)
     edges = ff.experts.unit_edges() if hasattr(ff.experts, "unit_edges") else None
     routing = {}
 
     def pre_mlp(x, a):
         h, n = block.unit_pre_mlp(x, a)
-        return h, n, n      # n read by route and by combine (shared experts): two edges
+        return h, n, n, n     # n read by route, dispatch and combine (shared experts)
 
     def route(n):
-        rows, r = ff.unit_route(n)
+        r = ff.route(n.reshape(-1, n.shape[-1]))
         routing["r"] = r
+        counts = torch.tensor(r.counts, dtype=torch.int64, device=n.device)
+        return r.weights, mod.aux_term(r.aux, tokens), counts
+
+    def dispatch(n, received):
+        r = routing["r"]
         if edges is not None:
-            edges.exchange(r.counts, rows.device)
-        return rows, r.weights, mod.aux_term(r.aux, tokens)
+            edges.settle(r.counts, received)
+        return (ff.dispatch(n.reshape(-1, n.shape[-1]), r),)
 
     def experts(rows):
         if edges is not None:
@@ -105,12 +113,15 @@ def _layer_steps(mod, i: str, block, positions, tokens: int, h: str, m: str | No
         r = dataclasses.replace(routing.pop("r"), weights=weights)
         return (ff.unit_combine(y, r, n),)
 
-    dispatch_edge, combine_edge = (edges.dispatch, edges.combine) if edges else (None, None)
+    count_edge, dispatch_edge, combine_edge = \
+        (edges.counts, edges.dispatch, edges.combine) if edges else (None, None, None)
     return steps + [
-        _Step("pre_mlp", pre_mlp, (f"{i}.x", f"{i}.a"), (f"{i}.h", f"{i}.n2", f"{i}.n2s"),
-              (None, None, None)),
-        _Step("route", route, (f"{i}.n2",), (f"{i}.rows", f"{i}.w", f"{i}.aux"),
-              (dispatch_edge, None, None)),
+        _Step("pre_mlp", pre_mlp, (f"{i}.x", f"{i}.a"),
+              (f"{i}.h", f"{i}.n2", f"{i}.n2d", f"{i}.n2s"), (None, None, None, None)),
+        _Step("route", route, (f"{i}.n2",), (f"{i}.w", f"{i}.aux", f"{i}.counts"),
+              (None, None, count_edge)),
+        _Step("dispatch", dispatch, (f"{i}.n2d", f"{i}.counts"), (f"{i}.rows",),
+              (dispatch_edge,)),
         _Step("experts", experts, (f"{i}.rows",), (f"{i}.y",), (combine_edge,)),
         _Step("combine", combine, (f"{i}.y", f"{i}.w", f"{i}.n2s"), (f"{i}.m",), (None,)),
     ]

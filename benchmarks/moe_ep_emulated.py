@@ -1,0 +1,120 @@
+"""DualPipeV against 1F1B and ZB-V where the expert-parallel all-to-all crosses a slow link.
+
+    sudo python benchmarks/moe_ep_emulated.py                    # 2 nodes x 2 ranks, 200 Mbit/s
+    sudo python benchmarks/moe_ep_emulated.py --rounds 1 --steps 3 --schedules dualpipev,1f1b
+
+Two emulated nodes (network namespaces on a bridge, commpipe.cluster.netns) of two ranks, the
+inter-node links shaped to `--mbit` with tc tbf. PP2 x DP2 with EP2: the training grid is the
+default one (each EP group = one DP pair), and the placement tp-cp-pp-dp puts the two stages of a
+pipeline on one node, so each EP pair (ranks 0-1, 2-3) spans the two nodes and every dispatch
+and combine all-to-all crosses the slow link; PP stays inside a node. A 4-layer MoE decoder
+(4 experts, top-2, one shared expert), hidden 128, micro-batches of one 256-token sequence.
+Each schedule trains the same model in turn, `--rounds` rounds in alternating order; printed per
+schedule:
+
+- the median step time (steps 1.., the first connects and warms up) and its ratio to
+  dualpipev's, measured side by side in this run;
+- the monitor's EP exposure: milliseconds per step the compute waited for EP all-to-alls (the
+  `blocked_ms_total` of dim ep in OUT/monitor/rank*.jsonl, summed per step, mean over ranks,
+  median over steps; the row-count exchanges, which block by design, included), beside their
+  transfer time, and the share of 1F1B's exposed EP time that each schedule hides (goal for
+  dualpipev: >= 50%).
+
+Under dualpipev the stages run unit by unit (commpipe.runtime.units_moe): each braid keeps one
+pass's dispatch or combine in flight while the other pass computes. 1F1B and ZB-V run stages
+whole, every all-to-all exposed. Needs root and iproute2; otherwise it says why and exits 0. On a
+shared 2-core machine the four ranks contend for the cores: quote ratios, not absolute times.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+from _emulated import add_out, emulated_runner, parser, runs_dir, step_times
+
+MODEL = ("arch=moe,layers=4,hidden=128,heads=4,kv_heads=2,vocab=1024,experts=4,top_k=2,"
+         "expert_ffn=256,shared_experts=1,rope_theta=10000")
+VPP = {"1f1b": 1, "zbv": 2, "dualpipev": 2, "stp": 2}
+
+
+def parse_args(argv=None):
+    p = parser(__doc__, mbit=200.0, steps=5, microbatches=8)
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
+    p.add_argument("--model", default=MODEL, help=f"model (default {MODEL})")
+    p.add_argument("--schedules", default="dualpipev,1f1b,zbv",
+                   help="comma-separated, of dualpipev, 1f1b, zbv, stp")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="run the schedules this many times, alternating their order (default 3)")
+    add_out(p)
+    return p.parse_args(argv)
+
+
+def ep_per_step(run_dir: Path) -> dict[str, float]:
+    """Median over steps 1.. of the per-rank EP exposure (`blocked_ms_total`: host time the
+    compute spent waiting for EP all-to-alls) and transfer time (sampled calls) per step."""
+    per = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0]))      # step -> rank -> [w, t]
+    for f in (run_dir / "monitor").glob("rank*.jsonl"):
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            if r.get("dim") == "ep" and r.get("step", 0) >= 1:
+                cell = per[r["step"]][r["rank"]]
+                cell[0] += r.get("blocked_ms_total") or 0.0
+                cell[1] += r.get("transfer_ms_total") or 0.0
+    waits = [statistics.mean(c[0] for c in ranks.values()) for ranks in per.values()]
+    transfers = [statistics.mean(c[1] for c in ranks.values()) for ranks in per.values()]
+    return {"exposed_ms": statistics.median(waits) if waits else 0.0,
+            "transfer_ms": statistics.median(transfers) if transfers else 0.0}
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    out = runs_dir("moe_ep_emulated", args.out)
+    if out is None:
+        return 0
+    from commpipe.layout import Layout
+
+    schedules = args.schedules.split(",")
+    flags = {"steps": args.steps, "microbatches": args.microbatches, "model": args.model,
+             "seq_len": args.seq_len, "micro_batch_size": 1, "ep": 2, "comm_monitor": "all",
+             "device": "cpu"}
+    steps, ep = {}, {}
+    # rounds run the schedules in turn, each round in the reverse order of the one before, so
+    # drifting load hits all alike; a schedule's step time is the median over all its steps
+    order = [s for k in range(args.rounds) for s in (schedules if k % 2 == 0 else schedules[::-1])]
+    with emulated_runner(args.mbit, 2, prefix="cpmoe") as train:
+        for k, name in enumerate(order):
+            run = name if k < len(schedules) else f"{name}-{k // len(schedules)}"
+            layout = Layout(pp=2, dp=2, ep=2, schedule=name, vpp=VPP[name], name=run,
+                            placement="tp-cp-pp-dp")
+            if not train(layout, flags, out / run):
+                return 1
+            these = step_times(out / run)
+            steps.setdefault(name, []).extend(these)
+            got = ep_per_step(out / run)
+            ep.setdefault(name, []).append(got)
+            print(f"{run}: median step {statistics.median(these):.3f} s; EP per step: exposed "
+                  f"{got['exposed_ms']:.0f} ms, in transfer {got['transfer_ms']:.0f} ms", flush=True)
+    times = {name: statistics.median(v) for name, v in steps.items()}
+    ep = {name: {k: statistics.median(r[k] for r in v) for k in v[0]} for name, v in ep.items()}
+    print(f"\nemulated cluster: 2 nodes x 2 ranks, {args.mbit:g} Mbit/s between nodes; PP2 inside "
+          f"a node, DP2 = EP2 across nodes; {args.model}, seq {args.seq_len}, "
+          f"{args.microbatches} micro-batches, {args.steps} steps x {args.rounds} round(s) "
+          "(median of steps 1.. of every round)")
+    print("schedule    | step s | ratio to dualpipev | EP exposed ms/step | EP transfer ms/step "
+          "| hidden vs 1f1b")
+    base, ref = times.get("dualpipev"), ep.get("1f1b", {}).get("exposed_ms")
+    for s in schedules:
+        r = f"{times[s] / base:.3f}" if base else "-"
+        hidden = f"{1 - ep[s]['exposed_ms'] / ref:.0%}" if ref else "-"
+        print(f"{s:<11} | {times[s]:6.3f} | {r:>18} | {ep[s]['exposed_ms']:18.0f} | "
+              f"{ep[s]['transfer_ms']:19.0f} | {hidden:>14}")
+    print(f"(runs in {out})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
