@@ -14,17 +14,14 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from commpipe.adapt.config import AdaptConfig, SlowRank
 from commpipe.adapt.plan import Plan
-from tests.dist_harness import free_port
+from tests.dist_harness import spawn
 
 # -- switching in memory (4 processes) -------------------------------------------------------------
 
@@ -44,93 +41,86 @@ def _equal_states(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def _worker(rank: int, world: int, port: int, outdir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank: int, world: int, outdir: str) -> dict:
     from commpipe.adapt.switch import gather_state, held_state, switch
     from commpipe.parallel.comm import Comm
     from commpipe.train.loop import Trainer, train
 
     res: dict = {}
+    ref_cfg = _cfg(pp=4, steps=15).resolve(world)
+    ref = Trainer.build(ref_cfg, Comm(ref_cfg.dims, rank))
+    res["ref"] = [ref.train_step()["loss"] for _ in range(15)]
+
+    cfg = _cfg(pp=4, steps=15).resolve(world)
+    tr = Trainer.build(cfg, Comm(cfg.dims, rank))
+    losses = [tr.train_step()["loss"] for _ in range(3)]
+    kept = []
+    for plan in (Plan(2, 1, 2, 1, (2, 2), "1f1b", 8, 1),      # new layout: reshard
+                 Plan(2, 1, 2, 1, (3, 1), "1f1b", 8, 1),      # same layout: re-split
+                 Plan(1, 1, 2, 2, (3, 1), "1f1b", 4, 1),      # TP -> DP replicas
+                 # re-placement: the same degrees, stages on ranks {0, 1} and {2, 3}
+                 Plan(1, 1, 2, 2, (3, 1), "1f1b", 4, 1, order="tp-cp-pp-dp")):
+        before = gather_state(tr)
+        tr, seconds = switch(tr, plan)
+        after = gather_state(tr)
+        # what this rank holds now (full tensors), against the state before the switch
+        mine = held_state(tr)
+        own_ok = all(torch.equal(v, before[k]) for k, v in mine.items())
+        with_optim = sum(k.endswith(".exp_avg") for k in mine)
+        kept.append((_equal_states(before, after), len(before), seconds,
+                     str(tr.cfg.dims), tr.cfg.stage_layers, tr.step,
+                     own_ok, with_optim == len(tr.named_params)))
+        losses += [tr.train_step()["loss"] for _ in range(3)]
+    res["switched"], res["kept"] = losses, kept
+
+    # ZeRO-1: optimizer states live on their owner DP rank only, and owners change
+    zcfg = _cfg(pp=2, dp=2, steps=8).resolve(world)
+    zcfg.optim.zero1 = True
+    zref = Trainer.build(zcfg, Comm(zcfg.dims, rank))
+    res["zero_ref"] = [zref.train_step()["loss"] for _ in range(8)]
+    zcfg = _cfg(pp=2, dp=2, steps=8).resolve(world)
+    zcfg.optim.zero1 = True
+    tr = Trainer.build(zcfg, Comm(zcfg.dims, rank))
+    zl = [tr.train_step()["loss"] for _ in range(4)]
+    tr, _ = switch(tr, Plan(1, 1, 1, 4, (4,), "1f1b", 2, 1))
+    res["zero_switched"] = zl + [tr.train_step()["loss"] for _ in range(4)]
+
+    # a planted bug: a switch that drops the AdamW states must show in the losses
+    import commpipe.adapt.switch as sw
+
+    def lossy(new, state, _load=sw.load_state):
+        _load(new, {k: v for k, v in state.items() if not k.startswith("optim.")})
+
+    cfg = _cfg(pp=4, steps=15).resolve(world)
+    tr = Trainer.build(cfg, Comm(cfg.dims, rank))
+    planted = [tr.train_step()["loss"] for _ in range(3)]
+    sw.load_state, kept_load = lossy, sw.load_state
     try:
-        ref_cfg = _cfg(pp=4, steps=15).resolve(world)
-        ref = Trainer.build(ref_cfg, Comm(ref_cfg.dims, rank))
-        res["ref"] = [ref.train_step()["loss"] for _ in range(15)]
-
-        cfg = _cfg(pp=4, steps=15).resolve(world)
-        tr = Trainer.build(cfg, Comm(cfg.dims, rank))
-        losses = [tr.train_step()["loss"] for _ in range(3)]
-        kept = []
-        for plan in (Plan(2, 1, 2, 1, (2, 2), "1f1b", 8, 1),      # new layout: reshard
-                     Plan(2, 1, 2, 1, (3, 1), "1f1b", 8, 1),      # same layout: re-split
-                     Plan(1, 1, 2, 2, (3, 1), "1f1b", 4, 1),      # TP -> DP replicas
-                     # re-placement: the same degrees, stages on ranks {0, 1} and {2, 3}
-                     Plan(1, 1, 2, 2, (3, 1), "1f1b", 4, 1, order="tp-cp-pp-dp")):
-            before = gather_state(tr)
-            tr, seconds = switch(tr, plan)
-            after = gather_state(tr)
-            # what this rank holds now (full tensors), against the state before the switch
-            mine = held_state(tr)
-            own_ok = all(torch.equal(v, before[k]) for k, v in mine.items())
-            with_optim = sum(k.endswith(".exp_avg") for k in mine)
-            kept.append((_equal_states(before, after), len(before), seconds,
-                         str(tr.cfg.dims), tr.cfg.stage_layers, tr.step,
-                         own_ok, with_optim == len(tr.named_params)))
-            losses += [tr.train_step()["loss"] for _ in range(3)]
-        res["switched"], res["kept"] = losses, kept
-
-        # ZeRO-1: optimizer states live on their owner DP rank only, and owners change
-        zcfg = _cfg(pp=2, dp=2, steps=8).resolve(world)
-        zcfg.optim.zero1 = True
-        zref = Trainer.build(zcfg, Comm(zcfg.dims, rank))
-        res["zero_ref"] = [zref.train_step()["loss"] for _ in range(8)]
-        zcfg = _cfg(pp=2, dp=2, steps=8).resolve(world)
-        zcfg.optim.zero1 = True
-        tr = Trainer.build(zcfg, Comm(zcfg.dims, rank))
-        zl = [tr.train_step()["loss"] for _ in range(4)]
-        tr, _ = switch(tr, Plan(1, 1, 1, 4, (4,), "1f1b", 2, 1))
-        res["zero_switched"] = zl + [tr.train_step()["loss"] for _ in range(4)]
-
-        # a planted bug: a switch that drops the AdamW states must show in the losses
-        import commpipe.adapt.switch as sw
-
-        def lossy(new, state, _load=sw.load_state):
-            _load(new, {k: v for k, v in state.items() if not k.startswith("optim.")})
-
-        cfg = _cfg(pp=4, steps=15).resolve(world)
-        tr = Trainer.build(cfg, Comm(cfg.dims, rank))
-        planted = [tr.train_step()["loss"] for _ in range(3)]
-        sw.load_state, kept_load = lossy, sw.load_state
-        try:
-            tr, _ = switch(tr, Plan(2, 1, 2, 1, (2, 2), "1f1b", 8, 1))
-        finally:
-            sw.load_state = kept_load
-        res["planted"] = planted + [tr.train_step()["loss"] for _ in range(3)]
-
-        # the drill: rank 2 (pp stage 1, dp 0) computes 6x slower from step 6 on. Re-splits
-        # only: the 4 ranks share 2 cores, which layout candidates (one device per rank) ignore
-        out = Path(outdir) / "slow"
-        scfg = _cfg(pp=2, dp=2, steps=STEPS, seq_len=64, out=str(out),
-                    slow_rank=SlowRank(2, 6.0, 6),
-                    adapt=AdaptConfig(min_steps=4, baseline_steps=3, layouts=False,
-                                      rebalance=False))
-        scfg.resolve(world)
-        train(scfg, Comm(scfg.dims, rank), log=None)
+        tr, _ = switch(tr, Plan(2, 1, 2, 1, (2, 2), "1f1b", 8, 1))
     finally:
-        torch.save(res, Path(outdir) / f"rank{rank}.pt")
-        dist.destroy_process_group()
+        sw.load_state = kept_load
+    res["planted"] = planted + [tr.train_step()["loss"] for _ in range(3)]
+
+    # the drill: rank 2 (pp stage 1, dp 0) computes 6x slower from step 6 on. Re-splits
+    # only: the 4 ranks share 2 cores, which layout candidates (one device per rank) ignore
+    out = Path(outdir) / "slow"
+    scfg = _cfg(pp=2, dp=2, steps=STEPS, seq_len=64, out=str(out),
+                slow_rank=SlowRank(2, 6.0, 6),
+                adapt=AdaptConfig(min_steps=4, baseline_steps=3, layouts=False,
+                                  rebalance=False))
+    scfg.resolve(world)
+    train(scfg, Comm(scfg.dims, rank), log=None)
+    return res
 
 
 @pytest.fixture(scope="module")
-def four_ranks():
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(4, free_port(), tmp), nprocs=4, start_method="spawn")
-        per_rank = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(4)]
-        decisions = [json.loads(x) for x in (Path(tmp) / "slow" / "adapt.jsonl").read_text()
-                     .splitlines()]
-        metrics = [json.loads(x) for x in (Path(tmp) / "slow" / "metrics.jsonl").read_text()
-                   .splitlines()]
+def four_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("adapt")
+    per_rank = spawn(_worker, 4, str(tmp))
+    decisions = [json.loads(x) for x in (tmp / "slow" / "adapt.jsonl").read_text()
+                 .splitlines()]
+    metrics = [json.loads(x) for x in (tmp / "slow" / "metrics.jsonl").read_text()
+               .splitlines()]
     return per_rank, decisions, metrics
 
 
