@@ -4,21 +4,15 @@ and test_strict_order.py."""
 
 from __future__ import annotations
 
-import os
-import tempfile
-from pathlib import Path
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from commpipe.parallel.comm import Comm
 from commpipe.parallel.data import clip_grad_norm_
 from commpipe.parallel.dims import ParallelDims
 from commpipe.train.config import TrainConfig
 from commpipe.train.loop import Trainer
-from tests.dist_harness import free_port
+from tests.dist_harness import spawn
 from tests.reference import reference_run
 from tests.test_equivalence import make_cfg
 
@@ -53,29 +47,21 @@ def test_grad_norm_is_computed_on_the_parameters_device():
     assert total == pytest.approx(1.0, rel=1e-5)
 
 
-def _nccl_worker(rank: int, world: int, port: int, outdir: str, dim: str, schedule: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
-                      RANK=str(rank), LOCAL_RANK=str(rank))
+def _nccl_worker(rank: int, world: int, dim: str, schedule: str) -> list:
     cfg = make_cfg(ParallelDims(**{dim: world}), schedule, model=MODEL, device="auto",
                    precision="fp32")
     trainer = Trainer.build(cfg)          # init_distributed: NCCL, cuda:LOCAL_RANK
-    try:
-        assert trainer.comm.backend == "nccl" and trainer.comm.strict_order
-        assert torch.cuda.current_device() == rank
-        losses = [trainer.train_step()["loss"] for _ in range(cfg.steps)]
-        torch.save(losses, Path(outdir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    assert trainer.comm.backend == "nccl" and trainer.comm.strict_order
+    assert torch.cuda.current_device() == rank
+    return [trainer.train_step()["loss"] for _ in range(cfg.steps)]
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 @pytest.mark.parametrize("dim, schedule", [("pp", "zbv"), ("pp", "stp"), ("tp", "stp")])
 def test_over_nccl_matches_single_device(dim, schedule):
     # ("tp", "stp"): the braids' TP collectives issued asynchronously on NCCL's stream
-    with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_nccl_worker, args=(2, free_port(), tmp, dim, schedule), nprocs=2,
-                           start_method="spawn")
-        losses = torch.load(Path(tmp) / "rank0.pt")
+    # backend=None: the trainer starts the group itself, from torchrun's variables
+    losses = spawn(_nccl_worker, 2, dim, schedule, backend=None)[0]
     reference = reference_run(make_cfg(ParallelDims(), "1f1b", model=MODEL))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference["losses"]),
                                rtol=1e-4, atol=0)
