@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -19,7 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 from commpipe.cli import main
@@ -29,7 +27,7 @@ from commpipe.parallel.dims import ParallelDims
 from commpipe.train import checkpoint
 from commpipe.train.config import OptimConfig, TrainConfig
 from tests import checkpoint_ep_jobs
-from tests.dist_harness import free_port
+from tests.dist_harness import spawn
 from tests.test_equivalence import check_params
 
 GLOBAL_BATCH, SEQ, STEPS, EVAL_BATCHES = 4, 16, 4, 2
@@ -64,48 +62,42 @@ def _build(cfg, rank):
     return Trainer.build(cfg, Comm(cfg.dims, rank))
 
 
-def _worker(rank: int, world: int, port: int, root: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+def _worker(rank: int, world: int, root: str) -> dict:
     from commpipe.train.loop import train
 
     root = Path(root)
     res = {}
-    try:
-        # A: tp=2 pp=2, four uninterrupted steps, saved after step 2 (in passing)
-        a = _build(make_cfg(tp=2, pp=2), rank)
-        losses = [a.train_step()["loss"] for _ in range(2)]
-        res["A@2"] = _snapshot(a)
-        res["A@2"]["val"] = a.evaluate()
-        ck2 = checkpoint.save(a, root / "a")
-        losses += [a.train_step()["loss"] for _ in range(2)]
-        res["A"] = {"losses": losses}
-        # resume in the same layout through the training loop (--resume PATH)
-        hist = train(make_cfg(tp=2, pp=2, resume=str(ck2)), log=None)
-        res["resume"] = {"losses": [r["loss"] for r in hist], "steps": [r["step"] for r in hist]}
-        # the same checkpoint under other layouts: weights, optimizer, then two more steps
-        # (zbv: four one-layer stages in a V over two ranks, the forward-only program included)
-        for key, cfg in (("pp4", make_cfg(pp=4)), ("dp2tp2z", make_cfg(dp=2, tp=2, zero1=True)),
-                         ("zbv", make_cfg(tp=2, pp=2, schedule="zbv"))):
-            t = _build(cfg, rank)
-            checkpoint.load(t, ck2)
-            res[key] = _snapshot(t)
-            res[key]["val"] = t.evaluate()
-            res[key]["losses"] = [t.train_step()["loss"] for _ in range(2)]
-        # ZeRO-1 on the saving side: dp=2 tp=2 saves after step 3, pp=4 loads it
-        c = _build(make_cfg(dp=2, tp=2, zero1=True), rank)
-        checkpoint.load(c, ck2)
-        c.train_step()
-        res["C@3"] = _snapshot(c)
-        ck3 = checkpoint.save(c, root / "c")
-        d = _build(make_cfg(pp=4), rank)
-        checkpoint.load(d, ck3)
-        res["D"] = _snapshot(d)
-        res.update(checkpoint_ep_jobs.run(rank, root, _build))   # MoE under ep 1, 2, 4
-        torch.save(res, root / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    # A: tp=2 pp=2, four uninterrupted steps, saved after step 2 (in passing)
+    a = _build(make_cfg(tp=2, pp=2), rank)
+    losses = [a.train_step()["loss"] for _ in range(2)]
+    res["A@2"] = _snapshot(a)
+    res["A@2"]["val"] = a.evaluate()
+    ck2 = checkpoint.save(a, root / "a")
+    losses += [a.train_step()["loss"] for _ in range(2)]
+    res["A"] = {"losses": losses}
+    # resume in the same layout through the training loop (--resume PATH)
+    hist = train(make_cfg(tp=2, pp=2, resume=str(ck2)), log=None)
+    res["resume"] = {"losses": [r["loss"] for r in hist], "steps": [r["step"] for r in hist]}
+    # the same checkpoint under other layouts: weights, optimizer, then two more steps
+    # (zbv: four one-layer stages in a V over two ranks, the forward-only program included)
+    for key, cfg in (("pp4", make_cfg(pp=4)), ("dp2tp2z", make_cfg(dp=2, tp=2, zero1=True)),
+                     ("zbv", make_cfg(tp=2, pp=2, schedule="zbv"))):
+        t = _build(cfg, rank)
+        checkpoint.load(t, ck2)
+        res[key] = _snapshot(t)
+        res[key]["val"] = t.evaluate()
+        res[key]["losses"] = [t.train_step()["loss"] for _ in range(2)]
+    # ZeRO-1 on the saving side: dp=2 tp=2 saves after step 3, pp=4 loads it
+    c = _build(make_cfg(dp=2, tp=2, zero1=True), rank)
+    checkpoint.load(c, ck2)
+    c.train_step()
+    res["C@3"] = _snapshot(c)
+    ck3 = checkpoint.save(c, root / "c")
+    d = _build(make_cfg(pp=4), rank)
+    checkpoint.load(d, ck3)
+    res["D"] = _snapshot(d)
+    res.update(checkpoint_ep_jobs.run(rank, root, _build))   # MoE under ep 1, 2, 4
+    return res
 
 
 def _cat(shards: dict, tp_dim: int | None) -> torch.Tensor:
@@ -141,8 +133,7 @@ def assemble(snapshots: list[dict]) -> tuple[dict, dict]:
 @pytest.fixture(scope="module")
 def world4():
     with tempfile.TemporaryDirectory() as tmp:
-        mp.start_processes(_worker, args=(4, free_port(), tmp), nprocs=4, start_method="spawn")
-        per_rank = [torch.load(Path(tmp) / f"rank{r}.pt", weights_only=False) for r in range(4)]
+        per_rank = spawn(_worker, 4, tmp)
         saved = Path(tmp) / "a" / checkpoint.step_dirname(2)
         keep = Path(tempfile.mkdtemp()) / "ckpt"
         shutil.copytree(saved, keep)
