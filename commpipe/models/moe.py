@@ -206,19 +206,22 @@ class MoELayer(nn.Module):
         """x [b, s, h] -> (out [b, s, h], this layer's load-balancing loss)."""
         flat = x.reshape(-1, x.shape[-1])                          # [T, h]
         r = self.route(flat)
-        return self.unit_combine(self.experts(self.dispatch(flat, r), r.counts), r, x), r.aux
+        y = self.experts(self.dispatch(flat, r), r.counts)
+        return self.unit_combine(y, r, self.unit_shared(flat)).view_as(x), r.aux
 
     # Units (DualPipe, DeepSeek-V3 section 3.2.1): the layer cut at its token exchanges, so a
     # unit-by-unit runtime (commpipe.runtime.units_moe) can keep expert parallelism's
-    # all-to-alls in flight while another pass computes: route, dispatch, the experts, then
-    # unit_combine; forward() above is exactly their composition.
-    def unit_combine(self, y: torch.Tensor, r: Routing, x: torch.Tensor) -> torch.Tensor:
+    # all-to-alls in flight while another pass computes: route, then dispatch and the shared
+    # experts, the routed experts, then unit_combine; forward() above is their composition.
+    def unit_shared(self, flat: torch.Tensor) -> torch.Tensor | None:
+        """The shared experts on the tokens [T, h] (None without shared experts)."""
+        return self.shared(flat) if self.shared is not None else None
+
+    def unit_combine(self, y: torch.Tensor, r: Routing, shared: torch.Tensor | None):
         """The experts' outputs y [T k, h] (grouped by expert) weighted and summed per token,
-        plus the shared experts on the layer input x [b, s, h] -> [b, s, h]."""
+        plus the shared experts' output [T, h] -> [T, h]."""
         out = self.combine(y, r)
-        if self.shared is not None:
-            out = out + self.shared(x.reshape(-1, x.shape[-1]))
-        return out.view_as(x)
+        return out + shared if shared is not None else out
 
 
 class MoEBlock(nn.Module):
@@ -241,7 +244,8 @@ class MoEBlock(nn.Module):
         return self.residual(h, m), aux
 
     # Units as LLaMA's Block offers them (commpipe.models.llama); a MoE block's MLP splits
-    # further at its all-to-alls (MoELayer: route, dispatch, experts, unit_combine).
+    # further at its all-to-alls (MoELayer: route, dispatch, unit_shared, experts,
+    # unit_combine).
     def unit_pre_attn(self, x):
         return self.attention_norm(x)
 

@@ -7,9 +7,10 @@ token exchanges (commpipe.models.moe.MoELayer):
 
     route     router, top-k, rows per expert
     dispatch  the splits the exchanged counts fix, the local permutation grouping each token's
-              copies by expert
+              copies by expert, and the shared experts (computed here, as DeepSeek-V3 does, so
+              they cover the other pass's exchange in flight)
     experts   this rank's experts on the rows it received
-    combine   each token's k copies weighted and summed, plus the shared experts
+    combine   each token's k copies weighted and summed, plus the shared experts' output
 
     edge                  forward                             backward (adjoint)
     route -> dispatch     all-to-all of the row counts        none (integers)
@@ -40,13 +41,13 @@ def moe_plan(mod, x: torch.Tensor, carried_aux: bool) -> list[_Step]:
     """The steps of MoE stage `mod` on input x (tokens [b, s] or hidden states [b, s, h]);
     `carried_aux`: the stage receives the balancing term so far (edge `in.aux`)."""
     b, s = x.shape[:2]
-    tokens, positions = b * s, torch.arange(s, device=x.device)
+    positions = torch.arange(s, device=x.device)
     steps, h, m, terms = [], "in", None, []
     if mod.tok_embeddings is not None:
         steps.append(_Step("embed", lambda t: (mod.tok_embeddings(t),), ("in",), ("e",), (None,)))
         h = "e"
     for i, block in mod.layers.items():
-        steps += _layer_steps(mod, i, block, positions, tokens, h, m)
+        steps += _layer_steps(mod, i, block, positions, (b, s, mod.spec.hidden), h, m)
         h, m = f"{i}.h", f"{i}.m"
         if block.is_moe:
             terms.append(f"{i}.aux")
@@ -63,9 +64,10 @@ def moe_plan(mod, x: torch.Tensor, carried_aux: bool) -> list[_Step]:
     return steps
 
 
-def _layer_steps(mod, i: str, block, positions, tokens: int, h: str, m: str | None) -> list:
+def _layer_steps(mod, i: str, block, positions, shape, h: str, m: str | None) -> list:
     """Block i's units; (h, m) name the previous layer's residual and MLP output (m None: the
-    stage input, nothing to add)."""
+    stage input, nothing to add); shape: the hidden states' [b, s, h]."""
+    tokens = shape[0] * shape[1]
 
     def pre_attn(*hm):
         x = hm[0] if len(hm) == 1 else block.residual(*hm)
@@ -90,7 +92,7 @@ def _layer_steps(mod, i: str, block, positions, tokens: int, h: str, m: str | No
 
     def pre_mlp(x, a):
         h, n = block.unit_pre_mlp(x, a)
-        return h, n, n, n     # n read by route, dispatch and combine (shared experts)
+        return h, n, n      # n read by route and by dispatch (permutation, shared experts)
 
     def route(n):
         r = ff.route(n.reshape(-1, n.shape[-1]))
@@ -99,29 +101,31 @@ def _layer_steps(mod, i: str, block, positions, tokens: int, h: str, m: str | No
         return r.weights, mod.aux_term(r.aux, tokens), counts
 
     def dispatch(n, received):
-        r = routing["r"]
+        r, flat = routing["r"], n.reshape(-1, n.shape[-1])
         if edges is not None:
             edges.settle(r.counts, received)
-        return (ff.dispatch(n.reshape(-1, n.shape[-1]), r),)
+        shared = ff.unit_shared(flat)
+        return (ff.dispatch(flat, r),) + (() if shared is None else (shared,))
 
     def experts(rows):
         if edges is not None:
             return (edges.local_experts(rows),)
         return (ff.experts(rows, routing["r"].counts),)
 
-    def combine(y, weights, n):
+    def combine(y, weights, *shared):
         r = dataclasses.replace(routing.pop("r"), weights=weights)
-        return (ff.unit_combine(y, r, n),)
+        return (ff.unit_combine(y, r, shared[0] if shared else None).view(shape),)
 
     count_edge, dispatch_edge, combine_edge = \
         (edges.counts, edges.dispatch, edges.combine) if edges else (None, None, None)
+    shared = (f"{i}.shared",) if ff.shared is not None else ()
     return steps + [
-        _Step("pre_mlp", pre_mlp, (f"{i}.x", f"{i}.a"),
-              (f"{i}.h", f"{i}.n2", f"{i}.n2d", f"{i}.n2s"), (None, None, None, None)),
+        _Step("pre_mlp", pre_mlp, (f"{i}.x", f"{i}.a"), (f"{i}.h", f"{i}.n2", f"{i}.n2d"),
+              (None, None, None)),
         _Step("route", route, (f"{i}.n2",), (f"{i}.w", f"{i}.aux", f"{i}.counts"),
               (None, None, count_edge)),
-        _Step("dispatch", dispatch, (f"{i}.n2d", f"{i}.counts"), (f"{i}.rows",),
-              (dispatch_edge,)),
+        _Step("dispatch", dispatch, (f"{i}.n2d", f"{i}.counts"), (f"{i}.rows", *shared),
+              (dispatch_edge, *[None] * len(shared))),
         _Step("experts", experts, (f"{i}.rows",), (f"{i}.y",), (combine_edge,)),
-        _Step("combine", combine, (f"{i}.y", f"{i}.w", f"{i}.n2s"), (f"{i}.m",), (None,)),
+        _Step("combine", combine, (f"{i}.y", f"{i}.w", *shared), (f"{i}.m",), (None,)),
     ]
