@@ -161,7 +161,7 @@ def test_plan_refuses_an_ep_that_does_not_divide_the_experts():
 
 
 def test_a_braided_schedule_leaves_the_all_to_alls_exposed():
-    # the runtime runs a braid's two passes one after the other around an MoE layer (docs/moe.md)
+    # the planner does not yet credit what a braid hides of the all-to-alls (plan/moe_costs.py)
     spec = resolve(SMALL.replace("layers=2", "layers=4"))
     cluster = default_cluster(resolve_gpu("h100"), 8, 8)
     job = Job(global_batch=16, seq_len=256)

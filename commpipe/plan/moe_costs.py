@@ -26,9 +26,10 @@ recompute (the forward replayed). Each moves, per rank, its T k token copies of 
             max(peers on the node's share over NVLink, the other nodes' share over the NIC)
             + one latency step                                   EP group across nodes
 The EP group is `ep` consecutive ranks of the dp*cp group (stride tp in commpipe's rank grid),
-placed by Cluster.placement. Exposed: no schedule hides it yet (a braided schedule runs its two
-passes one after the other around an MoE layer in the runtime: docs/moe.md), so it sits in the
-stage's forward and backward as TP collectives do without overlap.
+placed by Cluster.placement. Priced exposed under every schedule: it sits in the stage's forward
+and backward as TP collectives do without overlap. Braided schedules (dualpipev, stp) run MoE
+stages unit by unit with the all-to-alls in flight behind the other pass (docs/moe.md), and
+hid 25-31% of what 1f1b exposes on the emulated cluster; the planner does not credit that yet.
 """
 
 from __future__ import annotations
