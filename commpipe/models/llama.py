@@ -109,7 +109,31 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-class Block(nn.Module):
+class PreNormUnits:
+    """The units of a pre-norm block with `attention_norm`, `attention` and `ffn_norm` (STP, Qi
+    et al. 2025): the layer cut where tensor parallelism communicates, so a unit-by-unit runtime
+    (commpipe.runtime.units) can keep one unit's collective in flight while another pass
+    computes. A block's forward() is exactly their composition. Each residual add runs where
+    the sum's second operand is first complete: the attention's in pre_mlp, the MLP's in
+    `residual` (the next layer's first unit, or the stage's end). LLaMA's Block and the MoE
+    block (commpipe.models.moe) share them; each adds its own MLP unit(s)."""
+
+    def unit_pre_attn(self, x):
+        return self.attention_norm(x)
+
+    def unit_attn(self, n, positions):
+        return self.attention(n, positions)
+
+    def unit_pre_mlp(self, x, a):
+        h = x + a
+        return h, self.ffn_norm(h)
+
+    @staticmethod
+    def residual(h, m):
+        return h + m
+
+
+class Block(PreNormUnits, nn.Module):
     def __init__(self, spec: ModelSpec):
         super().__init__()
         self.attention_norm = RMSNorm(spec.hidden, spec.norm_eps)
@@ -122,27 +146,8 @@ class Block(nn.Module):
         h, n = self.unit_pre_mlp(x, a)
         return self.residual(h, self.unit_mlp(n))
 
-    # Units (STP, Qi et al. 2025): the layer cut where tensor parallelism communicates, so a
-    # unit-by-unit runtime (commpipe.runtime.units) can keep one unit's collective in flight
-    # while another pass computes. forward() above is exactly their composition. Each residual
-    # add runs where the sum's second operand is first complete: the attention's in pre_mlp,
-    # the MLP's in `residual` (the next layer's first unit, or the stage's end).
-    def unit_pre_attn(self, x):
-        return self.attention_norm(x)
-
-    def unit_attn(self, n, positions):
-        return self.attention(n, positions)
-
-    def unit_pre_mlp(self, x, a):
-        h = x + a
-        return h, self.ffn_norm(h)
-
     def unit_mlp(self, n):
         return self.feed_forward(n)
-
-    @staticmethod
-    def residual(h, m):
-        return h + m
 
 
 class Transformer(nn.Module):

@@ -27,7 +27,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from commpipe.models.llama import RMSNorm, apply_rope, cross_entropy_sum, param_seed, rope_cos_sin
+from commpipe.models.llama import (
+    PreNormUnits,
+    RMSNorm,
+    apply_rope,
+    cross_entropy_sum,
+    param_seed,
+    rope_cos_sin,
+)
 from commpipe.models.moe_spec import MoESpec, resolve_moe
 
 
@@ -224,8 +231,10 @@ class MoELayer(nn.Module):
         return out + shared if shared is not None else out
 
 
-class MoEBlock(nn.Module):
-    """Pre-norm block: attention, then a dense SwiGLU (the first dense_layers) or a MoE layer."""
+class MoEBlock(PreNormUnits, nn.Module):
+    """Pre-norm block: attention, then a dense SwiGLU (the first dense_layers) or a MoE layer.
+    Its units are LLaMA's (PreNormUnits); a MoE layer's MLP splits further at its all-to-alls
+    (MoELayer: route, dispatch, unit_shared, experts, unit_combine)."""
 
     def __init__(self, spec: MoESpec, i: int):
         super().__init__()
@@ -242,23 +251,6 @@ class MoEBlock(nn.Module):
             return self.residual(h, self.feed_forward(n)), None
         m, aux = self.feed_forward(n)
         return self.residual(h, m), aux
-
-    # Units as LLaMA's Block offers them (commpipe.models.llama); a MoE block's MLP splits
-    # further at its all-to-alls (MoELayer: route, dispatch, unit_shared, experts,
-    # unit_combine).
-    def unit_pre_attn(self, x):
-        return self.attention_norm(x)
-
-    def unit_attn(self, n, positions):
-        return self.attention(n, positions)
-
-    def unit_pre_mlp(self, x, a):
-        h = x + a
-        return h, self.ffn_norm(h)
-
-    @staticmethod
-    def residual(h, m):
-        return h + m
 
 
 class MoETransformer(nn.Module):
