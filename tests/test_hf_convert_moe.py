@@ -21,11 +21,12 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 from commpipe.cli import main  # noqa: E402
-from commpipe.models import hf, hf_moe  # noqa: E402
+from commpipe.models import hf, hf_llama, hf_moe  # noqa: E402
 from commpipe.models.llama import cross_entropy_sum  # noqa: E402
 from commpipe.models.moe import MoETransformer  # noqa: E402
 from commpipe.train.weights import read_weights, save_weights  # noqa: E402
-from tests.dist_harness import spawn  # noqa: E402
+from tests.dist_harness import first_losses, spawn  # noqa: E402
+from tests.test_hf_convert import save_and_convert  # noqa: E402
 
 SEQ, GLOBAL_BATCH, SEED = 16, 4, 3
 KINDS = ("mixtral", "mixtral-aux")
@@ -56,15 +57,7 @@ def hf_model(kind: str):
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """{kind: (Hugging Face folder, converted commpipe checkpoint, the Hugging Face model)}"""
-    out = {}
-    for kind in KINDS:
-        root = tmp_path_factory.mktemp(kind)
-        model = hf_model(kind)
-        model.save_pretrained(root / "hf")
-        assert main(["convert", "--from-hf", str(root / "hf"), "--out", str(root / "ckpt")]) == 0
-        out[kind] = (root / "hf", root / "ckpt", model)
-    return out
+    return save_and_convert(tmp_path_factory, KINDS, hf_model)
 
 
 def commpipe_model(spec, state):
@@ -170,7 +163,8 @@ def test_planted_mapping_bugs_are_caught(saved, monkeypatch, plant):
     """The weights still load (the shapes agree), but the logits comparison above sees it."""
     hf_dir, _, reference = saved["mixtral"]
     if plant == "unpermuted rotary rows":
-        monkeypatch.setattr(hf_moe, "halves_to_pairs", lambda w, heads: w)
+        # the attention rules Mixtral shares with LLaMA (hf_llama.attention_rules)
+        monkeypatch.setattr(hf_llama, "halves_to_pairs", lambda w, heads: w)
     else:
         monkeypatch.setattr(hf_moe, "EXPERT_NAMES", (("w1", "w3"), ("w2", "w2"), ("w3", "w1")))
     spec, state = converted(hf_dir)
@@ -261,17 +255,6 @@ def test_cli_init_from_trains_the_converted_model(saved, tmp_path):
 
 
 # -- pp=2 and tp=2: the first step's loss from --init-from equals Hugging Face's ----------------
-def _worker(rank: int, world: int, jobs: list) -> dict:
-    from commpipe.parallel.comm import Comm
-    from commpipe.train.loop import train
-
-    losses = {}
-    for kind, cfg in jobs:
-        cfg.resolve(world)
-        losses[kind] = train(cfg, Comm(cfg.dims, rank), log=None)[0]["loss"]
-    return losses
-
-
 @pytest.mark.slow
 def test_pp2_and_tp2_first_step_from_init_equals_hugging_face(saved):
     """The 2-layer model split over two pipeline stages (four micro-batches, 1F1B), and the
@@ -288,7 +271,7 @@ def test_pp2_and_tp2_first_step_from_init_equals_hugging_face(saved):
         jobs.append((kind, TrainConfig(model=init_model(ckpt, None), init_from=ckpt, dims=dims,
                                        steps=1, seq_len=SEQ, global_batch=GLOBAL_BATCH,
                                        micro_batch_size=mbs, seed=SEED, device="cpu")))
-    per_rank = spawn(_worker, 2, jobs)
+    per_rank = spawn(first_losses, 2, jobs)
     for kind in KINDS:
         _, spec, _ = read_weights(saved[kind][1])
         want = hf_loss(kind, saved[kind][2], spec)

@@ -100,22 +100,36 @@ def config_from_spec(spec: ModelSpec, origin: dict | None) -> dict:
     return config
 
 
+def end_rules() -> list[Rule]:
+    """The embedding, final norm and head of a LLaMA-style decoder (LLaMA, Mixtral)."""
+    return [copy("tok_embeddings.weight", "model.embed_tokens.weight"),
+            copy("norm.weight", "model.norm.weight"), copy("output.weight", "lm_head.weight")]
+
+
+def attention_rules(c: str, h: str, heads: int, kv_heads: int) -> list[Rule]:
+    """Layer `c` (commpipe) / `h` (Hugging Face)'s attention: q and k rows permuted between the
+    rotary layouts, v and o copied."""
+    out = [Rule((f"{c}attention.{ours}.weight",), (f"{h}self_attn.{theirs}.weight",),
+                lambda w, n=n: (halves_to_pairs(w, n),), lambda w, n=n: (pairs_to_halves(w, n),))
+           for ours, theirs, n in (("wq", "q_proj", heads), ("wk", "k_proj", kv_heads))]
+    return out + [copy(f"{c}attention.wv.weight", f"{h}self_attn.v_proj.weight"),
+                  copy(f"{c}attention.wo.weight", f"{h}self_attn.o_proj.weight")]
+
+
+def norm_rules(c: str, h: str) -> list[Rule]:
+    return [copy(f"{c}attention_norm.weight", f"{h}input_layernorm.weight"),
+            copy(f"{c}ffn_norm.weight", f"{h}post_attention_layernorm.weight")]
+
+
 def rules(spec: ModelSpec) -> list[Rule]:
-    out = [copy("tok_embeddings.weight", "model.embed_tokens.weight"),
-           copy("norm.weight", "model.norm.weight"), copy("output.weight", "lm_head.weight")]
+    out = end_rules()
     for i in range(spec.layers):
         c, h = f"layers.{i}.", f"model.layers.{i}."
-        for ours, theirs, heads in (("wq", "q_proj", spec.heads), ("wk", "k_proj", spec.kv_heads)):
-            out.append(Rule((f"{c}attention.{ours}.weight",), (f"{h}self_attn.{theirs}.weight",),
-                            lambda w, n=heads: (halves_to_pairs(w, n),),
-                            lambda w, n=heads: (pairs_to_halves(w, n),)))
-        out += [copy(f"{c}attention.wv.weight", f"{h}self_attn.v_proj.weight"),
-                copy(f"{c}attention.wo.weight", f"{h}self_attn.o_proj.weight"),
-                copy(f"{c}feed_forward.w1.weight", f"{h}mlp.gate_proj.weight"),
+        out += attention_rules(c, h, spec.heads, spec.kv_heads)
+        out += [copy(f"{c}feed_forward.w1.weight", f"{h}mlp.gate_proj.weight"),
                 copy(f"{c}feed_forward.w3.weight", f"{h}mlp.up_proj.weight"),
-                copy(f"{c}feed_forward.w2.weight", f"{h}mlp.down_proj.weight"),
-                copy(f"{c}attention_norm.weight", f"{h}input_layernorm.weight"),
-                copy(f"{c}ffn_norm.weight", f"{h}post_attention_layernorm.weight")]
+                copy(f"{c}feed_forward.w2.weight", f"{h}mlp.down_proj.weight")]
+        out += norm_rules(c, h)
     return out
 
 

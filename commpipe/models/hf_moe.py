@@ -38,7 +38,7 @@ from commpipe.models.hf import (
     register,
     set_tie_word_embeddings,
 )
-from commpipe.models.hf_llama import halves_to_pairs, pairs_to_halves, rope_theta
+from commpipe.models.hf_llama import attention_rules, end_rules, norm_rules, rope_theta
 from commpipe.models.moe_spec import MoESpec
 
 # MixtralConfig's defaults (transformers' configuration_mixtral.py), for keys a config omits
@@ -169,19 +169,11 @@ def _set_aux(config: dict, spec: MoESpec) -> None:
 
 
 def rules(spec: MoESpec) -> list[Rule]:
-    out = [copy("tok_embeddings.weight", "model.embed_tokens.weight"),
-           copy("norm.weight", "model.norm.weight"), copy("output.weight", "lm_head.weight")]
+    out = end_rules()
     for i in range(spec.layers):
         c, h = f"layers.{i}.", f"model.layers.{i}."
-        for ours, theirs, heads in (("wq", "q_proj", spec.heads), ("wk", "k_proj", spec.kv_heads)):
-            out.append(Rule((f"{c}attention.{ours}.weight",), (f"{h}self_attn.{theirs}.weight",),
-                            lambda w, n=heads: (halves_to_pairs(w, n),),
-                            lambda w, n=heads: (pairs_to_halves(w, n),)))
-        out += [copy(f"{c}attention.wv.weight", f"{h}self_attn.v_proj.weight"),
-                copy(f"{c}attention.wo.weight", f"{h}self_attn.o_proj.weight"),
-                copy(f"{c}attention_norm.weight", f"{h}input_layernorm.weight"),
-                copy(f"{c}ffn_norm.weight", f"{h}post_attention_layernorm.weight"),
-                copy(f"{c}feed_forward.router.weight", f"{h}block_sparse_moe.gate.weight")]
+        out += attention_rules(c, h, spec.heads, spec.kv_heads) + norm_rules(c, h)
+        out.append(copy(f"{c}feed_forward.router.weight", f"{h}block_sparse_moe.gate.weight"))
         for ours, theirs in EXPERT_NAMES:   # [experts, ...] <-> one tensor per expert
             out.append(Rule((f"{c}feed_forward.experts.{ours}",),
                             tuple(f"{h}block_sparse_moe.experts.{e}.{theirs}.weight"
