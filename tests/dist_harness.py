@@ -115,6 +115,19 @@ def train_jobs(rank: int, world: int, jobs: list) -> dict:
     return results
 
 
+def first_losses(rank: int, world: int, jobs: list) -> dict:
+    """`spawn` worker: for each (key, TrainConfig), the first step's loss of `train` (with the
+    config's --init-from, say), as this rank reports it."""
+    from commpipe.parallel.comm import Comm
+    from commpipe.train.loop import train
+
+    losses = {}
+    for key, cfg in jobs:
+        cfg.resolve(world)
+        losses[key] = train(cfg, Comm(cfg.dims, rank), log=None)[0]["loss"]
+    return losses
+
+
 def run_jobs(world: int, jobs: list) -> dict:
     """jobs: [(key, TrainConfig[, plant])] -> {key: {"losses", "grad_norms", "params", "grads",
     "replicas_equal"}}; `plant(trainer)`, a module-level function, changes the built trainer

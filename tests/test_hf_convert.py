@@ -20,7 +20,7 @@ from safetensors.torch import load_file  # noqa: E402
 from commpipe.cli import main  # noqa: E402
 from commpipe.models import hf_llama  # noqa: E402
 from commpipe.train.weights import read_weights, save_weights  # noqa: E402
-from tests.dist_harness import spawn  # noqa: E402
+from tests.dist_harness import first_losses, spawn  # noqa: E402
 
 SEQ, GLOBAL_BATCH, SEED = 16, 4, 3
 
@@ -54,17 +54,22 @@ def hf_model(kind: str):
     return model.eval()
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """{kind: (Hugging Face folder, converted commpipe checkpoint, the Hugging Face model)}"""
+def save_and_convert(tmp_path_factory, kinds, hf_model) -> dict:
+    """{kind: (Hugging Face folder, converted commpipe checkpoint, the Hugging Face model)}:
+    each kind's model saved with save_pretrained and converted by `commpipe convert`."""
     out = {}
-    for kind in ("llama", "llama-tied", "blip"):
+    for kind in kinds:
         root = tmp_path_factory.mktemp(kind)
         model = hf_model(kind)
         model.save_pretrained(root / "hf")
         assert main(["convert", "--from-hf", str(root / "hf"), "--out", str(root / "ckpt")]) == 0
         out[kind] = (root / "hf", root / "ckpt", model)
     return out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    return save_and_convert(tmp_path_factory, ("llama", "llama-tied", "blip"), hf_model)
 
 
 def commpipe_model(spec, state):
@@ -213,17 +218,6 @@ def test_init_from_refuses_another_model_and_resume_of_weights(saved, capsys):
 
 
 # -- tp=2 pp=2: the first step's loss from --init-from equals Hugging Face's ---------------------
-def _worker(rank: int, world: int, jobs: list) -> dict:
-    from commpipe.parallel.comm import Comm
-    from commpipe.train.loop import train
-
-    losses = {}
-    for kind, cfg in jobs:
-        cfg.resolve(world)
-        losses[kind] = train(cfg, Comm(cfg.dims, rank), log=None)[0]["loss"]
-    return losses
-
-
 @pytest.mark.slow
 def test_tp2_pp2_first_step_from_init_equals_hugging_face(saved):
     from commpipe.parallel.dims import ParallelDims
@@ -236,7 +230,7 @@ def test_tp2_pp2_first_step_from_init_equals_hugging_face(saved):
         jobs.append((kind, TrainConfig(model=init_model(ckpt, None), init_from=ckpt,
                                        dims=ParallelDims(tp=2, pp=2), steps=1, seq_len=SEQ,
                                        global_batch=GLOBAL_BATCH, seed=SEED, device="cpu")))
-    per_rank = spawn(_worker, 4, jobs)
+    per_rank = spawn(first_losses, 4, jobs)
     for kind in ("llama", "blip"):
         _, spec, _ = read_weights(saved[kind][1])
         want = hf_loss(kind, saved[kind][2], spec)
