@@ -1,4 +1,5 @@
-"""What the benchmarks on the emulated cluster share (stp_emulated.py, overlap_emulated.py).
+"""What the benchmarks on the emulated cluster share (stp_emulated.py, overlap_emulated.py,
+moe_ep_emulated.py).
 
 Their common flags, the checks before a run, two emulated nodes (network namespaces on a bridge,
 commpipe.cluster.netns) with layouts trained on them, and the step times of a run. Not a
@@ -8,8 +9,11 @@ benchmark itself: the scripts import it as a sibling module (`sudo python benchm
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import sys
 import tempfile
+from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -74,3 +78,21 @@ def step_times(run_dir: Path) -> list[float]:
     from commpipe.report.tables import read_jsonl
 
     return [r["step_time_s"] for r in read_jsonl(run_dir / "metrics.jsonl")[1:]]
+
+
+def exposure_per_step(run_dir: Path, dim: str) -> dict[str, float]:
+    """Median over steps 1.. of the per-rank mean exposure of one dimension's communication
+    (`blocked_ms_total`: host time the compute spent waiting for it) and its transfer time
+    (sampled calls) per step, from the run's monitor records."""
+    per = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0]))      # step -> rank -> [w, t]
+    for f in (run_dir / "monitor").glob("rank*.jsonl"):
+        for line in f.read_text().splitlines():
+            r = json.loads(line)
+            if r.get("dim") == dim and r.get("step", 0) >= 1:
+                cell = per[r["step"]][r["rank"]]
+                cell[0] += r.get("blocked_ms_total") or 0.0
+                cell[1] += r.get("transfer_ms_total") or 0.0
+    waits = [statistics.mean(c[0] for c in ranks.values()) for ranks in per.values()]
+    transfers = [statistics.mean(c[1] for c in ranks.values()) for ranks in per.values()]
+    return {"exposed_ms": statistics.median(waits) if waits else 0.0,
+            "transfer_ms": statistics.median(transfers) if transfers else 0.0}

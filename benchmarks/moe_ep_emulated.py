@@ -29,13 +29,17 @@ shared 2-core machine the four ranks contend for the cores: quote ratios, not ab
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
-from collections import defaultdict
-from pathlib import Path
 
-from _emulated import add_out, emulated_runner, parser, runs_dir, step_times
+from _emulated import (
+    add_out,
+    emulated_runner,
+    exposure_per_step,
+    parser,
+    runs_dir,
+    step_times,
+)
 
 MODEL = ("arch=moe,layers=4,hidden=128,heads=4,kv_heads=2,vocab=1024,experts=4,top_k=2,"
          "expert_ffn=256,shared_experts=1,rope_theta=10000")
@@ -52,23 +56,6 @@ def parse_args(argv=None):
                    help="run the schedules this many times, alternating their order (default 3)")
     add_out(p)
     return p.parse_args(argv)
-
-
-def ep_per_step(run_dir: Path) -> dict[str, float]:
-    """Median over steps 1.. of the per-rank EP exposure (`blocked_ms_total`: host time the
-    compute spent waiting for EP all-to-alls) and transfer time (sampled calls) per step."""
-    per = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0]))      # step -> rank -> [w, t]
-    for f in (run_dir / "monitor").glob("rank*.jsonl"):
-        for line in f.read_text().splitlines():
-            r = json.loads(line)
-            if r.get("dim") == "ep" and r.get("step", 0) >= 1:
-                cell = per[r["step"]][r["rank"]]
-                cell[0] += r.get("blocked_ms_total") or 0.0
-                cell[1] += r.get("transfer_ms_total") or 0.0
-    waits = [statistics.mean(c[0] for c in ranks.values()) for ranks in per.values()]
-    transfers = [statistics.mean(c[1] for c in ranks.values()) for ranks in per.values()]
-    return {"exposed_ms": statistics.median(waits) if waits else 0.0,
-            "transfer_ms": statistics.median(transfers) if transfers else 0.0}
 
 
 def main(argv=None) -> int:
@@ -95,7 +82,7 @@ def main(argv=None) -> int:
                 return 1
             these = step_times(out / run)
             steps.setdefault(name, []).extend(these)
-            got = ep_per_step(out / run)
+            got = exposure_per_step(out / run, "ep")
             ep.setdefault(name, []).append(got)
             print(f"{run}: median step {statistics.median(these):.3f} s; EP per step: exposed "
                   f"{got['exposed_ms']:.0f} ms, in transfer {got['transfer_ms']:.0f} ms", flush=True)

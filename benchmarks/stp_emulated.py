@@ -25,13 +25,18 @@ ranks contend for the cores: quote ratios, not absolute times.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
-from collections import defaultdict
 from pathlib import Path
 
-from _emulated import add_out, emulated_runner, parser, runs_dir, step_times
+from _emulated import (
+    add_out,
+    emulated_runner,
+    exposure_per_step,
+    parser,
+    runs_dir,
+    step_times,
+)
 
 MODEL = "arch=llama,layers=8,hidden=128,heads=4,kv_heads=2,ffn_hidden=384,vocab=1024"
 VPP = {"interleaved": 2, "zbv": 1, "stp": 1, "dualpipev": 1}
@@ -53,23 +58,6 @@ def parse_args(argv=None):
     add_out(p)
     p.add_argument("--gantt", default=None, help="draw a window of the stp run's step here (PNG)")
     return p.parse_args(argv)
-
-
-def tp_per_step(run_dir: Path) -> dict[str, float]:
-    """Median over steps 1.. of the per-rank mean TP exposure (`blocked_ms_total`: host time
-    the compute spent waiting for TP collectives) and transfer time (sampled calls) per step."""
-    per = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0]))      # step -> rank -> [w, t]
-    for f in (run_dir / "monitor").glob("rank*.jsonl"):
-        for line in f.read_text().splitlines():
-            r = json.loads(line)
-            if r.get("dim") == "tp" and r.get("step", 0) >= 1:
-                cell = per[r["step"]][r["rank"]]
-                cell[0] += r.get("blocked_ms_total") or 0.0
-                cell[1] += r.get("transfer_ms_total") or 0.0
-    waits = [statistics.mean(c[0] for c in ranks.values()) for ranks in per.values()]
-    transfers = [statistics.mean(c[1] for c in ranks.values()) for ranks in per.values()]
-    return {"exposed_ms": statistics.median(waits) if waits else 0.0,
-            "transfer_ms": statistics.median(transfers) if transfers else 0.0}
 
 
 def simulated(schedule: str, pp: int, microbatches: int, costs) -> float:
@@ -158,7 +146,7 @@ def main(argv=None) -> int:
                 return 1
             these = step_times(out / run)
             steps.setdefault(name, []).extend(these)
-            got = tp_per_step(out / run)
+            got = exposure_per_step(out / run, "tp")
             tp.setdefault(name, []).append(got)
             print(f"{run}: median step {statistics.median(these):.3f} s; TP per "
                   f"step: exposed {got['exposed_ms']:.0f} ms, in transfer "
