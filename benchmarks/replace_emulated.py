@@ -31,30 +31,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from commpipe.adapt.demo import MODEL, RateDriver  # noqa: E402
+from commpipe.adapt.demo import MODEL, Scenario, run_scenario  # noqa: E402
 
 START = {"pp": 2, "dp": 2, "schedule": "1f1b"}
 TRAIN = {"model": MODEL, "seq_len": 32, "global_batch": 8, "seed": 0, "log_every": 10}
-
-
-def run(cluster, out: Path, order: str, adapt: bool, changes, steps: int, port: int) -> list:
-    from commpipe.cluster.grids import Layout
-    from commpipe.cluster.launch import plan_commands, run_commands
-
-    train = dict(TRAIN, steps=steps, adapt=adapt or None, overwrite=True, rank_order=order)
-    cmds = plan_commands(Layout(**START), train, out.resolve(), nodes=cluster.nodes,
-                         ranks_per_node=cluster.ranks_per_node, master_addr=cluster.node_ip(0),
-                         master_port=port, ifname=cluster.ifname)
-    driver = RateDriver(cluster, out, 1, changes)
-    driver.start()
-    try:
-        result = run_commands(cmds, out, cluster=cluster, timeout_s=600)
-    finally:
-        driver.stop.set()
-        driver.join()
-    if not result.ok:
-        raise RuntimeError(f"{out.name} run {result.status}: {result.reason}")
-    return driver.applied
 
 
 def records(out: Path) -> list[dict]:
@@ -90,7 +70,8 @@ def main(argv=None) -> int:
             print(f"{name}: pp2 x dp2 ranks {order}{' with --adapt' if adapt else ''}, node 1's "
                   f"link {args.fast_mbit:g} -> {args.slow_mbit:g} Mbit/s at step {args.onset}",
                   flush=True)
-            run(cluster, out / name, order, adapt, changes, args.steps, 29631 + i)
+            sc = Scenario(steps=args.steps, node=1, train=dict(TRAIN, rank_order=order))
+            run_scenario(cluster, sc, out / name, START, adapt, changes, 29631 + i)
     rows = {name: records(out / name) for name in runs}
     half = args.onset + (args.steps - args.onset) // 2
     print(f"\n{'run':<10} {'healthy ms':>11} {'faulty ms (steps ' + str(half) + '+)':>26}")

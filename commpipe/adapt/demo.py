@@ -74,7 +74,11 @@ class RateDriver(threading.Thread):
             time.sleep(0.02)
 
 
-def _run(cluster, sc: Scenario, run_dir: Path, layout: dict, adapt: bool, changes, port: int):
+def run_scenario(cluster, sc: Scenario, run_dir: Path, layout: dict, adapt: bool, changes,
+                 port: int):
+    """Train `layout` on the emulated cluster with `sc.train` for `sc.steps` (with --adapt if
+    asked) while a RateDriver applies `changes` [(step, Mbit/s)] to node `sc.node`'s link;
+    returns the rate changes as applied (commpipe.adapt.demo, benchmarks/replace_emulated.py)."""
     from commpipe.cluster.grids import Layout
     from commpipe.cluster.launch import plan_commands, run_commands
 
@@ -286,10 +290,10 @@ def run_adaptive_demo(out, sc: Scenario | None = None, log=print) -> dict:
             f"steps {sc.blip[0]}-{sc.blip[1] - 1}"
         log(f"adaptive: {sc.start} with --adapt; link of node {sc.node} {sc.fast_mbit:g} Mbit/s, "
             f"blip to {sc.slow_mbit:g} at {blip}, lasting from step {sc.degrade_step}")
-        applied = _run(cluster, sc, out / "adaptive", sc.start, True, plan, 29611)
+        applied = run_scenario(cluster, sc, out / "adaptive", sc.start, True, plan, 29611)
         cluster.set_rate(sc.node, sc.fast_mbit)
         log("static: the same scenario, controller off")
-        _run(cluster, sc, out / "static", sc.start, False, plan, 29612)
+        run_scenario(cluster, sc, out / "static", sc.start, False, plan, 29612)
         cluster.set_rate(sc.node, sc.slow_mbit)
         oracle = run_oracle(cluster, dict(sc.train, steps=sc.steps), out / "oracle", 29613,
                             log=log)
