@@ -195,7 +195,7 @@ def layer_compute(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
     d = spec.head_dim
     # torchtitan's eager Llama and commpipe's own on a GPU run one GEMM per matrix;
     # Megatron/TE fuse QKV and gate/up
-    own = job.runtime == "commpipe" and gpu.name != "cpu"
+    own = own_runtime_on_gpu(job, gpu)
     shapes = layer_gemms(spec, layout, job, fused=fused_gemms(job, gpu))
     cast = 0.0
     gemm = gemm_f = gemms_time(shapes, job, gpu, eff)
@@ -228,10 +228,16 @@ def layer_compute(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
             "elem_b": elem_b + 2 * cast, "copy_f": copy_f, "copy_b": copy_b}
 
 
+def own_runtime_on_gpu(job: Job, gpu) -> bool:
+    """commpipe's own eager runtime on a GPU, priced op by op (runtime_kernels.py); on a CPU its
+    rates are measured on its own runs."""
+    return job.runtime == "commpipe" and gpu.name != "cpu"
+
+
 def fused_gemms(job: Job, gpu) -> bool:
     """QKV and gate/up as one GEMM each (Megatron/TE), or one per matrix: torchtitan's eager
-    Llama, and commpipe's own on a GPU (its CPU rates are measured on its own runs)."""
-    return not (job.eager_ops or (job.runtime == "commpipe" and gpu.name != "cpu"))
+    Llama, and commpipe's own on a GPU."""
+    return not (job.eager_ops or own_runtime_on_gpu(job, gpu))
 
 
 def gemms_time(shapes: list[tuple], job: Job, gpu, eff: Efficiency) -> float:
