@@ -3,7 +3,10 @@
 schedule, (d) the same plan with the micro-batches shared unevenly across DP replicas (a
 rebalance: nothing moves), (c) the same degrees with the ranks placed in another order (a
 re-placement: which groups cross the slow link), and every other tp x cp x pp x dp layout (each
-with its balanced split), in both orders."""
+with its balanced split), in both orders. For a Mixture-of-Experts model a layout is also its
+expert-parallel size: every ep the layout admits (commpipe.parallel.expert.check_ep: ep divides
+dp*cp and the expert count; commpipe.train.moe.layout_problem) is a candidate of its own, the
+running tp x cp x pp x dp with another ep included; a dense model's plans keep ep = 1."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from commpipe.adapt.model import CostModel
 from commpipe.adapt.plan import Plan
 from commpipe.models.spec import ModelSpec, divisors
 from commpipe.parallel.dims import DEFAULT_ORDER
+from commpipe.plan.moe import ep_choices, routed_spec
 from commpipe.schedules.registry import ONE_CHUNK, info
 
 # rank placements tried (commpipe.parallel.dims): DP inside PP (Megatron's default) or PP inside
@@ -25,6 +29,14 @@ SCHEDULES = ("1f1b",) + tuple(n for n in ONE_CHUNK if n != "1f1b")
 
 def _feasible(plan: Plan, spec: ModelSpec, seq_len: int, global_batch: int) -> bool:
     dims = plan.dims()
+    if plan.ep not in ep_choices(spec, plan.dp * plan.cp):
+        return False
+    if routed_spec(spec) is not None:
+        from commpipe.train.moe import layout_problem
+
+        # no rebalancing of expert-parallel runs: commpipe.train.moe restricts their DP shares
+        if layout_problem(spec, dims, plan.ep) or (plan.ep > 1 and plan.dp_microbatches):
+            return False
     try:
         dims.check_model(spec, seq_len, list(plan.stage_layers))
         m = dims.check_batch(global_batch, plan.micro_batch_size)
@@ -47,7 +59,7 @@ def resplits(cur: Plan, model: CostModel) -> list[Plan]:
     out.discard(cur.stage_layers)
     return [Plan(cur.tp, cp=cur.cp, pp=cur.pp, dp=cur.dp, stage_layers=s, schedule=cur.schedule,
                  microbatches=cur.microbatches, micro_batch_size=cur.micro_batch_size,
-                 order=cur.order)
+                 order=cur.order, ep=cur.ep)
             for s in sorted(out)]
 
 
@@ -65,7 +77,7 @@ def rebatches(base: Plan, global_batch: int, max_per_stage: int,
             if info(sched).m_problem(base.pp, m):
                 continue
             p = Plan(base.tp, base.cp, base.pp, base.dp, base.stage_layers, sched, m, mbs,
-                     order=base.order)
+                     order=base.order, ep=base.ep)
             if p != base:
                 out.append(p)
     return out
@@ -110,7 +122,8 @@ def rebalances(cur: Plan, model: CostModel) -> list[Plan]:
             continue
         even = len(set(counts)) == 1
         plan = Plan(cur.tp, cur.cp, cur.pp, cur.dp, cur.stage_layers, cur.schedule,
-                    cur.microbatches, cur.micro_batch_size, () if even else counts, cur.order)
+                    cur.microbatches, cur.micro_batch_size, () if even else counts, cur.order,
+                    cur.ep)
         if plan != cur:
             out.append(plan)
     return out
@@ -118,8 +131,9 @@ def rebalances(cur: Plan, model: CostModel) -> list[Plan]:
 
 def layouts(cur: Plan, model: CostModel, spec: ModelSpec, seq_len: int, global_batch: int,
             world: int, ranks_per_node: int) -> list[Plan]:
-    """Every other tp x cp x pp x dp of this world (TP kept within a node), with the balanced
-    split and the running schedule, at the running micro-batch size where it divides."""
+    """Every other tp x cp x pp x dp (x ep) of this world (TP kept within a node), with the
+    balanced split and the running schedule, at the running micro-batch size where it
+    divides."""
     out = []
     for tp in divisors(world):
         if tp > ranks_per_node and tp > 1:
@@ -127,7 +141,7 @@ def layouts(cur: Plan, model: CostModel, spec: ModelSpec, seq_len: int, global_b
         for cp in divisors(world // tp):
             for pp in divisors(world // (tp * cp)):
                 dp = world // (tp * cp * pp)
-                if (tp, cp, pp, dp) == (cur.tp, cur.cp, cur.pp, cur.dp) or pp > spec.layers:
+                if pp > spec.layers:
                     continue
                 per_dp = global_batch // dp if global_batch % dp == 0 else 0
                 mbs = cur.micro_batch_size if per_dp and per_dp % cur.micro_batch_size == 0 else 1
@@ -137,10 +151,14 @@ def layouts(cur: Plan, model: CostModel, spec: ModelSpec, seq_len: int, global_b
                 sched = cur.schedule if cur.schedule in SCHEDULES else "1f1b"
                 even = tuple([spec.layers // pp + (1 if s < spec.layers % pp else 0)
                               for s in range(pp)])
-                draft = Plan(tp, cp, pp, dp, even, sched, m, mbs)
-                plan = Plan(tp, cp, pp, dp, model.balanced_split(draft), sched, m, mbs)
-                if _feasible(plan, spec, seq_len, global_batch):
-                    out.append(plan)
+                for ep in ep_choices(spec, dp * cp):
+                    if (tp, cp, pp, dp, ep) == (cur.tp, cur.cp, cur.pp, cur.dp, cur.ep):
+                        continue
+                    draft = Plan(tp, cp, pp, dp, even, sched, m, mbs, ep=ep)
+                    plan = Plan(tp, cp, pp, dp, model.balanced_split(draft), sched, m, mbs,
+                                ep=ep)
+                    if _feasible(plan, spec, seq_len, global_batch):
+                        out.append(plan)
     return out
 
 

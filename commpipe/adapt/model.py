@@ -15,6 +15,9 @@ monitor's measurements (else by node pair, else by link class); TP and CP collec
 DP x CP gradient all-reduce are priced by the planner's `Cluster` (commpipe.plan.cluster: bus
 bytes and latency steps per backend) at the rate measured for their link class, activations at
 the run's element size (2 bytes under bf16), gradients in fp32 as GradReducer sums them.
+A Mixture-of-Experts model's stages are priced the same way, with its family's FLOPs per layer,
+plus its expert-parallel all-to-alls and the experts' own gradient reduction
+(commpipe.adapt.model_moe).
 Everything else in the measured step (optimizer, loss reduction) is carried over as a constant,
 so the current plan's prediction equals its measured step time. Layout candidates assume one
 device per rank (tp and cp divide a stage's compute); on an emulated cluster whose ranks share
@@ -28,13 +31,10 @@ import statistics
 from dataclasses import dataclass, field
 
 from commpipe.adapt.config import AdaptConfig
+from commpipe.adapt.model_moe import edp_group, ep_stage_ms, stage_params
 from commpipe.adapt.plan import Plan
-from commpipe.models.spec import (
-    ModelSpec,
-    head_flops_per_token,
-    layer_flops_per_token,
-    layer_param_count,
-)
+from commpipe.models.family import family_of
+from commpipe.models.spec import ModelSpec
 from commpipe.plan.cluster import Cluster, Link
 from commpipe.plan.gpus import GPU
 from commpipe.schedules import generate
@@ -52,13 +52,13 @@ def replica_m(plan: Plan, d: int) -> int:
     return plan.dp_microbatches[d] if plan.dp_microbatches else plan.microbatches
 
 
-def stage_work(spec: ModelSpec, seq_len: int, layers: int, last: bool) -> float:
-    """Forward FLOPs of one sample through `layers` blocks (and the head on the last stage):
-    models/spec.py's one definition."""
-    per_token = layers * layer_flops_per_token(spec, seq_len)
-    if last:
-        per_token += head_flops_per_token(spec)
-    return per_token * seq_len
+def stage_work(spec: ModelSpec, seq_len: int, stage_layers, s: int) -> float:
+    """Forward FLOPs of one sample through stage s of the split `stage_layers` (its blocks, and
+    the head on the last stage): the family's FLOPs per layer (`layer_costs`, from
+    models/spec.py's or models/moe_spec.py's one definition)."""
+    costs = family_of(spec).layer_costs(spec, seq_len)   # the head charged to the last layer
+    start = sum(stage_layers[:s])
+    return sum(costs[start:start + stage_layers[s]]) * seq_len
 
 
 @dataclass
@@ -90,8 +90,8 @@ class CostModel:
         c = measured.costs
         host = measured.host_ms
         units, fb_f = [], []
-        for s, layers in enumerate(cur.stage_layers):
-            work = stage_work(spec, seq_len, layers, s == len(cur.stage_layers) - 1)
+        for s in range(len(cur.stage_layers)):
+            work = stage_work(spec, seq_len, cur.stage_layers, s)
             work *= cur.micro_batch_size / (cur.tp * cur.cp)
             busy = max(c.f[s] + c.b[s] - 2 * host, 1e-9)
             units.append(busy / work)
@@ -235,7 +235,7 @@ class CostModel:
             group = [dims.rank_of(pp=s, dp=d, cp=q, tp=t) for d in replicas
                      for q in range(plan.cp) for t in range(plan.tp)]
             k = max(self.k.get(g, 1.0) for g in group)
-            work = stage_work(spec, seq, layers, s == n - 1) * plan.micro_batch_size
+            work = stage_work(spec, seq, plan.stage_layers, s) * plan.micro_batch_size
             busy = self.unit * k * work / (plan.tp * plan.cp)
             f.append(busy * self.f_share + self.m.host_ms)
             b.append(busy * (1 - self.f_share) + self.m.host_ms)
@@ -245,6 +245,7 @@ class CostModel:
             if plan.cp > 1:   # this rank's K (and V): [b, s/cp, kv_dim/tp]
                 k_bytes = act_bytes * spec.kv_dim / spec.hidden / plan.tp
                 comm += layers * self.cp_ms(k_bytes, dims.group_of("cp", group[0]))
+            comm += ep_stage_ms(self, plan, s, group)   # MoE: the EP all-to-alls
             tp_comm.append(comm)
             if s + 1 < n:
                 src, dst = dims.rank_of(pp=s), dims.rank_of(pp=s + 1)
@@ -261,15 +262,15 @@ class CostModel:
         dims = plan.dims()
         dp_ms = 0.0
         if plan.dp * plan.cp > 1:   # gradients are summed over DP and CP ranks (GradReducer):
-            # an all-reduce of the largest stage's TP shard, fp32
-            stage_params = max(self._stage_params(x, s == n - 1, s == 0)
-                               for s, x in enumerate(plan.stage_layers))
-            dp_ms = self.all_reduce_ms(4.0 * stage_params / plan.tp, dims.group_of("dp_cp", 0))
+            # an all-reduce of the largest stage's TP shard, fp32; a MoE stage's routed experts
+            # (E/ep per layer) over the ranks holding the same experts (edp) instead
+            shared, experts = max((stage_params(self.spec, plan, s) for s in range(n)), key=sum)
+            if plan.ep == 1:     # edp is the dp x cp group: one reduction
+                shared, experts = shared + experts, 0.0
+            dp_ms = self.all_reduce_ms(4.0 * shared / plan.tp, dims.group_of("dp_cp", 0))
+            if experts:
+                dp_ms += self.all_reduce_ms(4.0 * experts / plan.ep, edp_group(plan))
         return dp_ms
-
-    def _stage_params(self, layers: int, last: bool, first: bool) -> float:
-        emb = self.spec.vocab * self.spec.hidden
-        return layers * layer_param_count(self.spec) + (emb if first else 0) + (emb if last else 0)
 
     def stage_rate(self, plan: Plan, s: int) -> float:
         """ms per unit of work of stage s under `plan`: its slowest rank's measured factor."""
@@ -282,7 +283,8 @@ class CostModel:
     def balanced_split(self, plan: Plan) -> tuple[int, ...]:
         """Contiguous layers per stage minimising the slowest stage, each stage's work scaled by
         its measured slowdown (the same balancer as --stage-layers auto)."""
-        from commpipe.parallel.balance import balance, llama_layer_costs
+        from commpipe.parallel.balance import balance
 
-        costs = llama_layer_costs(self.spec, self.seq_len)   # the head on the last layer
+        # the family's FLOPs per layer, the head on the last layer
+        costs = family_of(self.spec).layer_costs(self.spec, self.seq_len)
         return tuple(balance(costs, plan.pp, [self.stage_rate(plan, s) for s in range(plan.pp)]))

@@ -1,8 +1,9 @@
 """`Plan`: one way to lay training out on the same processes, and the payback rule (pure Python).
 
 A plan is (tp, cp, pp, dp, stage_layers, schedule, microbatches, micro_batch_size, for uneven
-data parallelism the micro-batches of each DP replica, and the rank order that places the
-groups on the processes: commpipe.parallel.dims) with the global batch fixed:
+data parallelism the micro-batches of each DP replica, the rank order that places the
+groups on the processes: commpipe.parallel.dims, and for a Mixture-of-Experts model the
+expert-parallel size ep carved from dp*cp: commpipe.parallel.expert) with the global batch fixed:
 every plan computes the same values (commpipe's layouts are numerically equal), so
 a switch changes speed, never results.
 """
@@ -26,6 +27,7 @@ class Plan:
     micro_batch_size: int
     dp_microbatches: tuple[int, ...] = ()   # per DP replica (commpipe.train.dp_split); (): even
     order: str = DEFAULT_ORDER              # rank placement (ParallelDims.order)
+    ep: int = 1                             # expert parallelism (MoE models; parallel.expert)
 
     def __post_init__(self):   # read back from JSON as lists
         object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
@@ -40,7 +42,7 @@ class Plan:
         n = cfg.program().num_stages
         layers = tuple(len(r) for r in split_layers(cfg.spec.layers, n, cfg.stage_layers))
         return cls(d.tp, d.cp, d.pp, d.dp, layers, cfg.schedule, cfg.microbatches,
-                   cfg.micro_batch_size, tuple(cfg.dp_microbatches or ()), d.order)
+                   cfg.micro_batch_size, tuple(cfg.dp_microbatches or ()), d.order, cfg.ep)
 
     def dims(self):
         """The rank grid of this plan (commpipe.parallel.dims.ParallelDims)."""
@@ -53,6 +55,8 @@ class Plan:
         split = ",".join(str(x) for x in self.stage_layers)
         name = (f"tp{self.tp}-cp{self.cp}-pp{self.pp}-dp{self.dp} {self.schedule} "
                 f"m{self.microbatches}x{self.micro_batch_size} layers {split}")
+        if self.ep > 1:   # as the metrics' `layout` (commpipe.train.config.layout_label)
+            name = f"ep{self.ep}-{name}"
         if self.dp_microbatches:
             name += " dp-m " + ",".join(str(x) for x in self.dp_microbatches)
         if self.order != DEFAULT_ORDER:
@@ -60,14 +64,14 @@ class Plan:
         return name
 
     def same_layout(self, other: Plan) -> bool:
-        """Same process groups (tp, cp, pp, dp and rank order): a switch re-splits or re-batches
-        only."""
-        return (self.tp, self.cp, self.pp, self.dp, self.order) == \
-            (other.tp, other.cp, other.pp, other.dp, other.order)
+        """Same process groups (tp, cp, pp, dp, ep and rank order): a switch re-splits or
+        re-batches only."""
+        return (self.tp, self.cp, self.pp, self.dp, self.order, self.ep) == \
+            (other.tp, other.cp, other.pp, other.dp, other.order, other.ep)
 
     def kind_of_switch(self, other: Plan) -> str:
-        if (self.tp, self.cp, self.pp, self.dp) == (other.tp, other.cp, other.pp, other.dp) \
-                and self.order != other.order:
+        if (self.tp, self.cp, self.pp, self.dp, self.ep) == \
+                (other.tp, other.cp, other.pp, other.dp, other.ep) and self.order != other.order:
             return "replace"       # the same degrees, ranks placed differently
         if not self.same_layout(other):
             return "reshard"
@@ -92,6 +96,7 @@ class Plan:
         new = copy.copy(cfg)
         new.optim = copy.copy(cfg.optim)
         new.dims = self.dims()
+        new.ep = self.ep
         new.stage_layers = list(self.stage_layers)
         new.schedule, new.vpp = self.schedule, 1
         new.microbatches, new.micro_batch_size = self.microbatches, self.micro_batch_size

@@ -1,10 +1,12 @@
 """Switch a running job to another `Plan` in the same processes, losing nothing.
 
 1. Each rank holds full tensors of what it has: its parameters and AdamW states (exp_avg,
-   exp_avg_sq, step), TP shards all-gathered within the TP group (as a checkpoint save does).
-   DP replicas already hold full copies, so a layout change often needs no transfer at all.
-2. Same tp/cp/pp/dp: the Comm is kept; otherwise a new Comm builds the new layout's process
-   groups (every rank creates every group, in the same order).
+   exp_avg_sq, step), TP shards all-gathered within the TP group (as a checkpoint save does),
+   a MoE layer's routed experts ([E, ...], E/ep rows on each rank) all-gathered within the EP
+   group (commpipe.train.checkpoint_shards.gather_ep). DP replicas already hold full copies,
+   so a layout change often needs no transfer at all.
+2. Same tp/cp/pp/dp and ep: the Comm is kept; otherwise a new Comm builds the new layout's
+   process groups (every rank creates every group, in the same order).
 3. `Trainer.build` makes this rank's stages under the new plan. What a rank needs and does not
    hold is sent to it point-to-point by the lowest rank holding it (`Comm.isend`/`irecv`,
    one tag per transfer); every rank then keeps its slice of the full tensors. Step counter,
@@ -23,6 +25,7 @@ import time
 import torch
 
 from commpipe.train.checkpoint import adam_and_holder, full_state_here, gather_tp, shard_tp
+from commpipe.train.checkpoint_shards import gather_ep, shard_ep
 
 
 def optimizer_of(trainer):
@@ -44,7 +47,8 @@ def gather_state(trainer) -> dict[str, torch.Tensor]:
 
 
 def load_state(trainer, state: dict[str, torch.Tensor]) -> None:
-    """Give every parameter of `trainer` (and its optimizer state) its slice of `state`."""
+    """Give every parameter of `trainer` (and its optimizer state) its slice of `state`: its TP
+    slice, or of a routed expert tensor the rows of its experts under the new ep."""
     comm = trainer.comm
     adam, holds = optimizer_of(trainer)
     with torch.no_grad():
@@ -53,30 +57,28 @@ def load_state(trainer, state: dict[str, torch.Tensor]) -> None:
             if key not in state:
                 raise RuntimeError(f"switch: no gathered value for parameter {name}")
             tp_dim = getattr(p, "_tp_dim", None)
-            p.copy_(shard_tp(state[key], tp_dim, comm).to(p.device))
+            p.copy_(shard_ep(shard_tp(state[key], tp_dim, comm), p, comm).to(p.device))
             if holds(p) and f"optim.{name}.step" in state:
                 adam.state[p] = {
                     "step": state[f"optim.{name}.step"].clone(),
-                    "exp_avg": shard_tp(state[f"optim.{name}.exp_avg"], tp_dim,
-                                        comm).to(p.device).clone(),
-                    "exp_avg_sq": shard_tp(state[f"optim.{name}.exp_avg_sq"], tp_dim,
-                                           comm).to(p.device).clone(),
+                    **{k: shard_ep(shard_tp(state[f"optim.{name}.{k}"], tp_dim, comm), p,
+                                   comm).to(p.device).clone() for k in ("exp_avg", "exp_avg_sq")},
                 }
 
 
 def held_state(trainer) -> dict[str, torch.Tensor]:
     """Full tensors of every parameter and optimizer state this rank holds (collective within
-    each TP group: every member gathers the same items in the same order)."""
+    each TP and each EP group: every member gathers the same items in the same order)."""
     comm = trainer.comm
     adam, _ = adam_and_holder(trainer)
     out: dict[str, torch.Tensor] = {}
     for name, p in trainer.named_params:
         tp_dim = getattr(p, "_tp_dim", None)
-        out[f"model.{name}"] = gather_tp(p, tp_dim, comm)
+        out[f"model.{name}"] = gather_ep(gather_tp(p, tp_dim, comm), p, comm)
         st = adam.state.get(p)
-        if st:   # ZeRO-1 owners are per DP rank: the same answer across a TP group
+        if st:   # ZeRO-1 owners are per DP rank: the same answer across a TP (an EP) group
             for key in ("exp_avg", "exp_avg_sq"):
-                out[f"optim.{name}.{key}"] = gather_tp(st[key], tp_dim, comm)
+                out[f"optim.{name}.{key}"] = gather_ep(gather_tp(st[key], tp_dim, comm), p, comm)
             step = st["step"]
             out[f"optim.{name}.step"] = step.detach().clone() if torch.is_tensor(step) \
                 else torch.tensor(float(step))
@@ -138,7 +140,7 @@ def switch(trainer, plan, phases: dict | None = None):
         trainer.monitor.close()     # collective: writes what it holds; the new one appends
     cfg = plan.apply(trainer.cfg)
     t_rebuild = time.perf_counter()
-    same = cfg.dims == old.dims
+    same = cfg.dims == old.dims and cfg.ep == trainer.cfg.ep    # ep: groups carved from dp
     comm = old if same else Comm(cfg.dims, old.rank, device=old.device,
                                  timeout_s=cfg.timeout_s, strict_order=old.strict_order)
     new = Trainer.build(cfg, comm, source=trainer.source)

@@ -60,11 +60,16 @@ def all_to_all(cluster: Cluster, nbytes: float, size: int, stride: int) -> float
     return max(local, remote) + cluster.inter.latency_s
 
 
+def a2a_bytes(spec, layout, job) -> float:
+    """Bytes the busiest rank holds for one dispatch (or combine) of one MoE layer and
+    micro-batch: its token copies (times the imbalance) of h activations."""
+    moe = routed_spec(spec)
+    return routed_rows(layout, job, moe) * moe.hidden * job.activation_bytes
+
+
 def a2a_seconds(spec, layout, job, cluster: Cluster) -> float:
     """One dispatch (or combine) all-to-all of one MoE layer and micro-batch on the busiest rank."""
-    moe = routed_spec(spec)
-    nbytes = routed_rows(layout, job, moe) * moe.hidden * job.activation_bytes
-    return all_to_all(cluster, nbytes, layout.ep, layout.tp)
+    return all_to_all(cluster, a2a_bytes(spec, layout, job), layout.ep, layout.tp)
 
 
 def mlp_gemms(moe, i: int, layout, job, fused: bool) -> list[tuple]:

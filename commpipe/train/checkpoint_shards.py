@@ -1,4 +1,5 @@
-"""Where a rank's piece of a checkpoint's full tensor lives: TP slices and expert rows.
+"""Where a rank's piece of a checkpoint's full tensor lives: TP slices and expert rows (and, for
+an in-memory switch, the whole tensors gathered over tp and ep: commpipe.adapt.switch).
 
 A checkpoint holds every parameter (and its AdamW moments) under its logical name as the tensor
 of a one-device model (commpipe.train.checkpoint). Two placements cut it across ranks:
@@ -60,6 +61,24 @@ def shard_tp(full: torch.Tensor, tp_dim: int | None, comm) -> torch.Tensor:
     if tp_dim is None or comm.size("tp") == 1:
         return full
     return full.chunk(comm.size("tp"), dim=tp_dim)[comm.local_rank("tp")]
+
+
+# -- EP: whole tensors in memory (commpipe.adapt.switch) -------------------------------------------
+def gather_ep(t: torch.Tensor, p: torch.Tensor, comm) -> torch.Tensor:
+    """The whole [E, ...] tensor of expert parameter p (or of one of its AdamW moments, `t`)
+    from this rank's EP group: the rows of its i-th rank at i * E/ep, as apply_ep hands them
+    out (an all-gather through Comm along dim 0); other tensors as they are."""
+    if not ep_sharded(p) or comm.size("ep") == 1:
+        return t.detach().clone()
+    return comm.all_gather(t.detach().contiguous(), "ep")
+
+
+def shard_ep(full: torch.Tensor, p: torch.Tensor, comm) -> torch.Tensor:
+    """This rank's rows of the whole [E, ...] tensor of expert parameter p under comm's ep
+    group (rows [ep_rank * E/ep, (ep_rank + 1) * E/ep)); other tensors as they are."""
+    if not ep_sharded(p) or comm.size("ep") == 1:
+        return full
+    return full.chunk(comm.size("ep"), dim=0)[comm.local_rank("ep")]
 
 
 # -- the values DCP reads and writes -----------------------------------------------------------------

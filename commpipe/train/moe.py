@@ -6,7 +6,9 @@
   recomputation and multi-head latent attention under TP are not applied to MoE stages, and
   expert-parallel runs neither shard the optimizer (ZeRO-1) nor split DP micro-batches unevenly
   nor restart elastically (their checkpoints store each expert shard at its offset,
-  commpipe.train.checkpoint_shards);
+  commpipe.train.checkpoint_shards); `layout_problem` is the layout rule, which --adapt's
+  candidates follow too (they may change ep: commpipe.adapt.switch gathers and re-slices the
+  experts);
 - stages: the family's plain MoEStage modules, then tensor parallelism on attention, embedding
   and head (commpipe.parallel.tensor_moe) and the experts sharded over ep
   (commpipe.parallel.expert); the loss adds the load-balancing term the stages carried;
@@ -22,27 +24,40 @@ from commpipe.train import decoder
 from commpipe.train.families import Training, register_training, stage_counts
 
 
-def resolve_config(cfg, world_size: int | None) -> None:
-    """TrainConfig.resolve for a MoE model: validates and fills cfg in place."""
+def layout_problem(spec, dims, ep: int) -> str | None:
+    """Why tp x cp x pp x dp (`dims`) with expert parallelism `ep` cannot train `spec`, or None:
+    what `resolve_config` refuses and the adaptive controller's candidates leave out
+    (commpipe.adapt.candidates)."""
     from commpipe.parallel.expert import check_ep
 
+    if dims.cp > 1:
+        return (f"--cp {dims.cp}: context parallelism is not applied to MoE models (the "
+                "load-balancing loss of a sequence chunk differs from the whole sequence's); use "
+                "--cp 1 and --ep/--dp for the replicas")
+    if dims.tp > 1 and spec.attention != "gqa":
+        return (f"--tp {dims.tp}: tensor parallelism shards grouped-query attention; "
+                f"{spec.name} uses attention={spec.attention}; use --tp 1")
+    try:
+        check_ep(ep, dims, spec.experts)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def resolve_config(cfg, world_size: int | None) -> None:
+    """TrainConfig.resolve for a MoE model: validates and fills cfg in place."""
     family = family_for_model(cfg.model)
     spec = family.resolve(cfg.model)
     if cfg.vocab:
         spec = dataclasses.replace(spec, vocab=cfg.vocab)
     spec.validate()
     d = cfg.dims
-    if d.cp > 1:
-        raise ValueError(f"--cp {d.cp}: context parallelism is not applied to MoE models (the "
-                         "load-balancing loss of a sequence chunk differs from the whole "
-                         "sequence's); use --cp 1 and --ep/--dp for the replicas")
-    if d.tp > 1 and spec.attention != "gqa":
-        raise ValueError(f"--tp {d.tp}: tensor parallelism shards grouped-query attention; "
-                         f"{spec.name} uses attention={spec.attention}; use --tp 1")
+    problem = layout_problem(spec, d, cfg.ep)
+    if problem:
+        raise ValueError(problem)
     if cfg.recompute != "none":
         raise ValueError(f"--recompute {cfg.recompute} is not applied to MoE stages; use "
                          "--recompute none")
-    check_ep(cfg.ep, d, spec.experts)
     if cfg.ep > 1:
         for flag, used in (("--zero1", cfg.optim.zero1), ("--dp-microbatches",
                                                           cfg.dp_microbatches is not None),
@@ -50,8 +65,6 @@ def resolve_config(cfg, world_size: int | None) -> None:
             if used:
                 raise ValueError(f"{flag} is not supported with expert parallelism yet "
                                  f"(--ep {cfg.ep}); drop it or use --ep 1")
-    if cfg.adapt is not None:
-        raise ValueError(f"--adapt re-plans LLaMA runs; drop it for {spec.name}")
     if isinstance(cfg.stage_layers, str):
         if cfg.stage_layers == "auto:measured":
             raise ValueError("--stage-layers auto:measured profiles the layers of blip models; "
