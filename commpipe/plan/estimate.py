@@ -225,9 +225,11 @@ def _stage_ranks(schedule: str, pp: int, vpp: int) -> tuple[int, ...]:
 
 
 def _tails(costs: StageCosts) -> list[float]:
-    """Per pipeline rank: exposed DP reduction + optimizer + scalar all-reduces."""
-    syncs = costs.step_sync or [0.0] * len(costs.dp_exposed)
-    return [d + o + y for d, o, y in zip(costs.dp_exposed, costs.optimizer, syncs)]
+    """Per pipeline rank: exposed DP reduction + optimizer + scalar all-reduces + the compute the
+    hidden DP traffic's NCCL kernels slow down (`dp_sm`)."""
+    zeros = [0.0] * len(costs.dp_exposed)
+    syncs, sm = costs.step_sync or zeros, costs.dp_sm or zeros
+    return [d + o + y + c for d, o, y, c in zip(costs.dp_exposed, costs.optimizer, syncs, sm)]
 
 
 def _tail(costs: StageCosts) -> float:
@@ -350,7 +352,8 @@ def _finish_once(est: Estimate, spec: ModelSpec, job: Job, cluster: Cluster, cos
                    for c in chunks)
     est.breakdown = {"compute": compute, "tp": per["tp"], "cp": per["cp"], "zero": zero,
                      "pp_bubble": max(0.0, idle - p2p), "pp_p2p": min(p2p, idle),
-                     "dp": costs.dp_exposed[worst], "optimizer": costs.optimizer[worst],
+                     "dp": costs.dp_exposed[worst], "dp_sm": costs.dp_sm[worst] if costs.dp_sm else 0.0,
+                     "optimizer": costs.optimizer[worst],
                      "step_sync": costs.step_sync[worst] if costs.step_sync else 0.0,
                      "embedding_sync": costs.embedding_sync}
     if "ep" in per:

@@ -89,6 +89,31 @@ def ub_sm_slowdown(sms: int) -> float:
     return sms / (sms - UB_COMM_SMS) if sms > UB_COMM_SMS else 1.0
 
 
+# NCCL's collectives overlapped with computation (Megatron's --overlap-grad-reduce and
+# --overlap-param-gather, FSDP's prefetched all-gathers and reduce-scatters on their own streams)
+# run as one CUDA block per channel (github.com/NVIDIA/nccl src/enqueue.cc: the kernel's grid is
+# the plan's channel count; NCCL_MIN/MAX_NCHANNELS set it), each block of up to 512 threads
+# (NCCL_SIMPLE_MAX_NTHREADS, src/include/device.h) holding its SM, polling the network, for the
+# collective's whole duration; a GEMM's blocks, each needing most of an SM's registers and shared
+# memory, do not fit beside it, so the computation it hides behind runs on sms - NCCL_COMM_CTAS
+# SMs meanwhile. The count is that of NCCL's inter-node ring
+# on an 8-NIC node (DGX A100, DGX H100): one search channel per NIC (src/graph/search.cc), every
+# channel doubled when the rings connect (src/graph/connect.cc, connectRings: nChannels * 2), 16;
+# NVIDIA budgets the same 16 SMs for kernels beside overlapped communication (Megatron-LM's
+# examples: NVTE_FWD/BWD_LAYERNORM_SM_MARGIN=16; TE userbuffers' UB_COMM_SMS above), and NCCL's
+# Hopper default caps it at 32 (max_ctas, Megatron-LM megatron/core/parallel_state.py). The
+# collective's HBM traffic (a reduce-scatter reads two operands and writes one per element) is
+# a few percent of the bandwidth beside compute-bound GEMMs: not priced.
+NCCL_COMM_CTAS = 16
+
+
+def nccl_sm_share(sms: int) -> float:
+    """Share of a GPU's SMs an overlapped NCCL collective holds while it runs (comment above):
+    the computation it hides behind loses that share of its rate for the collective's hidden
+    duration. 0 when the SM count is unknown (a CPU, whose collectives run on host threads)."""
+    return NCCL_COMM_CTAS / sms if sms > NCCL_COMM_CTAS else 0.0
+
+
 # Ring attention as Transformer Engine runs it (AttnFuncWithCPAndKVP2P; load-balanced causal
 # split, every rank holding two of 2*cp sequence chunks): step i runs flash attention of the rank's
 # queries against the K/V received i steps earlier, and the forward then merges each step's partial

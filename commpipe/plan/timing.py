@@ -62,6 +62,7 @@ from commpipe.plan.kernels import (
     fp8_gemm_time,
     hbm_rate,
     layer_gemms,
+    nccl_sm_share,
     op_sac_recomputed,
     ub_margin_gemms,
     ub_sm_slowdown,
@@ -143,6 +144,7 @@ class StageCosts:
     pp_stride: int                          # global-rank distance between neighbouring stages
     dp_exposed: list[float] = field(default_factory=list)   # per pipeline rank, per step
     dp_total: list[float] = field(default_factory=list)
+    dp_sm: list[float] = field(default_factory=list)   # compute lost to the hidden DP's NCCL SMs
     optimizer: list[float] = field(default_factory=list)
     step_sync: list[float] = field(default_factory=list)    # scalar all-reduces (Job.step_syncs)
     host_f: list[float] = field(default_factory=list)
@@ -363,14 +365,15 @@ def stage_costs(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
             hb += head_calls_b * call
         out.host_f.append(hf)
         out.host_i.append(hb)
-        out.comp_f.append(cf)
-        out.comp_i.append(ci)
+        # per-layer ZeRO traffic: exposed, and the SMs its NCCL kernels take from the compute
+        zf, zb, sm_f, sm_b = zero_exposed(spec, layout, job, cluster, n, comp_f, layer_i + lc["gemm"])
+        out.comp_f.append(cf + sm_f)
+        out.comp_i.append(ci + sm_b)
         out.comp_w.append(cw)
         out.tp_f.append(tf)
         out.tp_b.append(tb)
         out.cp_f.append(n * cp_f)
         out.cp_b.append(n * (cp_b + re_cp))
-        zf, zb = zero_exposed(spec, layout, job, cluster, n, comp_f, layer_i + lc["gemm"])
         out.zero_f.append(zf)
         out.zero_b.append(zb)
     # a MoE decoder's MLPs and all-to-alls (its layers above were priced with ffn_hidden = 0)
@@ -416,6 +419,8 @@ def _dp_and_optimizer(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluste
                                  params, prices, expert_reduction(spec, layout, groups, rank))
         costs.dp_total.append(total)
         costs.dp_exposed.append(exposed)
+        # the hidden part runs beside the backward (forward) it overlaps, on fewer SMs (kernels.py)
+        costs.dp_sm.append(nccl_sm_share(cluster.gpu.sms) * max(0.0, total - exposed))
         # the embedding and the head (with the final norm) count as one layer each
         held = layers + (0 in chunks[rank]) + (stages - 1 in chunks[rank])
         opt = params / shard * bytes_per_param_opt / hbm + held * eff.optimizer_overhead_s

@@ -7,14 +7,16 @@ from __future__ import annotations
 
 from commpipe.models.spec import ModelSpec
 from commpipe.plan.cluster import Cluster
-from commpipe.plan.kernels import fsdp_copy_bytes
+from commpipe.plan.kernels import fsdp_copy_bytes, nccl_sm_share
 from commpipe.plan.layout import Job, Layout, zero_stage
 from commpipe.plan.memory import layer_params_per_rank, linear_params_per_layer
 
 
 def zero_exposed(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster, layers: int,
-                  layer_f: float, layer_b: float) -> tuple[float, float]:
-    """Exposed seconds per micro-batch of a stage's per-layer ZeRO traffic (forward, backward).
+                  layer_f: float, layer_b: float) -> tuple[float, float, float, float]:
+    """Seconds per micro-batch of a stage's per-layer ZeRO traffic: exposed (forward, backward),
+    then the compute it hides behind loses to the SMs its NCCL kernels hold (forward, backward;
+    kernels.nccl_sm_share of the hidden traffic's duration).
 
     ZeRO-3 / FSDP without a pipeline (PyTorch FSDP2, Megatron-FSDP): each layer's parameters are
     all-gathered before its forward and again before its backward, and its gradients are
@@ -28,13 +30,14 @@ def zero_exposed(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster, la
     z = zero_stage(layout, job)
     n = layout.shard_size
     if z < 2 or n == 1 or layers == 0 or (z == 3 and layout.pp > 1):
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0, 0.0
+    share = nccl_sm_share(cluster.gpu.sms)
     per_layer = layer_params_per_rank(spec, layout.tp)
     lin = linear_params_per_layer(spec, layout.tp)
     grad_b = 4 if (not job.mixed or job.grad_fp32) else 2
     rs = cluster.reduce_scatter(per_layer * grad_b, n, layout.tp)
     if z == 2:
-        return 0.0, layers * max(0.0, rs - layer_b)
+        return 0.0, layers * max(0.0, rs - layer_b), 0.0, share * layers * min(rs, layer_b)
     # FP8 parameters are gathered as FP8 (Megatron --fp8-param-gather, torchao float8 all-gather)
     w_bytes = (per_layer - lin) * 2 + lin * (1 if job.precision == "fp8" and job.fp8_params else 2)
     if not job.mixed:
@@ -42,7 +45,8 @@ def zero_exposed(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster, la
     ag = cluster.all_gather(w_bytes, n, layout.tp)
     fwd = ag + layers * max(0.0, ag - layer_f)
     bwd = ag + rs + layers * max(0.0, ag + rs - layer_b)
-    return fwd, bwd
+    # the prefetched traffic hides behind each layer's compute for min(traffic, compute)
+    return fwd, bwd, share * layers * min(ag, layer_f), share * layers * min(ag + rs, layer_b)
 
 
 def fsdp_copies(spec: ModelSpec, layout: Layout, job: Job, hbm: float) -> tuple[float, float]:
