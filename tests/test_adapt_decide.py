@@ -1,6 +1,8 @@
 """The controller's decision on synthetic measurements, no launch: what it acts on (warm-up,
 hysteresis, host noise, transient slowdowns), the cost model's calibration, the candidate list
-and stay-or-switch, each against hand-derived values.
+and stay-or-switch, each against hand-derived values. Decisions under a degraded link (the
+re-placement, the fault's time in the calibration, the trial list) are in
+tests/test_adapt_decide_link.py.
 
     python -m pytest tests/test_adapt_decide.py -q
 
@@ -276,47 +278,3 @@ def test_context_parallel_traffic_is_what_each_rank_receives():
     # the gradient all-reduce: 4 blocks of 36,992 and the embedding and head (256 x 64 each)
     # in fp32, 2 (n-1)/n of it over the link
     assert dp2 == pytest.approx((4 * 36_992 + 2 * 16_384) * 4 / 1e7 * 1e3, rel=1e-6)
-
-
-# -- re-placement: the same degrees, the ranks placed so the slow link carries the least -----------
-
-def test_a_slow_link_inside_a_dp_group_moves_the_pipeline_onto_it():
-    """pp2 x dp2 on two nodes of two ranks, Megatron's order: the DP groups {0, 1} and {2, 3}
-    are inside the nodes, the stages {0, 2} and {1, 3} across them. Node 0's internal link
-    slows to 0.5 MB/s: stage 0's gradient all-reduce crosses it every step (2 blocks of 36,992
-    parameters and the 16,384 of the embedding, fp32: 361,472 bytes; a 2-rank ring moves them
-    once: 723 ms), while re-placed (tp-cp-pp-dp: stages {0, 1} and {2, 3}) it carries only the
-    pipeline's activations (1 x 16 x 64 fp32 = 4 kB; 4 micro-batches, forward and backward,
-    both stage pairs: at most 16 messages of 8.2 ms + 0.05 ms) and DP runs over the healthy
-    node-to-node links (0.4 ms)."""
-    from commpipe.adapt.model import CostModel, Measured
-    from commpipe.parallel.dims import ParallelDims
-    from commpipe.sim.costs import CostTable
-    from commpipe.train.config import TrainConfig
-
-    cur = Plan(1, 1, 2, 2, (2, 2), "1f1b", 4, 1)
-    cfg = TrainConfig(model="tiny", dims=ParallelDims(pp=2, dp=2), seq_len=16, global_batch=8,
-                      micro_batch_size=1, steps=1000).resolve(4)
-    t0, t1 = 2 * BLOCK * C, (2 * BLOCK + HEAD) * C
-    healthy, slow = (0.05, 1.0), (0.05, 0.0005)          # (latency ms, GB/s)
-    links = {(a, b): healthy for a in range(4) for b in range(4) if a != b}
-    links[0, 1] = links[1, 0] = slow
-    dp_ms = 361_472 / 0.0005e9 * 1e3                    # a 2-rank ring: 723 ms
-    measured = Measured(cur, CostTable(f=[t0 / 3, t1 / 3], b=[2 * t0 / 3, 2 * t1 / 3]),
-                        host_ms=0.0, step_ms=t0 + 4 * t1 + OTHER_MS + dp_ms, links=links,
-                        rank_busy={0: 4 * t0, 1: 4 * t0, 2: 4 * t1, 3: 4 * t1})
-    model = CostModel(cfg.spec, 16, 4, 2, measured)
-    assert model.predict(cur) == pytest.approx(measured.step_ms, rel=1e-9)
-    replaced = Plan(1, 1, 2, 2, (2, 2), "1f1b", 4, 1, order="tp-cp-pp-dp")
-    assert cur.kind_of_switch(replaced) == "replace"
-    bound = t0 + 4 * t1 + OTHER_MS + 16 * (4096 / 0.0005e9 * 1e3 + 0.05) + 1.0
-    assert model.predict(replaced) <= bound < 0.25 * measured.step_ms
-    from commpipe.adapt.evaluate import evaluate
-
-    d = evaluate(cfg, AdaptConfig(trials=0), measured, step=20, steps_left=1000, world=4,
-                 ranks_per_node=2, detections=[], signals={})
-    assert d.action == "switch" and d.to["order"] == "tp-cp-pp-dp", (d.kind, d.to, d.reason)
-    # on one node there is nothing to re-place: the candidate is not offered
-    one_node = evaluate(cfg, AdaptConfig(trials=0), measured, step=20, steps_left=1000, world=4,
-                        ranks_per_node=4, detections=[], signals={})
-    assert all("ranks tp-cp-pp-dp" not in c["plan"] for c in one_node.candidates)

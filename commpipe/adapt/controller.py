@@ -74,6 +74,10 @@ class Controller:
         self.timer = CollectiveTimer(a.collective_min_bytes)
         self.trials: Trials | None = None   # the running trial phase, if any
         self.switch_phases: dict | None = None   # parts of the last switch, until recorded
+        # the running plan's healthy steps: (window entries, this rank's timelines) of the steps
+        # its detector's baselines came from; the cost model's constants are calibrated on them
+        self.reference: tuple | None = None
+        self.reference_before_trials: tuple | None = None
         self.running = self.command_plan = Plan.of(trainer.cfg)
         self.plan_baselines: dict[str, dict] = {}   # plan name -> its first settled levels
         resumed = self.acfg.resume_state
@@ -82,6 +86,7 @@ class Controller:
             self.plan_baselines = dict(resumed.get("baselines") or {})
             self.watch.restore({"baselines": self.plan_baselines.get(self.running.name, {}),
                                 "stragglers": resumed.get("stragglers", [])})
+            self.reference = ()   # armed levels without their steps: no healthy reference
         if trainer.comm.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             self.log = open(self.out / "adapt.jsonl", "a")
@@ -129,6 +134,9 @@ class Controller:
             return self._trial_step(trainer, step, max(s["step_ms"] for s in summaries),
                                     metrics_file)
         found = self.watch.observe(step, signals)
+        if self.reference is None and self.watch.detector.baseline("step", "step") is not None:
+            n = self.acfg.baseline_steps
+            self.reference = (list(self.window)[-n:], list(self.timelines)[-n:])
         first = self.plan_baselines.setdefault(self.running.name, {})
         for key, level in self.watch.detector.baselines().items():
             first.setdefault(key, level)
@@ -141,6 +149,7 @@ class Controller:
         if decision.trial_plans:
             # the running plan's baselines, kept in case the trials settle back on it
             self.before_trials = copy.deepcopy(self.watch.detector)
+            self.reference_before_trials = self.reference
         if self.acfg.relaunch:
             from commpipe.adapt.relaunch import request
 
@@ -208,65 +217,48 @@ class Controller:
             self.watch.new_plan()       # a new baseline under the settled plan
             self.window.clear()
             self.timelines.clear()
+            self.reference = None
         self._write(settle)
         if back:
             # Back on the plan the trials left: its levels from before them are still its
             # reference. New baselines taken now would absorb any change that began during
             # the trials (a link that degraded meanwhile would read as normal).
             self.watch.detector = self.before_trials
-        self.before_trials = None
+            self.reference = self.reference_before_trials
+        self.before_trials = self.reference_before_trials = None
         return trainer, metrics_file
 
     # -- evaluation (collective; planning on rank 0) -----------------------------------------------
     def _evaluate(self, trainer, step, found, signals) -> Decision:
         comm = trainer.comm
         c = comm.coords
-        mine = None
+        mine = ref = None
         if c["dp"] == 0 and c["cp"] == 0 and c["tp"] == 0:
-            # the window's steps one after another on one clock (each step's own starts at 0):
-            # calibration then takes medians over all of them
-            mine, offset = [], 0.0
-            for events in self.timelines:
-                mine += [e | {"start_ms": e["start_ms"] + offset, "end_ms": e["end_ms"] + offset}
-                         for e in events]
-                offset += max((e["end_ms"] for e in events), default=0.0) + 1e3
+            mine = _one_clock(self.timelines)
+            ref = _one_clock(self.reference[1]) if self.reference else None
         with unmonitored(trainer):
-            timelines = comm.gather_objects((c["pp"], mine), "world")
+            timelines = comm.gather_objects((c["pp"], mine, ref), "world")
             decision = None
             if comm.rank == 0:
+                refs = {pp: evs for pp, _, evs in timelines if evs}
                 decision = self.decide(trainer, step, found, signals,
-                                       {pp: evs for pp, evs in timelines if evs is not None})
+                                       {pp: evs for pp, evs, _ in timelines if evs is not None},
+                                       refs if self.reference else None)
             decision = comm.broadcast_object(decision, 0)
         return decision
 
-    def decide(self, trainer, step, found, signals, timelines: dict) -> Decision:
-        """Rank 0: calibrate on the gathered timelines and the window's summaries, then
-        `evaluate` (commpipe.adapt.evaluate)."""
-        from commpipe.sim.compare import calibrate
-        from commpipe.timeline import events_from_dicts
-
+    def decide(self, trainer, step, found, signals, timelines: dict,
+               reference: dict | None = None) -> Decision:
+        """Rank 0: calibrate on the gathered timelines and the window's summaries (and on the
+        healthy steps' when `reference` holds their timelines), then `evaluate`
+        (commpipe.adapt.evaluate)."""
         cfg = trainer.cfg
-        cur = Plan.of(cfg)
-        per_rank = {pp: events_from_dicts(evs) for pp, evs in timelines.items()}
-        element_bytes = 2 if cfg.precision == "bf16" else 4   # stage boundaries' dtype
-        act_bytes = element_bytes * cfg.micro_batch_size * (cfg.seq_len // cfg.dims.cp) \
-            * cfg.spec.hidden
-        costs = calibrate(cfg.program(), per_rank, act_bytes)
-        recent = list(self.window)[-self.acfg.min_steps:]
-        busy: dict[int, list[float]] = {}
-        for _, summaries in recent:
-            for s in summaries:
-                if s["busy_ms"]:
-                    busy.setdefault(s["rank"], []).append(s["busy_ms"])
-        window = [x for _, x in recent]
-        measured = Measured(
-            cur, costs, _host_ms(costs, per_rank),
-            statistics.median(s[("step", "step")] for s, _ in recent),
-            links=link_rates(window, self.acfg.collective_min_bytes),
-            collective_gbps=collective_rates(window, self.rpn, self.acfg.collective_min_bytes),
-            rank_busy={r: statistics.median(v) for r, v in busy.items()},
-            element_bytes=element_bytes,
-            backend="nccl" if trainer.device.type == "cuda" else "gloo")
+        measured = self._measured(trainer, timelines, list(self.window)[-self.acfg.min_steps:])
+        if reference is not None and len(reference) == cfg.dims.pp:
+            try:
+                measured.reference = self._measured(trainer, reference, self.reference[0])
+            except (ValueError, KeyError, statistics.StatisticsError):
+                measured.reference = None   # healthy steps without a full timeline: uncalibrated
         from commpipe.plan.fits import available_gb
 
         on_cpu = trainer.device.type != "cuda"
@@ -276,6 +268,33 @@ class Controller:
                         detections=[d.to_dict() | self._where(d) for d in found],
                         signals={f"{k} {n}": v for (k, n), v in sorted(signals.items())},
                         measured_cost=self.measured_cost)
+
+    def _measured(self, trainer, timelines: dict, entries: list) -> Measured:
+        """What the running plan measured over `entries` (the window's (signals, summaries)),
+        calibrated on the pipeline ranks' `timelines` as `simulate --compare` does."""
+        from commpipe.sim.compare import calibrate
+        from commpipe.timeline import events_from_dicts
+
+        cfg = trainer.cfg
+        per_rank = {pp: events_from_dicts(evs) for pp, evs in timelines.items()}
+        element_bytes = 2 if cfg.precision == "bf16" else 4   # stage boundaries' dtype
+        act_bytes = element_bytes * cfg.micro_batch_size * (cfg.seq_len // cfg.dims.cp) \
+            * cfg.spec.hidden
+        costs = calibrate(cfg.program(), per_rank, act_bytes)
+        busy: dict[int, list[float]] = {}
+        for _, summaries in entries:
+            for s in summaries:
+                if s["busy_ms"]:
+                    busy.setdefault(s["rank"], []).append(s["busy_ms"])
+        window = [x for _, x in entries]
+        return Measured(
+            Plan.of(cfg), costs, _host_ms(costs, per_rank),
+            statistics.median(s[("step", "step")] for s, _ in entries),
+            links=link_rates(window, self.acfg.collective_min_bytes),
+            collective_gbps=collective_rates(window, self.rpn, self.acfg.collective_min_bytes),
+            rank_busy={r: statistics.median(v) for r, v in busy.items()},
+            element_bytes=element_bytes,
+            backend="nccl" if trainer.device.type == "cuda" else "gloo")
 
     def _where(self, d) -> dict:
         """The nodes and link class a link or collective detection spans."""
@@ -298,7 +317,7 @@ class Controller:
             metrics_file.close()
             metrics_file = None
         phases: dict[str, float] = {}
-        new, seconds = switch(trainer, plan, phases)
+        new, seconds = switch(trainer, plan, phases, self.rpn)
         gathered = new.comm.gather_objects((seconds, phases), "world")
         took = max(s for s, _ in gathered)
         # the slowest rank's time of each part, for the record that reports this switch
@@ -308,6 +327,7 @@ class Controller:
         self.watch.new_plan()
         self.window.clear()
         self.timelines.clear()
+        self.reference = None
         self.prepare(new)
         return new, metrics_file, took
 
@@ -327,6 +347,17 @@ class Controller:
 def _plan(d: dict) -> Plan:
     return Plan(**{k: v for k, v in d.items() if k != "name"} |
                 {"stage_layers": tuple(d["stage_layers"])})
+
+
+def _one_clock(timelines) -> list[dict]:
+    """Steps' timelines one after another on one clock (each step's own starts at 0):
+    calibration then takes medians over all of them."""
+    out, offset = [], 0.0
+    for events in timelines:
+        out += [e | {"start_ms": e["start_ms"] + offset, "end_ms": e["end_ms"] + offset}
+                for e in events]
+        offset += max((e["end_ms"] for e in events), default=0.0) + 1e3
+    return out
 
 
 def _host_ms(costs, per_rank) -> float:

@@ -14,28 +14,28 @@ import time
 from commpipe.adapt.candidates import candidates
 from commpipe.adapt.config import AdaptConfig
 from commpipe.adapt.model import CostModel, Measured
-from commpipe.adapt.plan import Plan, moved_bytes, payback
+from commpipe.adapt.plan import Plan, moved_s, payback
 from commpipe.adapt.records import Decision
-from commpipe.adapt.trial import plan_trials
+from commpipe.adapt.trial import overlaps_best, plan_trials
 from commpipe.models.family import layout_planned
 
 
 def switch_cost(cur: Plan, plan: Plan, model: CostModel, spec, acfg: AdaptConfig,
                 measured_cost: dict[str, float]) -> float:
     """Fixed (--adapt-switch-cost), else the last measured switch of this kind, else a
-    rebuild allowance plus moving what the busiest rank lacks (parameters and two AdamW
-    moments, fp32; DP replicas and TP groups already hold full copies of their stages).
-    Bulk data moves at about the best rate a link showed (small activation messages
-    measure latency more than bandwidth), so that rate is used."""
+    rebuild allowance plus the time the slowest rank takes to receive what it lacks
+    (parameters and two AdamW moments, fp32; DP replicas and TP groups already hold full copies
+    of their stages), each part over the link from its nearest holder as the model prices that
+    link (commpipe.adapt.plan.moved_s, the sender the switch uses): a re-placement moves only
+    the stages of the ranks whose role changes, inside a node where a node holds them, so a
+    degraded link between nodes does not price it."""
     kind = cur.kind_of_switch(plan)
     if acfg.switch_cost_s is not None:
         return acfg.switch_cost_s
     if kind in measured_cost:
         return measured_cost[kind]
-    rates = [bw for _, bw in model.m.links.values() if bw]
-    best = max(rates) if rates else min(model.class_gbps("intra_node"),
-                                         model.class_gbps("inter_node"))
-    return acfg.base_switch_s(kind) + moved_bytes(cur, plan, spec) / (best * 1e9)
+    return acfg.base_switch_s(kind) + moved_s(cur, plan, spec, lambda a, b: model.link(a, b)[1],
+                                              model.rpn)
 
 
 def memory_need_gb(cfg, plan: Plan, on_cpu: bool, ranks_per_node: int) -> float:
@@ -104,16 +104,24 @@ def evaluate(cfg, acfg: AdaptConfig, measured: Measured, *, step: int, steps_lef
     if not rows:
         d.planning_s = time.perf_counter() - t0
         return d
+    from commpipe.plan.interval import step_time_factors
+
+    trials = acfg.trials > 0 and not acfg.relaunch
+    interval = step_time_factors(on_cpu) if trials else None
+    if trials:
+        # trials run only among candidates the model cannot tell from the best predicted: the
+        # switch made first is one of them where one pays back (a cheap switch that keeps its
+        # collectives on the slow link is predicted far slower, and is not worth a trial)
+        close = [r for r in admitted
+                 if overlaps_best(r["predicted_ms"], rows[0]["predicted_ms"], interval)]
+        admitted = close or admitted
     best = max(admitted, key=lambda r: r["verdict"].saving_s - r["switch_cost_s"]) \
         if admitted else rows[0]
     verdict = best["verdict"]
-    if verdict.admit and acfg.trials > 0 and not acfg.relaunch:
+    if verdict.admit and trials:
         # confirm by measurement: trial the candidates the model cannot tell from the best
         # (prediction intervals overlapping); their cost joins the payback
-        from commpipe.plan.interval import step_time_factors
-
-        picked, cost, verdict = plan_trials(rows, best, current_ms, steps_left, acfg,
-                                            step_time_factors(on_cpu))
+        picked, cost, verdict = plan_trials(rows, best, current_ms, steps_left, acfg, interval)
         if verdict.admit:
             d.trials = [{"plan": r["plan"].name, "predicted_ms": r["predicted_ms"],
                          "switch_cost_s": r["switch_cost_s"]} for r in picked]

@@ -19,7 +19,10 @@ A Mixture-of-Experts model's stages are priced the same way, with its family's F
 plus its expert-parallel all-to-alls and the experts' own gradient reduction
 (commpipe.adapt.model_moe).
 Everything else in the measured step (optimizer, loss reduction) is carried over as a constant,
-so the current plan's prediction equals its measured step time. Layout candidates assume one
+so the current plan's prediction equals its measured step time. Under a fault that constant is
+taken from the plan's healthy steps (`Measured.reference`) and the time the fault added beyond
+the model goes to the links (else the ranks) measured slower than there: a candidate that
+avoids them does not inherit it. Layout candidates assume one
 device per rank (tp and cp divide a stage's compute); on an emulated cluster whose ranks share
 a few host cores that flatters them, so such runs may restrict the controller to re-splits and
 re-batching (`--adapt-resplit-only`).
@@ -74,6 +77,9 @@ class Measured:
     rank_busy: dict = field(default_factory=dict)  # rank -> compute ms per step
     element_bytes: int = 4           # bytes of an activation element on the wire (2 under bf16)
     backend: str = "gloo"            # the process groups' backend: gloo | nccl
+    # the same plan measured before the change (the steps its detector's baselines came from):
+    # what the step cost outside the modelled compute and communication while healthy
+    reference: Measured | None = None
 
 
 class CostModel:
@@ -120,13 +126,60 @@ class CostModel:
         # what remains (optimizer, loss reduction) is a constant. A measured step shorter
         # than even the simulated compute scales the compute instead.
         self.scale, self.comm_weight, self.other_ms = 1.0, 1.0, 0.0
-        compute, comm = self.components(cur)
-        step = measured.step_ms
+        self.slow_links: set[tuple[int, int]] = set()   # rank pairs measured slower than before
+        self.slow_ranks: set[int] = set()
+        self.fault_factor, self.fault_ms = 1.0, 0.0
+        ref = measured.reference
+        if ref is None:
+            self._fit(measured.step_ms)
+            return
+        # Under a fault the step's unexplained time is mostly the fault's (small collectives
+        # and waits over the slow link that the model does not price), and a constant would
+        # carry it into candidates that avoid the slow link. So the constants come from the
+        # healthy steps, and what the fault added beyond the model is put on what the monitor
+        # measured as slow: the links (or, failing those, the ranks) that slowed by min_shift.
+        healthy = CostModel(spec, seq_len, world, ranks_per_node, ref, a)
+        self.scale, self.comm_weight, self.other_ms = \
+            healthy.scale, healthy.comm_weight, healthy.other_ms
+        self._find_slow(healthy, a.min_shift)
+        self.fault_ms = measured.step_ms - self.predict(cur)
+        if self.fault_ms > 0 and (self.slow_links or self.slow_ranks):
+            self.fault_factor = self._solve_factor(cur, measured.step_ms)
+        # what the slow parts cannot explain stays a constant: the running plan still predicts
+        # its measured step
+        self.other_ms += measured.step_ms - self.predict(cur)
+
+    def _fit(self, step: float) -> None:
+        """The calibration without a healthy reference: the running plan's step as measured."""
+        compute, comm = self.components(self.m.plan)
         if step < compute:
             self.scale, self.comm_weight = step / compute, 0.0
         else:
             self.comm_weight = min(1.0, (step - compute) / comm) if comm > 0 else 0.0
             self.other_ms = step - compute - self.comm_weight * comm
+
+    def _find_slow(self, healthy: CostModel, min_shift: float) -> None:
+        """Rank pairs whose link, and ranks whose compute, the monitor measured at least
+        `min_shift` slower than in the healthy steps. A link is judged by its own rate where
+        both were measured, else by its link class's collective rate."""
+        slower = 1.0 + min_shift
+        for a in range(self.world):
+            for b in range(self.world):
+                if a != b and healthy.link(a, b)[1] > slower * self.link(a, b)[1]:
+                    self.slow_links.add((a, b))
+        self.slow_ranks = {g for g, k in self.k.items() if k > slower * healthy.k.get(g, 1.0)}
+
+    def _solve_factor(self, plan: Plan, step: float) -> float:
+        """The factor on the slow links' time (or the slow ranks' compute) that makes `plan`
+        predict `step`: bisection, the prediction grows with it."""
+        lo, hi = 1.0, 1e4
+        self.fault_factor = hi
+        if self.predict(plan) < step:
+            return hi
+        for _ in range(60):
+            self.fault_factor = mid = (lo * hi) ** 0.5
+            lo, hi = (mid, hi) if self.predict(plan) < step else (lo, mid)
+        return hi
 
     def describe(self) -> dict:
         """The calibration behind the predictions, for the decision log."""
@@ -134,7 +187,11 @@ class CostModel:
         return {"f_ms": c.f, "b_ms": c.b, "host_ms": self.m.host_ms, "unit_ms": self.unit,
                 "slowdown": {str(g): k for g, k in sorted(self.k.items())},
                 "links": {f"{a}->{b}": bw for (a, b), (_, bw) in sorted(self.m.links.items())},
-                "scale": self.scale, "comm_weight": self.comm_weight, "other_ms": self.other_ms}
+                "scale": self.scale, "comm_weight": self.comm_weight, "other_ms": self.other_ms,
+                "reference_step_ms": self.m.reference.step_ms if self.m.reference else None,
+                "fault_ms": self.fault_ms, "fault_factor": self.fault_factor,
+                "slow_links": sorted(f"{a}->{b}" for a, b in self.slow_links),
+                "slow_ranks": sorted(self.slow_ranks)}
 
     # -- links ---------------------------------------------------------------------------------
     def node(self, rank: int) -> int:
@@ -155,6 +212,14 @@ class CostModel:
     def link(self, a: int, b: int) -> tuple[float, float]:
         """(latency ms, GB/s) of a -> b: measured for this pair, else for this node pair (a
         degraded node link slows every pair across it), else the class's median."""
+        lat, bw = self._measured_link(a, b)
+        return lat, bw / self.fault_on_link(a, b)
+
+    def fault_on_link(self, a: int, b: int) -> float:
+        """The factor on a -> b's time that carries the fault's unexplained time (1: healthy)."""
+        return self.fault_factor if (a, b) in self.slow_links else 1.0
+
+    def _measured_link(self, a: int, b: int) -> tuple[float, float]:
         for key in ((a, b), (b, a)):
             if key in self.m.links and self.m.links[key][1]:
                 return self.base_latency, self.m.links[key][1]
@@ -164,6 +229,12 @@ class CostModel:
         if same_nodes:
             return self.base_latency, min(same_nodes)
         return self.base_latency, self.class_gbps(self.link_class(a, b))
+
+    def slowdown(self, rank: int) -> float:
+        """A rank's measured slowdown factor; a slow rank's carries the fault's unexplained
+        time where no link was measured slow."""
+        k = self.k.get(rank, 1.0)
+        return k * self.fault_factor if rank in self.slow_ranks and not self.slow_links else k
 
     def group_gbps(self, ranks: list[int]) -> float:
         """A ring runs at its slowest hop."""
@@ -177,8 +248,11 @@ class CostModel:
         class when there is one, else at its slowest hop's point-to-point rate; the run's
         backend sets the latency steps (gloo rings, NCCL trees)."""
         cls = "intra_node" if len({self.node(r) for r in ranks}) == 1 else "inter_node"
-        link = Link(self.m.collective_gbps.get(cls) or self.group_gbps(ranks),
-                    self.base_latency / 1e3)
+        fault = max((self.fault_on_link(a, b) for a in ranks for b in ranks if a != b),
+                    default=1.0)
+        gbps = self.m.collective_gbps.get(cls)
+        gbps = gbps / fault if gbps else self.group_gbps(ranks)
+        link = Link(gbps, self.base_latency / 1e3)
         return Cluster(MEASURED_RUN, self.world, self.rpn, intra=link, inter=link,
                        source="measured", backend=self.m.backend)
 
@@ -219,7 +293,7 @@ class CostModel:
     def replica_slowdown(self, plan: Plan, d: int) -> float:
         """The slowest measured factor among DP replica d's ranks under `plan`."""
         dims = plan.dims()
-        return max(self.k.get(dims.rank_of(pp=s, dp=d, cp=q, tp=t), 1.0) for s in range(plan.pp)
+        return max(self.slowdown(dims.rank_of(pp=s, dp=d, cp=q, tp=t)) for s in range(plan.pp)
                    for q in range(plan.cp) for t in range(plan.tp))
 
     def _pipeline(self, plan: Plan, replicas, m: int) -> tuple[float, float]:
@@ -234,7 +308,7 @@ class CostModel:
         for s, layers in enumerate(plan.stage_layers):
             group = [dims.rank_of(pp=s, dp=d, cp=q, tp=t) for d in replicas
                      for q in range(plan.cp) for t in range(plan.tp)]
-            k = max(self.k.get(g, 1.0) for g in group)
+            k = max(self.slowdown(g) for g in group)
             work = stage_work(spec, seq, plan.stage_layers, s) * plan.micro_batch_size
             busy = self.unit * k * work / (plan.tp * plan.cp)
             f.append(busy * self.f_share + self.m.host_ms)
@@ -277,7 +351,7 @@ class CostModel:
         dims = plan.dims()
         group = [dims.rank_of(pp=s, dp=d, cp=q, tp=t) for d in range(plan.dp)
                  for q in range(plan.cp) for t in range(plan.tp)]
-        k = max(self.k.get(g, 1.0) for g in group)
+        k = max(self.slowdown(g) for g in group)
         return self.unit * k * plan.micro_batch_size / (plan.tp * plan.cp)
 
     def balanced_split(self, plan: Plan) -> tuple[int, ...]:

@@ -118,16 +118,47 @@ def held_parts(plan: Plan, rank: int) -> set:
     return parts
 
 
+def part_bytes(spec) -> dict[str, float]:
+    """Bytes a switch moves per model part: parameters and two AdamW moments, fp32."""
+    from commpipe.models.spec import layer_param_count
+
+    return {"layer": 12.0 * layer_param_count(spec), "embedding": 12.0 * spec.vocab * spec.hidden,
+            "head": 12.0 * (spec.vocab * spec.hidden + spec.hidden)}
+
+
 def moved_bytes(cur: Plan, new: Plan, spec) -> float:
     """The most bytes any rank must receive to switch from `cur` to `new`: parameters and two
     AdamW moments (fp32) of the parts it will hold and does not hold now."""
-    from commpipe.models.spec import layer_param_count
-
-    size = {"layer": 12.0 * layer_param_count(spec), "embedding": 12.0 * spec.vocab * spec.hidden,
-            "head": 12.0 * (spec.vocab * spec.hidden + spec.hidden)}
+    size = part_bytes(spec)
     world = cur.tp * cur.cp * cur.pp * cur.dp
     return max(sum(size[p[0]] for p in held_parts(new, r) - held_parts(cur, r))
                for r in range(world))
+
+
+def nearest_holder(holders, dst: int, ranks_per_node: int) -> int:
+    """The rank a switch fetches an item for `dst` from: a holder on dst's node if there is one
+    (a node's own links are its fastest, and a degraded link between nodes is not crossed), else
+    the lowest holding rank."""
+    return min(holders, key=lambda r: (r // ranks_per_node != dst // ranks_per_node, r))
+
+
+def moved_s(cur: Plan, new: Plan, spec, gbps, ranks_per_node: int) -> float:
+    """Seconds the slowest rank spends receiving what it lacks to switch from `cur` to `new`
+    (parameters and two AdamW moments, fp32): each part from its `nearest_holder` under `cur`
+    at `gbps(src, dst)` GB/s. Only ranks whose role changes receive anything, and a part that a
+    rank of its own node holds never crosses to another node."""
+    size = part_bytes(spec)
+    world = cur.tp * cur.cp * cur.pp * cur.dp
+    held = [held_parts(cur, r) for r in range(world)]
+    worst = 0.0
+    for dst in range(world):
+        took = 0.0
+        for part in held_parts(new, dst) - held[dst]:
+            src = nearest_holder([r for r in range(world) if part in held[r]], dst,
+                                 ranks_per_node)
+            took += size[part[0]] / (gbps(src, dst) * 1e9)
+        worst = max(worst, took)
+    return worst
 
 
 @dataclass

@@ -8,8 +8,10 @@
 2. Same tp/cp/pp/dp and ep: the Comm is kept; otherwise a new Comm builds the new layout's
    process groups (every rank creates every group, in the same order).
 3. `Trainer.build` makes this rank's stages under the new plan. What a rank needs and does not
-   hold is sent to it point-to-point by the lowest rank holding it (`Comm.isend`/`irecv`,
-   one tag per transfer); every rank then keeps its slice of the full tensors. Step counter,
+   hold is sent to it point-to-point by a rank of its own node holding it, else by the lowest
+   rank holding it (`commpipe.adapt.plan.nearest_holder`: a degraded link between nodes is not
+   crossed where a node holds the item; `Comm.isend`/`irecv`, one tag per transfer); every
+   rank then keeps its slice of the full tensors. Step counter,
    history, data source (a pure function of step and rank) and the LR schedule (a function of
    the step) carry over; RNG states are kept as they were.
 Only commpipe.parallel.comm touches torch.distributed: everything here goes through Comm.
@@ -58,7 +60,7 @@ def load_state(trainer, state: dict[str, torch.Tensor]) -> None:
                 raise RuntimeError(f"switch: no gathered value for parameter {name}")
             tp_dim = getattr(p, "_tp_dim", None)
             p.copy_(shard_ep(shard_tp(state[key], tp_dim, comm), p, comm).to(p.device))
-            if holds(p) and f"optim.{name}.step" in state:
+            if holds(p) and f"optim.{name}.step" in state and not getattr(p, "_ep_sharded", False):
                 adam.state[p] = {
                     "step": state[f"optim.{name}.step"].clone(),
                     **{k: shard_ep(shard_tp(state[f"optim.{name}.{k}"], tp_dim, comm), p,
@@ -85,11 +87,16 @@ def held_state(trainer) -> dict[str, torch.Tensor]:
     return out
 
 
-def redistribute(new, held: dict[str, torch.Tensor], held_by: list[dict]) -> tuple[dict, int]:
+def redistribute(new, held: dict[str, torch.Tensor], held_by: list[dict],
+                 ranks_per_node: int | None = None) -> tuple[dict, int]:
     """Full tensors of everything `new` (the rebuilt trainer) needs on this rank: local where
-    held, else received from the lowest rank holding it. held_by[r]: {item: (shape, dtype)} of
-    rank r. Returns (items, bytes received). Collective over the world."""
+    held, else received from its nearest holder (one on this rank's node, else the lowest;
+    `ranks_per_node` None: one node). held_by[r]: {item: (shape, dtype)} of rank r. Returns
+    (items, bytes received). Collective over the world."""
+    from commpipe.adapt.plan import nearest_holder
+
     comm = new.comm
+    rpn = ranks_per_node or len(held_by)
     _, holds = optimizer_of(new)
     want = []
     for name, p in new.named_params:
@@ -104,7 +111,7 @@ def redistribute(new, held: dict[str, torch.Tensor], held_by: list[dict]) -> tup
     handles, got, nbytes, tag = [], {}, 0, 0
     for dst, items in enumerate(needs):
         for item in items:
-            src = min(r for r, h in enumerate(held_by) if item in h)
+            src = nearest_holder([r for r, h in enumerate(held_by) if item in h], dst, rpn)
             shape, dtype = held_by[src][item]
             if comm.rank == src:
                 handles.append(comm.isend(held[item].contiguous(), dst, dim="world", tag=tag))
@@ -120,8 +127,9 @@ def redistribute(new, held: dict[str, torch.Tensor], held_by: list[dict]) -> tup
     return {k: (held[k] if k in held else got[k]) for k in want if k in held or k in got}, nbytes
 
 
-def switch(trainer, plan, phases: dict | None = None):
+def switch(trainer, plan, phases: dict | None = None, ranks_per_node: int | None = None):
     """A Trainer running `plan` with `trainer`'s full state (collective); (trainer, seconds).
+    `ranks_per_node` places the ranks on nodes for choosing each item's sender.
     `phases`, when given, receives this rank's seconds of the switch's parts: `state_s` (full
     tensors of what it holds, and receiving what it lacks) and `rebuild_s` (process groups,
     when the layout changes, and the new stages)."""
@@ -146,7 +154,7 @@ def switch(trainer, plan, phases: dict | None = None):
     new = Trainer.build(cfg, comm, source=trainer.source)
     t_state = time.perf_counter()
     observers, comm.observers = comm.observers, []   # the transfer is not training traffic
-    state, _ = redistribute(new, held, held_by)
+    state, _ = redistribute(new, held, held_by, ranks_per_node)
     comm.observers = observers
     load_state(new, state)
     new.step, new.history = trainer.step, trainer.history

@@ -1,0 +1,196 @@
+"""The controller's decision under a degraded link, on synthetic measurements, no launch: the
+re-placement (the same degrees, the ranks placed so the slow link carries the least), what a
+switch moves and over which link, where the fault's unexplained time goes in the calibration,
+which candidates are trialled, and when to stay; each against hand-derived values.
+
+    python -m pytest tests/test_adapt_decide_link.py -q
+
+The synthetic model and its stage costs are tests/test_adapt_decide.py's (tiny LLaMA, seq 16).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from commpipe.adapt.config import AdaptConfig
+from commpipe.adapt.plan import Plan
+from commpipe.adapt.records import Decision
+from tests.test_adapt_decide import BLOCK, HEAD, OTHER_MS, C, _cfg
+
+# -- re-placement: the same degrees, the ranks placed so the slow link carries the least -----------
+
+def test_a_slow_link_inside_a_dp_group_moves_the_pipeline_onto_it():
+    """pp2 x dp2 on two nodes of two ranks, Megatron's order: the DP groups {0, 1} and {2, 3}
+    are inside the nodes, the stages {0, 2} and {1, 3} across them. Node 0's internal link
+    slows to 0.5 MB/s: stage 0's gradient all-reduce crosses it every step (2 blocks of 36,992
+    parameters and the 16,384 of the embedding, fp32: 361,472 bytes; a 2-rank ring moves them
+    once: 723 ms), while re-placed (tp-cp-pp-dp: stages {0, 1} and {2, 3}) it carries only the
+    pipeline's activations (1 x 16 x 64 fp32 = 4 kB; 4 micro-batches, forward and backward,
+    both stage pairs: at most 16 messages of 8.2 ms + 0.05 ms) and DP runs over the healthy
+    node-to-node links (0.4 ms)."""
+    from commpipe.adapt.model import CostModel, Measured
+    from commpipe.parallel.dims import ParallelDims
+    from commpipe.sim.costs import CostTable
+    from commpipe.train.config import TrainConfig
+
+    cur = Plan(1, 1, 2, 2, (2, 2), "1f1b", 4, 1)
+    cfg = TrainConfig(model="tiny", dims=ParallelDims(pp=2, dp=2), seq_len=16, global_batch=8,
+                      micro_batch_size=1, steps=1000).resolve(4)
+    t0, t1 = 2 * BLOCK * C, (2 * BLOCK + HEAD) * C
+    healthy, slow = (0.05, 1.0), (0.05, 0.0005)          # (latency ms, GB/s)
+    links = {(a, b): healthy for a in range(4) for b in range(4) if a != b}
+    links[0, 1] = links[1, 0] = slow
+    dp_ms = 361_472 / 0.0005e9 * 1e3                    # a 2-rank ring: 723 ms
+    measured = Measured(cur, CostTable(f=[t0 / 3, t1 / 3], b=[2 * t0 / 3, 2 * t1 / 3]),
+                        host_ms=0.0, step_ms=t0 + 4 * t1 + OTHER_MS + dp_ms, links=links,
+                        rank_busy={0: 4 * t0, 1: 4 * t0, 2: 4 * t1, 3: 4 * t1})
+    model = CostModel(cfg.spec, 16, 4, 2, measured)
+    assert model.predict(cur) == pytest.approx(measured.step_ms, rel=1e-9)
+    replaced = Plan(1, 1, 2, 2, (2, 2), "1f1b", 4, 1, order="tp-cp-pp-dp")
+    assert cur.kind_of_switch(replaced) == "replace"
+    bound = t0 + 4 * t1 + OTHER_MS + 16 * (4096 / 0.0005e9 * 1e3 + 0.05) + 1.0
+    assert model.predict(replaced) <= bound < 0.25 * measured.step_ms
+    from commpipe.adapt.evaluate import evaluate
+
+    d = evaluate(cfg, AdaptConfig(trials=0), measured, step=20, steps_left=1000, world=4,
+                 ranks_per_node=2, detections=[], signals={})
+    assert d.action == "switch" and d.to["order"] == "tp-cp-pp-dp", (d.kind, d.to, d.reason)
+    # on one node there is nothing to re-place: the candidate is not offered
+    one_node = evaluate(cfg, AdaptConfig(trials=0), measured, step=20, steps_left=1000, world=4,
+                        ranks_per_node=4, detections=[], signals={})
+    assert all("ranks tp-cp-pp-dp" not in c["plan"] for c in one_node.candidates)
+
+
+# -- a degraded link between two nodes: who pays the fault's time ----------------------------------
+
+STAGE0 = 12 * (2 * 36_992 + 16_384)       # parameters and two AdamW moments, fp32 (bytes)
+STAGE1 = 12 * (2 * 36_992 + 16_384 + 64)  # the head carries its norm
+AR = 361_472                              # a stage's gradients all-reduced over DP (fp32 bytes)
+INTER_GBPS, SLOW_GBPS, LAT_MS = 0.1, 0.0002, 1.0
+UNEXPLAINED_MS = 300.0                    # the fault's time the model does not price
+DP_ACROSS = Plan(1, 1, 2, 2, (2, 2), "1f1b", 4, 1, order="tp-cp-pp-dp")
+
+
+def _two_nodes(plan, inter_gbps, extra_ms=0.0, load=1.0, reference=None):
+    """pp2 x dp2 on 2 nodes of 2 ranks: within a node the ranks measured 1 GB/s at 1 ms; the
+    all-reduces between the nodes ran at `inter_gbps`. The step: the 1f1b pipeline (t0 + 4 t1,
+    each stage `load` times slower), one all-reduce of AR bytes across the nodes, OTHER_MS and
+    `extra_ms` of time the model does not see."""
+    from commpipe.adapt.model import Measured
+    from commpipe.sim.costs import CostTable
+
+    t0, t1 = 2 * BLOCK * C * load, (2 * BLOCK + HEAD) * C * load
+    dims = plan.dims()
+    links = {(a, b): (LAT_MS, 1.0) for a in range(4) for b in range(4) if a != b and a // 2 == b // 2}
+    return Measured(plan, CostTable(f=[t0 / 3, t1 / 3], b=[2 * t0 / 3, 2 * t1 / 3]), 0.0,
+                    t0 + 4 * t1 + AR / (inter_gbps * 1e6) + OTHER_MS + extra_ms, links=links,
+                    collective_gbps={"inter_node": inter_gbps},
+                    rank_busy={r: 4 * (t0, t1)[dims.coords(r)["pp"]] for r in range(4)},
+                    reference=reference)
+
+
+def _degraded(plan=DP_ACROSS):
+    """The link between the nodes at SLOW_GBPS, UNEXPLAINED_MS beyond what the model prices,
+    with the healthy steps (INTER_GBPS) as the reference."""
+    return _two_nodes(plan, SLOW_GBPS, UNEXPLAINED_MS, reference=_two_nodes(plan, INTER_GBPS))
+
+
+def _decide4(measured, steps_left=1000, **acfg) -> Decision:
+    from commpipe.adapt.evaluate import evaluate
+    from commpipe.parallel.dims import ParallelDims
+    from commpipe.train.config import TrainConfig
+
+    cfg = measured.plan.apply(TrainConfig(model="tiny", dims=ParallelDims(pp=2, dp=2), seq_len=16,
+                                          global_batch=8, micro_batch_size=1,
+                                          steps=1000).resolve(4))
+    return evaluate(cfg, AdaptConfig(**acfg), measured, step=20, steps_left=steps_left, world=4,
+                    ranks_per_node=2, detections=[], signals={})
+
+
+def _crosses_nodes(plan: Plan, dim: str) -> bool:
+    dims = plan.dims()
+    return any(len({r // 2 for r in dims.group_of(dim, g)}) > 1 for g in range(4))
+
+
+def test_the_faults_unexplained_time_stays_on_the_slow_link():
+    """Healthy, the step is the model's plus OTHER_MS; degraded, the all-reduce across the nodes
+    takes AR / SLOW_GBPS = 1,807.36 ms and the step UNEXPLAINED_MS more. The constant comes from
+    the healthy steps, so it stays what it was, and the 300 ms go to the links between the nodes
+    (the monitor measured them 500x slower): their time is multiplied by f, where
+    AR f / SLOW - AR / INTER = AR / SLOW + 300 - AR / INTER, f = 1 + 300 / 1,807.36 (the
+    all-reduce's latency terms cancel). A candidate that moves DP inside the nodes keeps of
+    those 300 ms only what f adds to its own messages across the nodes: at most its 16
+    activations (4 micro-batches, forward and backward, 2 replicas) of 4,096 bytes, each
+    (f - 1) x 20.48 ms longer."""
+    from commpipe.adapt.model import CostModel
+
+    spec = _cfg().spec
+    fault = _degraded()
+    new = CostModel(spec, 16, 4, 2, fault)
+    old = CostModel(spec, 16, 4, 2, _two_nodes(DP_ACROSS, SLOW_GBPS, UNEXPLAINED_MS))
+    assert new.predict(DP_ACROSS) == pytest.approx(fault.step_ms, rel=1e-9)
+    assert new.slow_links == {(a, b) for a in range(4) for b in range(4) if a // 2 != b // 2}
+    slow_ar_ms = AR / (SLOW_GBPS * 1e6)
+    f = 1 + UNEXPLAINED_MS / slow_ar_ms
+    assert new.fault_factor == pytest.approx(f, rel=1e-6)
+    healthy = CostModel(spec, 16, 4, 2, fault.reference)
+    assert new.other_ms == pytest.approx(healthy.other_ms, abs=1e-6)
+    assert new.other_ms == pytest.approx(old.other_ms - UNEXPLAINED_MS, abs=1e-6)
+    replaced = Plan(1, 1, 2, 2, (2, 2), "1f1b", 4, 1)          # DP inside the nodes
+    on_link = 16 * (f - 1) * 4096 / (SLOW_GBPS * 1e6)
+    assert old.predict(replaced) - UNEXPLAINED_MS <= new.predict(replaced) \
+        <= old.predict(replaced) - UNEXPLAINED_MS + on_link + 1e-6
+
+
+def test_a_replacement_predicted_best_is_chosen_and_moves_its_state_inside_the_nodes():
+    """Degraded as above, the same degrees in Megatron's order (DP inside the nodes) are
+    predicted fastest. The switch moves only what the ranks that change stage lack: rank 1
+    (stage 1 -> 0) takes stage 0 from rank 0 and rank 2 (0 -> 1) stage 1 from rank 3, each on
+    its own node at 1 GB/s: 1.0 s of rebuilding and STAGE1 bytes / 1 GB/s. Priced at the slow
+    link's rate (or sent by the lowest holder, rank 1 -> 2 across the nodes) it would cost
+    seconds. pp4 needs one layer on ranks 1 and 2, from ranks 0 and 3."""
+    d = _decide4(_degraded())
+    assert d.action == "switch" and d.kind == "replace", d.reason
+    assert d.to["order"] == "tp-cp-dp-pp" and d.to["pp"] == d.to["dp"] == 2
+    assert d.candidates[0]["plan"] == d.to["name"] and d.trials[0]["plan"] == d.to["name"]
+    assert d.switch_cost_s == pytest.approx(1.0 + STAGE1 / 1e9, rel=1e-9)
+    pp4 = next(c for c in d.candidates if c["plan"].startswith("tp1-cp1-pp4-dp1 1f1b"))
+    assert pp4["switch_cost_s"] == pytest.approx(1.0 + 12 * 36_992 / 1e9, rel=1e-9)
+
+
+def test_a_candidate_keeping_dp_on_the_slow_link_is_not_trialled():
+    """Re-batches, rebalances and re-splits of the running plan keep its DP all-reduce across
+    the degraded link: predicted near the running step (~2.2 s), beyond the CPU interval of
+    the best (~0.17 s) and so not trialled, though the switch to them is the cheapest."""
+    from commpipe.adapt.candidates import candidates
+    from commpipe.adapt.model import CostModel
+
+    spec = _cfg().spec
+    named = {p.name: p for p in candidates(DP_ACROSS, CostModel(spec, 16, 4, 2, _degraded()),
+                                           spec, 16, 8, 4, 2, AdaptConfig())}
+    d = _decide4(_degraded())
+    trialled = [named[t["plan"]] for t in d.trials]
+    assert len(trialled) >= 2
+    assert not any(_crosses_nodes(p, dim) for p in trialled for dim in ("dp_cp", "tp"))
+    kept = [c for c in d.candidates if _crosses_nodes(named[c["plan"]], "dp_cp")]
+    assert kept and min(c["switch_cost_s"] for c in kept) == pytest.approx(0.1)
+
+
+def test_a_host_wide_slowdown_with_no_slow_link_stays():
+    """Every rank's compute 30% slower and 100 ms more per step elsewhere (host load), the links
+    as healthy: nothing was measured slow, so the 100 ms stay a constant of every candidate
+    and the healthy plan, the best there (zbh1, DP inside the nodes), stays the best. (The
+    synthetic step counts an all-reduce across the nodes either way; the calibration takes the
+    difference as the constant.)"""
+    from commpipe.adapt.model import CostModel
+
+    cur = Plan(1, 1, 2, 2, (2, 2), "zbh1", 4, 1)
+    healthy = _two_nodes(cur, INTER_GBPS)
+    loaded = _two_nodes(cur, INTER_GBPS, 100.0, load=1.3, reference=healthy)
+    assert _decide4(healthy).action == "stay"
+    model = CostModel(_cfg().spec, 16, 4, 2, loaded)
+    assert model.slow_links == set() and model.slow_ranks == set()
+    assert model.fault_factor == 1.0
+    d = _decide4(loaded)
+    assert d.action == "stay", (d.to, d.reason)
+    assert d.predicted_current_ms == pytest.approx(loaded.step_ms, rel=1e-9)
