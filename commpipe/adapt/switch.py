@@ -60,7 +60,7 @@ def load_state(trainer, state: dict[str, torch.Tensor]) -> None:
                 raise RuntimeError(f"switch: no gathered value for parameter {name}")
             tp_dim = getattr(p, "_tp_dim", None)
             p.copy_(shard_ep(shard_tp(state[key], tp_dim, comm), p, comm).to(p.device))
-            if holds(p) and f"optim.{name}.step" in state and not getattr(p, "_ep_sharded", False):
+            if holds(p) and f"optim.{name}.step" in state:
                 adam.state[p] = {
                     "step": state[f"optim.{name}.step"].clone(),
                     **{k: shard_ep(shard_tp(state[f"optim.{name}.{k}"], tp_dim, comm), p,
