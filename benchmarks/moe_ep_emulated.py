@@ -21,6 +21,12 @@ schedule:
   transfer time, and the share of 1F1B's exposed EP time that each schedule hides (goal for
   dualpipev: >= 50%).
 
+- the simulator's prediction of the same (commpipe/sim/units.py, the EP stream), calibrated
+  on 1F1B's measurement alone: each plain pass of 1F1B blocks on its all-to-alls, so the EP
+  time of a pass is 1F1B's exposed EP per step over its 2m passes, and the compute of a
+  forward f (backward 2f) is what makes the simulated 1F1B step equal the measured one; every
+  other schedule is then simulated on that table.
+
 Under dualpipev the stages run unit by unit (commpipe.runtime.units_moe): each braid keeps one
 pass's dispatch or combine in flight while the other pass computes. 1F1B and ZB-V run stages
 whole, every all-to-all exposed. Needs root and iproute2; otherwise it says why and exits 0. On a
@@ -56,6 +62,29 @@ def parse_args(argv=None):
                    help="run the schedules this many times, alternating their order (default 3)")
     add_out(p)
     return p.parse_args(argv)
+
+
+def predicted(step_ms: float, exposed_ms: float, m: int, schedules: list[str]) -> dict:
+    """Per schedule, (step ms, exposed EP ms per rank) the simulator predicts on the cost table
+    calibrated from 1F1B's measured step and exposed EP time (pp 2, m micro-batches)."""
+    from commpipe.schedules import generate
+    from commpipe.sim import CostTable, simulate
+
+    ep = exposed_ms / (2 * m)
+
+    def run(name: str, f: float):
+        prog = generate(name, 2, m, VPP[name])
+        return simulate(prog, CostTable.for_program(prog, f=f, b=2 * f, ep_comm=ep), record=False)
+
+    lo, hi = 0.0, step_ms
+    for _ in range(60):                          # the makespan grows with f
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if run("1f1b", mid).makespan < step_ms else (lo, mid)
+    out = {}
+    for name in schedules:
+        res = run(name, lo)
+        out[name] = (res.makespan, sum(res.ep_exposed) / len(res.ep_exposed))
+    return out
 
 
 def main(argv=None) -> int:
@@ -100,6 +129,16 @@ def main(argv=None) -> int:
         hidden = f"{1 - ep[s]['exposed_ms'] / ref:.0%}" if ref else "-"
         print(f"{s:<11} | {times[s]:6.3f} | {r:>18} | {ep[s]['exposed_ms']:18.0f} | "
               f"{ep[s]['transfer_ms']:19.0f} | {hidden:>14}")
+    if "1f1b" in times:
+        sim = predicted(times["1f1b"] * 1e3, ep["1f1b"]["exposed_ms"], args.microbatches, schedules)
+        base_sim = sim.get("dualpipev", (None,))[0]
+        print("simulated, calibrated on 1f1b's step and EP exposure (backward = 2 x forward):")
+        print("schedule    | step s | ratio to dualpipev | EP exposed ms/step | hidden vs 1f1b")
+        for s in schedules:
+            step, exposed = sim[s]
+            r = f"{step / base_sim:.3f}" if base_sim else "-"
+            print(f"{s:<11} | {step / 1e3:6.3f} | {r:>18} | {exposed:18.0f} | "
+                  f"{1 - exposed / sim['1f1b'][1]:>14.0%}")
     print(f"(runs in {out})")
     return 0
 

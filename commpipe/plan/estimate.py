@@ -132,10 +132,20 @@ def braided_tp(costs: StageCosts, layout: Layout) -> list[float]:
     return [min(a, b) for a, b in zip(costs.tp_f, costs.tp_b)]
 
 
+def braided_ep(costs: StageCosts, layout: Layout) -> list[float]:
+    """A braided schedule's expert-parallel all-to-alls per stage and pass, which the
+    simulator runs on its EP stream beside the braid's other pass (commpipe/sim/units.py), as
+    DualPipe overlaps them; [] for other schedules and dense models. The forward's: under full
+    recompute the backward's replayed exchanges (ep_b - ep_f) stay exposed in it."""
+    if not costs.ep_f or not any(costs.ep_f) or not info(layout.schedule).braided:
+        return []
+    return list(costs.ep_f)
+
+
 def cost_table_args(costs: StageCosts, layout: Layout, cluster: Cluster) -> dict:
     """Per-stage costs in ms and the links between pipeline ranks for `simulate`. Braided
-    schedules get their TP collectives as the simulator's `tp_comm` (own stream) instead of
-    inside f, b and i."""
+    schedules get their TP collectives as the simulator's `tp_comm` and a MoE model's
+    all-to-alls as its `ep_comm` (own streams) instead of inside f, b and i."""
     lat, bw = {}, {}
     for s in range(layout.pp * layout.vpp - 1):
         a, b = _rank_of_stage(layout, s), _rank_of_stage(layout, s + 1)
@@ -149,16 +159,22 @@ def cost_table_args(costs: StageCosts, layout: Layout, cluster: Cluster) -> dict
 
 
 def compute_ms(costs: StageCosts, layout: Layout) -> dict:
-    """f, b, i, w per stage in ms, plus `tp_comm` (taken out of f and i) for braided schedules."""
+    """f, b, i, w per stage in ms, plus `tp_comm` and `ep_comm` (taken out of f and i) for
+    braided schedules."""
     def ms(xs):
         return [x * 1e3 for x in xs]
-    tp = braided_tp(costs, layout)
-    if not tp:
+    tp, ep = braided_tp(costs, layout), braided_ep(costs, layout)
+    if not tp and not ep:
         return dict(f=ms(costs.f), b=ms(costs.b), i=ms(costs.i), w=ms(costs.w))
-    f = [x - c for x, c in zip(costs.f, tp)]
-    i = [x - c for x, c in zip(costs.i, tp)]
-    return dict(f=ms(f), b=ms([x + y for x, y in zip(i, costs.w)]), i=ms(i), w=ms(costs.w),
-                tp_comm=ms(tp))
+    off = [c + e for c, e in zip(tp or [0.0] * len(costs.f), ep or [0.0] * len(costs.f))]
+    f = [x - c for x, c in zip(costs.f, off)]
+    i = [x - c for x, c in zip(costs.i, off)]
+    out = dict(f=ms(f), b=ms([x + y for x, y in zip(i, costs.w)]), i=ms(i), w=ms(costs.w))
+    if tp:
+        out["tp_comm"] = ms(tp)
+    if ep:
+        out["ep_comm"] = ms(ep)
+    return out
 
 
 def lower_bound(costs: StageCosts, layout: Layout, cluster: Cluster, m: int) -> float:
@@ -169,7 +185,7 @@ def lower_bound(costs: StageCosts, layout: Layout, cluster: Cluster, m: int) -> 
     (`pipeline.braid_span`)."""
     stages = layout.pp * layout.vpp
     f, b = costs.f, costs.b
-    tp = braided_tp(costs, layout)
+    braided = bool(braided_tp(costs, layout) or braided_ep(costs, layout))
     rank_of = [_rank_of_stage(layout, s) for s in range(stages)]
     hop = [0.0] * stages
     for s in range(stages - 1):
@@ -183,7 +199,7 @@ def lower_bound(costs: StageCosts, layout: Layout, cluster: Cluster, m: int) -> 
         back_b[s] = back_b[s - 1] + b[s - 1] + hop[s - 1]
     split = info(layout.schedule).splits_backward
     best = 0.0
-    busies = _braided_busy(costs, layout, m, tp) if tp else None
+    busies = _braided_busy(costs, layout, m) if braided else None
     for r, chunks in enumerate(rank_chunks(layout.schedule, layout.pp, layout.vpp)):
         busy = busies[r] if busies else m * sum(f[c] + b[c] for c in chunks)
         tail = 0.0 if split else back_b[min(chunks)]
@@ -191,14 +207,17 @@ def lower_bound(costs: StageCosts, layout: Layout, cluster: Cluster, m: int) -> 
     return best + _tail(costs)
 
 
-def _braided_busy(costs: StageCosts, layout: Layout, m: int, tp: list[float]) -> list[float]:
+def _braided_busy(costs: StageCosts, layout: Layout, m: int) -> list[float]:
     """Per pipeline rank, the least time its compute stream is busy in a braided schedule:
-    plain actions with their TP collectives exposed, braids for their span alone."""
+    plain actions with their TP collectives and EP all-to-alls exposed, braids for their span
+    alone."""
     args = compute_ms(costs, layout)
     f, b, i, w = (args[k] for k in ("f", "b", "i", "w"))
-    tpc = args["tp_comm"]
-    plain = {"F": [x + c for x, c in zip(f, tpc)], "B": [x + c for x, c in zip(b, tpc)],
-             "I": [x + c for x, c in zip(i, tpc)], "W": w}
+    zeros = [0.0] * len(f)
+    tpc, epc = args.get("tp_comm", zeros), args.get("ep_comm", zeros)
+    comm = [c + e for c, e in zip(tpc, epc)]
+    plain = {"F": [x + c for x, c in zip(f, comm)], "B": [x + c for x, c in zip(b, comm)],
+             "I": [x + c for x, c in zip(i, comm)], "W": w}
     spans: dict = {}
     out = []
     for counts in action_counts(layout.schedule, layout.pp, layout.vpp, m):
@@ -209,7 +228,7 @@ def _braided_busy(costs: StageCosts, layout: Layout, m: int, tp: list[float]) ->
                 total += n * plain[op][st]
             else:
                 if parts not in spans:
-                    spans[parts] = braid_span(parts, f, b, i, w, tpc)
+                    spans[parts] = braid_span(parts, f, b, i, w, tpc, epc)
                 total += n * spans[parts]
         out.append(total / 1e3)
     return out
@@ -321,7 +340,7 @@ def _finish_once(est: Estimate, spec: ModelSpec, job: Job, cluster: Cluster, cos
     layout, m = est.layout, est.microbatches
     args = cost_table_args(costs, layout, cluster)
     if moe_plan.routed_spec(spec) is not None:
-        est.moe = moe_summary(spec, layout, job, cluster)
+        est.moe = moe_summary(spec, layout, job, cluster) | {"a2a_braided": "ep_comm" in args}
     makespan_ms, busy_ms = simulate_step(layout.schedule, layout.pp, layout.vpp, m, **args)
     tails = _tails(costs)
     worst = max(range(layout.pp), key=lambda r: tails[r])
@@ -337,6 +356,10 @@ def _finish_once(est: Estimate, spec: ModelSpec, job: Job, cluster: Cluster, cos
     compute = m * sum(costs.comp_f[c] + costs.comp_i[c] + costs.comp_w[c] for c in chunks)
     if costs.ep_f:      # MoE: the EP all-to-alls of the busiest rank, exposed (moe_costs.py)
         per["ep"] = m * sum(costs.ep_f[c] + costs.ep_b[c] for c in chunks)
+    if "ep_comm" in args:       # braided: the EP time the simulator left exposed on this rank
+        _, bare = simulate_step(layout.schedule, layout.pp, layout.vpp, m, **dict(args, ep_comm=None))
+        per["ep"] = max(0.0, (busy_ms[rb] - bare[rb]) / 1e3) \
+            + m * sum(costs.ep_b[c] - costs.ep_f[c] for c in chunks)
     if "tp_comm" in args:       # braided: the TP time the simulator left exposed on this rank
         rest = compute + per["cp"] + m * sum((costs.zero_f[c] if costs.zero_f else 0.0)
                                              + (costs.zero_b[c] if costs.zero_b else 0.0)

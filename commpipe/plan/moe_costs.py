@@ -26,10 +26,11 @@ recompute (the forward replayed). Each moves, per rank, its T k token copies of 
             max(peers on the node's share over NVLink, the other nodes' share over the NIC)
             + one latency step                                   EP group across nodes
 The EP group is `ep` consecutive ranks of the dp*cp group (stride tp in commpipe's rank grid),
-placed by Cluster.placement. Priced exposed under every schedule: it sits in the stage's forward
-and backward as TP collectives do without overlap. Braided schedules (dualpipev, stp) run MoE
-stages unit by unit with the all-to-alls in flight behind the other pass (docs/moe.md), and
-hid 25-31% of what 1f1b exposes on the emulated cluster; the planner does not credit that yet.
+placed by Cluster.placement. Priced exposed in the stage's forward and backward (as TP
+collectives without overlap) under every schedule but the braided ones (dualpipev, stp), which
+run MoE stages unit by unit with the all-to-alls in flight behind the other pass (docs/moe.md):
+there they go to the simulator's EP stream (`estimate.braided_ep`, commpipe/sim/units.py), and
+what it leaves exposed is the breakdown's `ep`.
 """
 
 from __future__ import annotations

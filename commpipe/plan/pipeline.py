@@ -98,22 +98,25 @@ def _braid_steps(parts: tuple, n: int) -> tuple:
 
 
 def braid_span(parts: tuple, f: list[float], b: list[float], i: list[float], w: list[float],
-               tp_comm: list[float]) -> float:
+               tp_comm: list[float], ep_comm: list[float] | None = None) -> float:
     """How long the compute stream is held by one braid ((op, stage) pairs) with nothing else
     in flight: the simulator's own unit walk (commpipe.sim.units) on that braid alone. Any
-    wait for an input or a busy TP stream only lengthens it, so it bounds the braid below."""
-    from commpipe.sim.units import _run_units
+    wait for an input or a busy TP or EP stream only lengthens it, so it bounds the braid
+    below."""
+    from commpipe.sim.units import Streams, _run_units
 
     n = len(f)
     steps = _braid_steps(parts, n)
     durs = (f, b, i, w)
+    ep = ep_comm or [0.0] * n
     # the walk's cost lists (quarter passes, half collectives by code * n + stage), for the
     # entries this braid reads
-    cq = {ci: durs[ci // n][ci % n] / 4 for _, ci, _, _ in steps[1]}
-    th = {ti: tp_comm[ti % n] / 2 for _, _, ti, _ in steps[1]}
-    th[-1] = 0.0
-    return _run_units(steps, 0, 0, 0.0, 0.0, 0.0, 0.0, 1, n, [0.0] * (2 * n), [0.0], [0.0], cq, th,
-                      None, None, None, {})[0]
+    cq = {ci: durs[ci // n][ci % n] / 4 for _, ci, _, _, _ in steps[1]}
+    th = {ti: tp_comm[ti % n] / 2 for _, _, ti, _, _ in steps[1]}
+    eh = {ei: ep[ei % n] / 2 for _, _, _, ei, _ in steps[1]}
+    th[-1] = eh[-1] = 0.0
+    return _run_units(steps, 0, 0, 0.0, 0.0, 0.0, 0.0, 1, n, [0.0] * (2 * n), Streams(1), cq, th,
+                      eh, None, None, None, None, {})[0]
 
 
 @lru_cache(maxsize=1024)
@@ -145,32 +148,35 @@ _SIM_CACHE: dict = {}
 def simulate_step(schedule: str, pp: int, vpp: int, m: int, f: list[float], b: list[float],
                   i: list[float], w: list[float], latency_ms: dict | float,
                   bandwidth_gbps: dict | float, activation_bytes: float,
-                  tp_comm: list[float] | None = None) -> tuple[float, list[float]]:
+                  tp_comm: list[float] | None = None,
+                  ep_comm: list[float] | None = None) -> tuple[float, list[float]]:
     """(makespan ms, busy ms per rank) of one step with per-stage costs in ms. `tp_comm`: the
     TP collectives per stage and pass (F, and B or I) that the simulator runs on its own TP
     stream, hidden behind the other pass of a braid (braided schedules); None: already in
-    f, b and i."""
+    f, b and i. `ep_comm`: the same for a MoE stage's expert-parallel all-to-alls (EP stream)."""
     key = (schedule, pp, vpp, m, _key(f), _key(b), _key(i), _key(w),
            _key(latency_ms.values()) if isinstance(latency_ms, dict) else latency_ms,
            _key(bandwidth_gbps.values()) if isinstance(bandwidth_gbps, dict) else bandwidth_gbps,
-           activation_bytes, _key(tp_comm) if tp_comm else None)
+           activation_bytes, _key(tp_comm) if tp_comm else None,
+           _key(ep_comm) if ep_comm else None)
     hit = _SIM_CACHE.get(key)
     if hit is not None:
         return hit
     period = info(schedule).steady_period(pp)
     ms = representative_ms(pp, m, period)
+    comm = (tp_comm, ep_comm)
     if len(ms) == 1:
-        out = _run(key, m, f, b, i, w, latency_ms, bandwidth_gbps, activation_bytes, tp_comm)
+        out = _run(key, m, f, b, i, w, latency_ms, bandwidth_gbps, activation_bytes, *comm)
     else:
         # extend the line once two consecutive periods agree (unbalanced stages can take a few
         # periods to settle); if they never do below m, simulate m itself
         m1 = ms[0]
         while True:
             if m1 + 2 * period > m:
-                out = _run(key, m, f, b, i, w, latency_ms, bandwidth_gbps, activation_bytes, tp_comm)
+                out = _run(key, m, f, b, i, w, latency_ms, bandwidth_gbps, activation_bytes, *comm)
                 break
             runs = [_run(key, m1 + k * period, f, b, i, w, latency_ms, bandwidth_gbps,
-                         activation_bytes, tp_comm)
+                         activation_bytes, *comm)
                     for k in range(3)]
             d1, d2 = runs[1][0] - runs[0][0], runs[2][0] - runs[1][0]
             # the makespan cannot grow slower than the busiest rank's work: until it does, the
@@ -188,14 +194,15 @@ def simulate_step(schedule: str, pp: int, vpp: int, m: int, f: list[float], b: l
     return out
 
 
-def _run(key, mm, f, b, i, w, latency_ms, bandwidth_gbps, activation_bytes, tp_comm):
+def _run(key, mm, f, b, i, w, latency_ms, bandwidth_gbps, activation_bytes, tp_comm, ep_comm):
     sub_key = key[:3] + (mm,) + key[4:]
     sub = _SIM_CACHE.get(sub_key)
     if sub is None:
         prog = lowered_program(key[0], key[1], mm, key[2])
         costs = CostTable(f=list(f), b=list(b), i=list(i), w=list(w), latency_ms=latency_ms,
                           bandwidth_gbps=bandwidth_gbps, activation_bytes=activation_bytes,
-                          tp_comm=list(tp_comm) if tp_comm else None)
+                          tp_comm=list(tp_comm) if tp_comm else None,
+                          ep_comm=list(ep_comm) if ep_comm else None)
         res = simulate(prog, costs, check=False, record=False)
         sub = (res.makespan, list(res.busy))
         _SIM_CACHE[sub_key] = sub
@@ -214,7 +221,8 @@ def busy_overlap(schedule: str, pp: int, vpp: int, m: int, f: list[float], b: li
                  i: list[float], w: list[float], latency_ms: dict | float,
                  bandwidth_gbps: dict | float, activation_bytes: float,
                  cpu_share: dict[str, list[float]] | None = None,
-                 tp_comm: list[float] | None = None) -> float:
+                 tp_comm: list[float] | None = None,
+                 ep_comm: list[float] | None = None) -> float:
     """Pipeline ranks using the CPU at once, as a CPU-using rank sees it: the integral of
     n(t)^2 over that of n(t), where each compute action contributes its CPU share (`cpu_share`
     per op letter F/B/I/W and stage, default 1: the whole action) to n(t) while it runs (1 for
@@ -224,7 +232,8 @@ def busy_overlap(schedule: str, pp: int, vpp: int, m: int, f: list[float], b: li
     prog = lowered_program(schedule, pp, mm, vpp)
     costs = CostTable(f=list(f), b=list(b), i=list(i), w=list(w), latency_ms=latency_ms,
                       bandwidth_gbps=bandwidth_gbps, activation_bytes=activation_bytes,
-                      tp_comm=list(tp_comm) if tp_comm else None)
+                      tp_comm=list(tp_comm) if tp_comm else None,
+                      ep_comm=list(ep_comm) if ep_comm else None)
     res = simulate(prog, costs, check=False)
     edges = []
     for rank, k, start, end in res._compute:

@@ -101,4 +101,5 @@ def print_estimate(e: Estimate, cluster) -> None:
         print(f"experts: ep {m['ep']}, edp {m['edp']}, {m['tokens_per_expert']:.0f} token copies per "
               f"local expert per micro-batch (imbalance {m['expert_imbalance']:g}); all-to-all "
               f"{m['a2a_bytes_per_call'] / 1e6:.1f} MB, {m['a2a_s_per_call'] * 1e3:.3f} ms per call, "
-              "4 per MoE layer and micro-batch, exposed")
+              "4 per MoE layer and micro-batch, "
+              + ("in flight behind the other pass of a braid" if m.get("a2a_braided") else "exposed"))

@@ -37,7 +37,9 @@ def add_arguments(parser) -> None:
                              "(split evenly over its chunks); JSON lists are per stage. "
                              "Default f=1,b=2 (i=w=b/2). tp_comm: one pass's TP collective time (F, or "
                              "B/I) per rank share; braids and units split it per unit "
-                             "(docs/schedules.md)")
+                             "(docs/schedules.md). ep_comm: the same for a MoE stage's "
+                             "expert-parallel all-to-alls, blocking in plain passes, on an EP "
+                             "stream beside the other pass in braids")
     parser.add_argument("--json", action="store_true", help="print only a JSON object on stdout")
     parser.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON here")
     parser.add_argument("--png", default=None, help="write a Gantt chart PNG here")
@@ -103,6 +105,9 @@ def run(args) -> int:
     if res._tp:
         print(f"tp_bubble {res.to_dict()['tp_bubble']:.4g} ms (TP communication the compute waits "
               f"for, mean over ranks)")
+    if res.ep_exposed:
+        print(f"ep_exposed {res.to_dict()['ep_exposed']:.4g} ms (expert-parallel all-to-all time "
+              f"the compute waits for, mean over ranks)")
     print("rank      busy      idle  peak activations (micro-batch units)")
     for r in range(p.pp):
         print(f"{r:>4} {res.busy[r]:>9.4g} {res.idle[r]:>9.4g}  {res.peak_activations[r]:g}")

@@ -6,7 +6,10 @@ Times are milliseconds. Compute costs are per *stage* (model chunk) and per micr
 latency and bandwidth are scalars or maps {(rank_a, rank_b): value} (looked up both ways, with
 an optional "default" entry). TP/CP collectives of a stage cost `tp_comm` per F and per B/I;
 `tp_mode="exposed"` adds them to the compute time, `"overlapped"` hides them behind the
-compute (an action then takes max(compute, collective)).
+compute (an action then takes max(compute, collective)). A MoE stage's expert-parallel
+all-to-alls (token dispatch and combine, and their adjoints in the backward) cost `ep_comm` per
+F and per B/I: blocking, so added to the compute time, except where a braid runs them on the
+rank's EP stream beside the other pass's units (commpipe/sim/units.py).
 
 Pure Python: no torch import.
 """
@@ -46,6 +49,7 @@ class CostTable:
     activation_bytes: float | list = 0.0          # per micro-batch per stage boundary (s -> s+1)
     tp_comm: list[float] | None = None
     tp_mode: str = "exposed"
+    ep_comm: list[float] | None = None
     activation_memory_bytes: list[float] | None = None   # stored per micro-batch per stage
 
     def __post_init__(self):
@@ -61,12 +65,12 @@ class CostTable:
             self.i = [max(b - w, 0.0) for b, w in zip(self.b, self.w)]
         elif self.w is None:
             self.w = [max(b - i, 0.0) for b, i in zip(self.b, self.i)]
-        for name in ("i", "w", "tp_comm", "activation_memory_bytes"):
+        for name in ("i", "w", "tp_comm", "ep_comm", "activation_memory_bytes"):
             vals = getattr(self, name)
             if vals is not None and len(vals) != n:
                 raise ValueError(f"cost {name!r} has {len(vals)} entries for {n} stages")
-        for name in ("f", "b", "i", "w"):
-            if any(x < 0 for x in getattr(self, name)):
+        for name in ("f", "b", "i", "w", "tp_comm", "ep_comm"):
+            if any(x < 0 for x in getattr(self, name) or ()):
                 raise ValueError(f"cost {name!r} has a negative time: {getattr(self, name)}")
         if self.tp_mode not in TP_MODES:
             raise ValueError(f"tp_mode={self.tp_mode!r}; use one of {', '.join(TP_MODES)}")
@@ -92,7 +96,7 @@ class CostTable:
     def for_program(cls, program, **values) -> CostTable:
         """A table for `program` from user-facing values (a --costs string or JSON object).
 
-        Scalar compute costs (f, b, i, w, tp_comm, activation_memory_bytes) are for one
+        Scalar compute costs (f, b, i, w, tp_comm, ep_comm, activation_memory_bytes) are for one
         micro-batch through one pipeline rank's whole share of the model, and are split evenly
         over its chunks (num_stages / pp), so 1f1b and interleaved compare at equal model size.
         Lists are per stage and used as given.
@@ -106,7 +110,7 @@ class CostTable:
         kw = dict(values)
         kw["f"] = _per_stage("f", values.get("f", 1.0), n, scale)
         kw["b"] = _per_stage("b", values.get("b", 2.0), n, scale)
-        for name in ("i", "w", "tp_comm", "activation_memory_bytes"):
+        for name in ("i", "w", "tp_comm", "ep_comm", "activation_memory_bytes"):
             kw[name] = _per_stage(name, values.get(name), n, scale)
         return cls(**kw)
 

@@ -15,9 +15,12 @@ if all ranks park, the schedule deadlocks and `ScheduleDeadlock` says where.
 Activation memory is counted in the same walk (see SimResult.peak_activations).
 
 Units and braids (STP, DualPipeV) run unit by unit, their TP collectives on a third stream per
-rank (commpipe/sim/units.py). Plain (whole-stage, unbraided) actions keep `tp_mode`: "exposed"
-adds the collective after the compute, "overlapped" takes max(compute, collective).
-`tp_bubble` is the time the compute stream waits for TP collectives, per rank.
+rank and a MoE stage's expert-parallel all-to-alls on a fourth (commpipe/sim/units.py). Plain
+(whole-stage, unbraided) actions keep `tp_mode`: "exposed" adds the collective after the
+compute, "overlapped" takes max(compute, collective); their all-to-alls block (added after the
+compute and the TP collectives), as the whole-stage runtime issues them.
+`tp_bubble` is the time the compute stream waits for TP collectives, per rank; `ep_exposed` the
+same for the all-to-alls (present when the cost table has `ep_comm`).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from dataclasses import dataclass, field
 from commpipe.schedules.actions import Program, lower
 from commpipe.schedules.validate import ScheduleDeadlock, check_program, deadlock_message
 from commpipe.sim.costs import CostTable
-from commpipe.sim.units import _CODE, _parts, _run_units, _unit_shape, _unit_steps
+from commpipe.sim.units import _CODE, Streams, _parts, _run_units, _unit_shape, _unit_steps
 from commpipe.timeline import Event
 
 
@@ -55,9 +58,11 @@ class SimResult:
     peak_activations: list[float]
     peak_activation_bytes: list[float] | None
     tp_bubble: list[float] = field(default_factory=list)
+    ep_exposed: list[float] = field(default_factory=list)
     _compute: list = field(repr=False, default_factory=list)
     _comm: list = field(repr=False, default_factory=list)
     _tp: list = field(repr=False, default_factory=list)
+    _ep: list = field(repr=False, default_factory=list)
     _events: list | None = field(repr=False, default=None)
     _units: list = field(repr=False, default_factory=list)   # (rank, k, part, unit, start, end)
 
@@ -77,18 +82,21 @@ class SimResult:
                    {} if wait is None else {"wait_ms": wait, "transfer_ms": e - s - wait}))
                for r, k, s, e, peer, nbytes, wait in self._comm]
         ev += [Event(r, "tp", f"{acts[r][k]}.tp", s, e) for r, k, s, e in self._tp]
+        ev += [Event(r, "ep", f"{acts[r][k]}.ep", s, e) for r, k, s, e in self._ep]
         ev.sort(key=lambda x: (x.rank, x.start_ms, x.stream))
         return ev
 
     def to_dict(self) -> dict:
         p = self.program
+        ep = {"ep_exposed": sum(self.ep_exposed) / p.pp,
+              "ep_exposed_per_rank": self.ep_exposed} if self.ep_exposed else {}
         return {"schedule": p.name, "pp": p.pp, "microbatches": p.microbatches,
                 "num_stages": p.num_stages, "vpp": p.vpp, "makespan": self.makespan,
                 "bubble_fraction": self.bubble_fraction, "busy": self.busy, "idle": self.idle,
                 "peak_activations": self.peak_activations,
                 "peak_activation_bytes": self.peak_activation_bytes,
                 "tp_bubble": sum(self.tp_bubble) / p.pp if self.tp_bubble else 0.0,
-                "tp_bubble_per_rank": self.tp_bubble}
+                "tp_bubble_per_rank": self.tp_bubble} | ep
 
 
 @contextmanager
@@ -185,24 +193,27 @@ def _simulate(program: Program, costs: CostTable | None, check: bool, record: bo
         check_program(lowered)
     p, m, n = lowered.pp, lowered.microbatches, lowered.num_stages
 
-    # per-op durations per stage: 0 F, 1 B, 2 I, 3 W (TP/CP collectives ride on F, B and I)
+    # per-op durations per stage: 0 F, 1 B, 2 I, 3 W (TP/CP collectives and EP all-to-alls ride
+    # on F, B and I)
     tp = costs.tp_comm or [0.0] * n
+    ep = costs.ep_comm or [0.0] * n
     if costs.tp_mode == "exposed":
-        def with_tp(xs):
-            return [x + c for x, c in zip(xs, tp)]
+        def with_comm(xs):
+            return [x + c + e for x, c, e in zip(xs, tp, ep)]
     else:
-        def with_tp(xs):
-            return [max(x, c) for x, c in zip(xs, tp)]
-    dur = (with_tp(costs.f), with_tp(costs.b), with_tp(costs.i), list(costs.w))
+        def with_comm(xs):
+            return [max(x, c) + e for x, c, e in zip(xs, tp, ep)]
+    dur = (with_comm(costs.f), with_comm(costs.b), with_comm(costs.i), list(costs.w))
     dur_raw = (costs.f, costs.b, costs.i, costs.w)
-    has_tp = any(tp)
+    has_tp, has_ep = any(tp), any(ep)
     mem_w = costs.activation_memory_bytes
     # units and braids: code 8, with their passes' unit steps (see _unit_steps); a unit runs a
     # quarter of its pass (cq, by code * n + stage) and half its TP collective if it has one
-    # (th; index -1, a zero, for the units without)
+    # (th; index -1, a zero, for the units without), and half its all-to-alls (eh, the same)
     codes, unitwise, links = _compiled(lowered)
     cq = [x / 4 for d in dur_raw for x in d]
     th = [x / 2 for x in tp] * 4 + [0.0]
+    eh = [x / 2 for x in ep] * 4 + [0.0]
     durs = [x for d in dur for x in d]
     link_lat, link_mspb = [], []
     for src, dst in links:
@@ -213,7 +224,8 @@ def _simulate(program: Program, costs: CostTable | None, check: bool, record: bo
     act_bytes = costs.activation_bytes
     nm = n * m
     out_ready = [0.0] * (2 * nm + 1)      # when a pass's output is complete: F (s, mb), then B/I
-    tp_free, exposed = [0.0] * p, [0.0] * p
+    streams = Streams(p)
+    tp_wait, ep_wait, ep_ready = streams.tp_wait, streams.ep_wait, streams.ep_ready
     rec_u, pass_done = [], {}
     arrive: list[float | None] = [None] * (2 * nm)     # message key -> arrival time
     sent_at = [0.0] * (2 * nm)                          # message key -> send start
@@ -221,7 +233,7 @@ def _simulate(program: Program, costs: CostTable | None, check: bool, record: bo
     pcs, cur, busy = [0] * p, [0.0] * p, [0.0] * p
     count, peak = [0] * p, [0] * p
     mem_b, peak_b = [0.0] * p, [0.0] * p
-    rec_c, rec_p, rec_tp = ([], [], []) if record else (None, None, None)
+    rec_c, rec_p, rec_tp, rec_ep = ([], [], [], []) if record else (None, None, None, None)
     if not record:
         rec_u = None
 
@@ -233,25 +245,33 @@ def _simulate(program: Program, costs: CostTable | None, check: bool, record: bo
         while k < nacts:
             op, s, mb, x = acts[k]
             if op == 8:                                             # units / braid
-                t, bsy, cnt, pk = _run_units(x, r, k, t, bsy, cnt, pk, m, nm, out_ready, tp_free,
-                                             exposed, cq, th, rec_c, rec_tp, rec_u, pass_done)
+                t, bsy, cnt, pk = _run_units(x, r, k, t, bsy, cnt, pk, m, nm, out_ready, streams,
+                                             cq, th, eh, rec_c, rec_tp, rec_ep, rec_u, pass_done)
             elif op < 4:                                            # compute
                 if unitwise:                # a local input from a unit pass may still be in flight
-                    need, other = out_ready[x[1]], out_ready[x[2]]
-                    if other > need:
-                        need = other
+                    need, on = out_ready[x[1]], x[1]
+                    if out_ready[x[2]] > need:
+                        need, on = out_ready[x[2]], x[2]
                     if need > t:
-                        exposed[r] += need - t
+                        if on in ep_ready:
+                            ep_wait[r] += need - t
+                        else:
+                            tp_wait[r] += need - t
                         bsy += need - t
                         t = need
                 d = durs[x[0]]
                 if record:
                     rec_c.append((r, k, t, t + d))
                 if has_tp and op < 3 and tp[s] > 0:
+                    end = t + d - ep[s]
                     if record:
-                        rec_tp.append((r, k, t + d - tp[s], t + d) if costs.tp_mode == "exposed"
+                        rec_tp.append((r, k, end - tp[s], end) if costs.tp_mode == "exposed"
                                       else (r, k, t, t + tp[s]))
-                    exposed[r] += d - dur_raw[op][s]
+                    tp_wait[r] += d - ep[s] - dur_raw[op][s]
+                if has_ep and op < 3 and ep[s] > 0:
+                    if record:
+                        rec_ep.append((r, k, t + d - ep[s], t + d))
+                    ep_wait[r] += ep[s]
                 t += d
                 bsy += d
                 if op == 0:
@@ -295,10 +315,17 @@ def _simulate(program: Program, costs: CostTable | None, check: bool, record: bo
                     rec_p.append((r, k, t, done, src, act_bytes[bnd], wait if wait > 0 else 0.0))
                 t = done
             k += 1
-        if k == nacts and tp_free[r] > t:     # the step ends when the last collective has
-            exposed[r] += tp_free[r] - t
-            bsy += tp_free[r] - t
-            t = tp_free[r]
+        if k == nacts:                        # the step ends when the last exchange has
+            last = streams.tp_free[r]
+            if last > t:
+                tp_wait[r] += last - t
+                bsy += last - t
+                t = last
+            last = streams.ep_free[r]
+            if last > t:
+                ep_wait[r] += last - t
+                bsy += last - t
+                t = last
         pcs[r], cur[r], busy[r], count[r], peak[r], mem_b[r], peak_b[r] = k, t, bsy, cnt, pk, mb_, pkb
     if any(pcs[r] < len(codes[r]) for r in range(p)):
         raise ScheduleDeadlock(deadlock_message(lowered, pcs))
@@ -309,8 +336,10 @@ def _simulate(program: Program, costs: CostTable | None, check: bool, record: bo
         program=lowered, makespan=makespan, busy=busy, idle=[makespan - b for b in busy],
         bubble_fraction=(sum(1 - b / makespan for b in busy) / p) if makespan > 0 else 0.0,
         peak_activations=[x * unit for x in peak],
-        peak_activation_bytes=peak_b if mem_w is not None else None, tp_bubble=exposed,
-        _compute=rec_c or [], _comm=rec_p or [], _tp=rec_tp or [], _units=rec_u or [],
+        peak_activation_bytes=peak_b if mem_w is not None else None, tp_bubble=tp_wait,
+        ep_exposed=ep_wait if costs.ep_comm is not None else [],
+        _compute=rec_c or [], _comm=rec_p or [], _tp=rec_tp or [], _ep=rec_ep or [],
+        _units=rec_u or [],
         _events=None if record else [])
 
 

@@ -61,7 +61,8 @@ def gantt_png(result: SimResult, path, title: str | None = None) -> Path:
     ax.set_title(title or f"{prog.name}: pp={prog.pp} m={prog.microbatches} "
                  f"stages={prog.num_stages}  makespan={result.makespan:.3g} "
                  f"bubble={result.bubble_fraction:.1%}"
-                 + (f"  tp_bubble={sum(result.tp_bubble) / prog.pp:.3g}" if result._tp else ""),
+                 + (f"  tp_bubble={sum(result.tp_bubble) / prog.pp:.3g}" if result._tp else "")
+                 + (f"  ep_exposed={sum(result.ep_exposed) / prog.pp:.3g}" if result._ep else ""),
                  fontsize=9, loc="left")
     fig.tight_layout()
     path = Path(path)
