@@ -19,8 +19,8 @@ from commpipe.train import checkpoint, checkpoint_shards
 from commpipe.train.config import OptimConfig, TrainConfig
 
 # 4 experts (ep 1, 2 and 4 on 4 ranks), 2 layers (pp2), tiny enough for the shared 2-core host;
-# hidden 64: a dispatch moves 8 KiB per rank, so EP's all-to-all calls (with the 32-byte row
-# counts among them) average above the report's 4 KiB bandwidth threshold
+# hidden 64: a dispatch moves 8 KiB per rank, above the report's 4 KiB bandwidth threshold (the
+# 32-byte row counts before it have records of their own)
 MOE = ("arch=moe,layers=2,hidden=64,heads=4,kv_heads=2,vocab=128,experts=4,top_k=2,"
        "expert_ffn=16,shared_experts=1,rope_theta=10000")
 SAVED_AT, MORE = 2, 2     # the uninterrupted run: saved after step 2, then 2 more steps
@@ -116,16 +116,17 @@ def run(rank: int, root: Path, build) -> dict:
     return res
 
 
-def a2a_bytes_per_step(cfg: TrainConfig, ep: int) -> int:
-    """All-to-all bytes one ep group's ranks post per step, summed over them, from the model's
-    shape (commpipe.parallel.expert): per MoE layer and micro-batch, the row counts (E int64
-    per rank), then dispatch and combine forward, and both again backward, each moving the
-    group's tokens x top_k rows of `hidden` fp32 once in total."""
+def a2a_bytes_per_step(cfg: TrainConfig, ep: int) -> tuple[int, int]:
+    """(payload, row-count) all-to-all bytes one ep group's ranks post per step, summed over
+    them, from the model's shape (commpipe.parallel.expert): per MoE layer and micro-batch,
+    dispatch and combine forward and both again backward, each moving the group's tokens x
+    top_k rows of `hidden` fp32 once in total; and before them the row counts (E int64 per
+    rank)."""
     spec = cfg.spec
     per_rank = cfg.global_batch // cfg.dims.dp            # micro-batches of 1 sequence
     rows = ep * cfg.micro_batch_size * cfg.seq_len * spec.top_k
-    per_layer = ep * spec.experts * 8 + 4 * rows * spec.hidden * 4
-    return spec.layers * per_rank * per_layer
+    return (spec.layers * per_rank * 4 * rows * spec.hidden * 4,
+            spec.layers * per_rank * ep * spec.experts * 8)
 
 
 def check_report(run_dir: Path) -> None:
@@ -133,7 +134,7 @@ def check_report(run_dir: Path) -> None:
     import csv
     import json
 
-    from commpipe.parallel.expert import ep_groups
+    from commpipe.parallel.expert import COUNTS_OP, ep_groups
     from commpipe.report.cli import write_report
     from commpipe.report.links import class_summary, link_rows, rank_matrices
     from commpipe.report.tables import terminal_table
@@ -143,11 +144,13 @@ def check_report(run_dir: Path) -> None:
     records = [json.loads(line) for r in range(4)
                for line in (run_dir / "monitor" / f"rank{r}.jsonl").read_text().splitlines()]
     a2a = [r for r in records if r["dim"] == "ep" and r["op"] == "all_to_all"]
-    assert {r["step"] for r in a2a} == {2, 3}               # the resumed steps
+    counts = [r for r in records if r["dim"] == "ep" and r["op"] == COUNTS_OP]
+    assert {r["step"] for r in a2a} == {r["step"] for r in counts} == {2, 3}   # the resumed steps
     for step in (2, 3):
         for group in eps:                                   # the traffic the layer's shape implies
-            got = sum(r["bytes"] for r in a2a if r["step"] == step and r["rank"] in group)
-            assert got == a2a_bytes_per_step(cfg, 2), (step, group, got)
+            got = [sum(r["bytes"] for r in recs if r["step"] == step and r["rank"] in group)
+                   for recs in (a2a, counts)]
+            assert tuple(got) == a2a_bytes_per_step(cfg, 2), (step, group, got)
     for r in a2a:                                           # nccl-tests alltoall: (n-1)/n
         assert r["group"] in eps and r["link_class"] == "intra_node"
         if r["bandwidth_gbps"]:

@@ -33,6 +33,10 @@ def test_step_split_into_compute_exposed_comm_and_bubble():
     # expert parallelism: the all-to-all's stream is EP, the experts' gradient all-reduce DP
     moe = split_window([_ev(0, "ep", "all_to_all", 0, 2), _ev(0, "edp", "all_reduce", 2, 5)], 0.0, 5.0)
     assert (moe["ep"], moe["dp"], moe["other"]) == (2.0, 3.0, 0.0)
+    # EP is the payload's time: the row counts before it (and on a second lane) are not
+    moe = split_window([_ev(0, "ep", "all_to_all_counts", 0, 1), _ev(0, "ep", "all_to_all", 1, 3),
+                        _ev(0, "ep.1", "all_to_all_counts", 3, 4)], 0.0, 4.0)
+    assert (moe["ep"], moe["other"]) == (2.0, 2.0)
     # rank 0 alone: the window is its first event to its last, 0-17
     assert split_window(events, 0.0, 17.0)["idle"] == 0.0
     # a second rank computing 0-10 and 18-20: the common window is 0-20; rank 0 idles 17-20,

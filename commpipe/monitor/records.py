@@ -117,7 +117,8 @@ def sampled_seqs(base: int, fraction: float, upto: int) -> list[int]:
 def busbw_factor(op: str, n: int) -> float:
     if op == "all_reduce":
         return 2.0 * (n - 1) / n
-    if op in ("all_gather", "reduce_scatter", "all_to_all"):   # nccl-tests src/alltoall.cu
+    # nccl-tests src/alltoall.cu; all_to_all_counts: the MoE row counts (parallel.expert)
+    if op in ("all_gather", "reduce_scatter", "all_to_all", "all_to_all_counts"):
         return (n - 1) / n
     return 1.0  # broadcast, send, recv
 

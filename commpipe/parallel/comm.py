@@ -272,15 +272,17 @@ class Comm:
         return handle if async_op else handle.wait()
 
     def all_to_all_single(self, tensor: torch.Tensor, output_splits: list[int],
-                          input_splits: list[int], dim: str, async_op: bool = False):
+                          input_splits: list[int], dim: str, async_op: bool = False,
+                          op: str = "all_to_all"):
         """Rows input_splits[i] of `tensor` (dim 0, in group order) go to the group's rank i;
         the result holds output_splits[j] rows from rank j, in group order (a new tensor, or a
-        Handle). Splits may differ per rank pair: expert parallelism's token dispatch."""
+        Handle). Splits may differ per rank pair: expert parallelism's token dispatch. `op`
+        names the call for observers (the MoE row counts: commpipe.parallel.expert.COUNTS_OP)."""
         if self.size(dim) == 1:
             return _done_handle(self, tensor) if async_op else tensor
         tensor = tensor.contiguous()
         out = tensor.new_empty((sum(output_splits), *tensor.shape[1:]))
-        call, ctxs = self._start(dim, "all_to_all", tensor, group=self._group_ranks(dim))
+        call, ctxs = self._start(dim, op, tensor, group=self._group_ranks(dim))
         call.extra["output_splits"], call.extra["input_splits"] = output_splits, input_splits
         work = dist.all_to_all_single(out, tensor, output_splits, input_splits,
                                       group=self._pg_of(dim), async_op=True)

@@ -13,8 +13,10 @@ Each rank routes its own tokens (the router is replicated), then `ExpertParallel
     combine           the inverse regrouping and all-to-all back                variable splits
 Routing is dropless, so the layer computes exactly what one device computes; only the order in
 which an expert's rows are summed into its weight gradient changes. Every exchange goes through
-Comm (dim "ep"), so the monitor sees it. An expert's gradient is summed over `edp` (the ranks
-holding the same experts), never over `ep` (commpipe.parallel.data reads `_ep_sharded`).
+Comm (dim "ep"), so the monitor sees it: dispatch and combine as op "all_to_all", the row counts
+as COUNTS_OP, in records of their own, so EP bytes and time are the payload's. An expert's
+gradient is summed over `edp` (the ranks holding the same experts), never over `ep`
+(commpipe.parallel.data reads `_ep_sharded`; ZeRO-1 shards its optimizer state over edp too).
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from torch import nn
 from commpipe.models.moe import GroupedExperts, MoELayer
 from commpipe.parallel.comm import Comm
 from commpipe.parallel.dims import ParallelDims
+
+COUNTS_OP = "all_to_all_counts"     # the monitor's name of the row-count exchange
 
 
 def check_ep(ep: int, dims: ParallelDims, experts: int) -> None:
@@ -113,7 +117,8 @@ class ExpertParallelExperts(GroupedExperts):
     def count_exchange(self, send: torch.Tensor):
         """The all-to-all of row counts per (rank, local expert), issued asynchronously."""
         ep, local = self.comm.size("ep"), self.local
-        return self.comm.all_to_all_single(send, [local] * ep, [local] * ep, "ep", async_op=True)
+        return self.comm.all_to_all_single(send, [local] * ep, [local] * ep, "ep", async_op=True,
+                                           op=COUNTS_OP)
 
     def settle(self, counts: list[int], received: torch.Tensor) -> Exchange:
         """The exchange that the counts sent (`counts`, per global expert) and received

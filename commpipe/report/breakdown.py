@@ -3,7 +3,9 @@
 Every rank's traced step is cut at each event boundary; each piece goes to the first of these
 that covers it:
   compute           a forward, backward or weight-gradient action runs;
-  {dim} (exposed)   a call of that dimension moves data (its transfer part) and nothing computes;
+  {dim} (exposed)   a call of that dimension moves data (its transfer part) and nothing computes
+                    (EP: the dispatch/combine payload only; the row counts before it and the
+                    gradient norm's scalar sum go to `other`);
   {dim} (exposed)   a TP/CP/DP collective waits for a late member (skew, also that dimension's);
   pp_wait           a pipeline call waits for the neighbour stage to post (the bubble);
   idle              nothing runs at all (also the bubble: a stage with no work).
@@ -45,6 +47,8 @@ def _pieces(events: list[dict]) -> list[tuple[float, float, str]]:
         if e.get("name") == "wait":        # the monitor's nested slice; the call's args say it
             continue
         dim = stream_dim(e["stream"])
+        if dim == "ep" and e.get("name") != "all_to_all":
+            dim = "other"
         wait = min((e.get("args") or {}).get("wait_ms") or 0.0, end - start)
         if wait > 0:
             out.append((start, start + wait, "pp_wait" if dim == "pp" else f"skew:{dim}"))

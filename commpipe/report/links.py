@@ -8,12 +8,12 @@ class's, over all its links' steps): on a shared host a sender's I/O thread is s
 scheduled for tens of milliseconds, which the median leaves out. Point-to-point links (PP) give the
 receiver's per-message bandwidth; collective groups (TP, CP, DP) the nccl-tests bus bandwidth
 of the group's slowest member, entered in the matrix for every pair of the group; so do
-expert parallelism's all-to-all exchanges (EP: dispatch, combine and the row counts before
-them, all in one record per group and step; a group's other EP calls, the gradient norm's
-scalar sum, are not a link) and, as DP, the expert gradients' all-reduce over the ranks holding
-the same experts (edp). Steps whose
-timed calls were smaller than MIN_BANDWIDTH_BYTES (scalar reductions) time latency, not the
-link, and are left out of bandwidth.
+expert parallelism's all-to-all exchanges (EP: dispatch and combine, one record per group and
+step; a group's other EP calls, the row counts before them (op all_to_all_counts) and the
+gradient norm's scalar sum, are not a link) and, as DP, the expert gradients' all-reduce over
+the ranks holding the same experts (edp). Steps whose timed calls were smaller than
+MIN_BANDWIDTH_BYTES (scalar reductions) time latency, not the link, and are left out of
+bandwidth.
 """
 
 from __future__ import annotations
