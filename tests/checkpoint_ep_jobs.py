@@ -1,9 +1,13 @@
 """The expert-parallel jobs of tests/test_checkpoint.py's launch of 4 gloo processes: a MoE run
-saved under ep2 x dp4 and loaded under ep1 x dp4, ep4 x dp4 and ep2 x dp2 x pp2; the ep1 and
-pp2 runs save again, loaded under ep2 x dp4 and ep4 x dp4; a resume under ep2 x dp4 through the
-training loop with the communication monitor on, whose run folder `check_report` reads; a run
-started from the weights only; and a planted bug (each rank puts the rows it loaded into its
-experts in reverse order) that the comparisons must catch.
+saved under ep2 x dp4 and loaded under ep1 x dp4, ep4 x dp4, ep2 x dp2 x pp2 and ep2 x dp4 with
+ZeRO-1 (dense AdamW states sharded over dp4, the experts' over the 2 ranks replicating them);
+the ep1, pp2 and ZeRO-1 runs save again, loaded under ep2 x dp4 and ep4 x dp4; the ZeRO-1 run
+also keeps a copy of its state in memory for an elastic restart (commpipe.train.peer_copies),
+restored as a checkpoint that ep4 x dp4 loads here and one process (the layout an elastic
+restart picks for 1 rank) loads in tests/test_checkpoint.py; a resume under ep2 x dp4 through
+the training loop with the communication monitor on, whose run folder `check_report` reads; a
+run started from the weights only; and a planted bug (each rank puts the rows it loaded into
+its experts in reverse order) that the comparisons must catch.
 
 Snapshots hold full tensors: each rank all-gathers its experts' rows (and their AdamW moments)
 over its ep group in group order, so tests/test_checkpoint.py's `assemble` compares them as
@@ -25,19 +29,22 @@ MOE = ("arch=moe,layers=2,hidden=64,heads=4,kv_heads=2,vocab=128,experts=4,top_k
        "expert_ffn=16,shared_experts=1,rope_theta=10000")
 SAVED_AT, MORE = 2, 2     # the uninterrupted run: saved after step 2, then 2 more steps
 
-LAYOUTS = {  # key: (dims, ep); every one loads the ep2 x dp4 checkpoint
+LAYOUTS = {  # key: (dims, ep[, ZeRO-1]); every one loads the ep2 x dp4 checkpoint
     "ep1-dp4": (ParallelDims(dp=4), 1),
     "ep4-dp4": (ParallelDims(dp=4), 4),
     "ep2-dp2-pp2": (ParallelDims(dp=2, pp=2), 2),
+    "ep2-dp4-zero1": (ParallelDims(dp=4), 2, True),
 }
 SAVE_AGAIN = {  # key of LAYOUTS that saves after step 3: (dims, ep) that loads that checkpoint
     "ep1-dp4": (ParallelDims(dp=4), 2),           # whole expert tensors read as ep2 shards
     "ep2-dp2-pp2": (ParallelDims(dp=4), 4),       # pp2's shards read as ep4's
+    "ep2-dp4-zero1": (ParallelDims(dp=4), 4),     # states written by their ZeRO-1 owners
 }
+PEERS = "ep2-dp4-zero1"      # takes the in-memory copy right after loading (step 2)
 
 
-def moe_cfg(dims: ParallelDims, ep: int, **kw) -> TrainConfig:
-    optim = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=1, eps=1e-4)
+def moe_cfg(dims: ParallelDims, ep: int, zero1: bool = False, **kw) -> TrainConfig:
+    optim = OptimConfig(lr=1e-2, min_lr=1e-3, warmup_steps=1, eps=1e-4, zero1=zero1)
     return TrainConfig(model=MOE, dims=dims, ep=ep, schedule="1f1b", global_batch=8,
                        micro_batch_size=1, seq_len=16, steps=SAVED_AT + MORE, seed=5, optim=optim,
                        **kw)
@@ -92,10 +99,12 @@ def run(rank: int, root: Path, build) -> dict:
                          out=str(root / "monitored")), log=None)
     res["moe-resume"] = {"losses": [r["loss"] for r in hist], "steps": [r["step"] for r in hist]}
     again = {}
-    for key, (dims, ep) in LAYOUTS.items():
-        t = build(moe_cfg(dims, ep), rank)
+    for key, (dims, ep, *zero1) in LAYOUTS.items():
+        t = build(moe_cfg(dims, ep, *zero1), rank)
         checkpoint.load(t, ck)
         res[key] = snapshot(t)
+        if key == PEERS:
+            restored = copy_and_restore(t, root / "peers")
         steps = [t.train_step()["loss"]]
         if key in SAVE_AGAIN:            # saved after step 3, loaded below under another ep
             res[f"{key}@3"] = snapshot(t)
@@ -106,6 +115,9 @@ def run(rank: int, root: Path, build) -> dict:
         t = build(moe_cfg(dims, ep), rank)
         checkpoint.load(t, again[key])
         res[f"from-{key}"] = snapshot(t)
+    t = build(moe_cfg(ParallelDims(dp=4), 4), rank)
+    checkpoint.load(t, restored)
+    res["ep4-from-peers"] = snapshot(t)
     t = build(moe_cfg(ParallelDims(dp=4), 4), rank)      # --init-from: weights only
     load_weights(t, ck)
     res["ep4-init"] = snapshot(t)
@@ -114,6 +126,21 @@ def run(rank: int, root: Path, build) -> dict:
     checkpoint.load(t, ck)
     res["planted"] = snapshot(t)
     return res
+
+
+def copy_and_restore(trainer, out: Path) -> Path:
+    """The elastic path's in-memory copy of `trainer`'s state (every part in this one node's
+    shared memory, as on a restart of its workers), written back as checkpoint
+    out/checkpoints/step_N by the ranks holding its parts; the copies are then removed."""
+    from commpipe.train.peer_copies import PeerCopies, restore
+
+    out.mkdir(parents=True, exist_ok=True)
+    copies = PeerCopies(out, 1)
+    copies.take(trainer)
+    try:
+        return restore(trainer, out, after=None)
+    finally:
+        copies.close()
 
 
 def a2a_bytes_per_step(cfg: TrainConfig, ep: int) -> tuple[int, int]:

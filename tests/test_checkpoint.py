@@ -139,6 +139,8 @@ def world4():
         shutil.copytree(saved, keep)
         shutil.copytree(Path(tmp) / "moe" / checkpoint.step_dirname(2), keep.parent / "moe")
         shutil.copytree(Path(tmp) / "monitored", keep.parent / "monitored")
+        shutil.copytree(Path(tmp) / "peers" / "checkpoints" / checkpoint.step_dirname(2),
+                        keep.parent / "peers" / checkpoint.step_dirname(2))
     out = {}
     for key in per_rank[0]:
         snaps = [pr[key] for pr in per_rank]
@@ -148,6 +150,7 @@ def world4():
         if "losses" in snaps[0]:
             out[key]["losses"] = next(s["losses"] for s in snaps if s["losses"])
     out["ckpt"], out["moe_ckpt"], out["monitored"] = keep, keep.parent / "moe", keep.parent / "monitored"
+    out["peers_ckpt"] = keep.parent / "peers" / checkpoint.step_dirname(2)
     yield out
     shutil.rmtree(keep.parent, ignore_errors=True)
 
@@ -232,7 +235,7 @@ def test_ep_checkpoint_reshards_to_another_ep(world4, layout):
 
 
 @pytest.mark.parametrize("saver", list(checkpoint_ep_jobs.SAVE_AGAIN))
-def test_ep_checkpoint_saved_under_ep1_and_pp2(world4, saver):
+def test_ep_checkpoint_saved_under_ep1_pp2_and_zero1(world4, saver):
     dims, ep = checkpoint_ep_jobs.SAVE_AGAIN[saver]
     got = world4[f"from-{saver}"]
     assert_same_state(got, world4[f"{saver}@3"], f"{saver} -> ep{ep} x dp{dims.dp}")
@@ -276,12 +279,44 @@ def test_ep_resume_through_the_loop_and_its_report(world4):
     checkpoint_ep_jobs.check_report(world4["monitored"])
 
 
-def test_ep_runs_checkpoint_but_not_elastically():
-    cfg = checkpoint_ep_jobs.moe_cfg(ParallelDims(dp=4), 2, save_every=2, out="unused")
-    cfg.resolve(4)     # checkpoints are taken under expert parallelism
-    cfg = checkpoint_ep_jobs.moe_cfg(ParallelDims(dp=4), 2, elastic=True)
-    with pytest.raises(ValueError, match="--elastic is not supported with expert parallelism"):
-        cfg.resolve(4)
+def test_elastic_restart_of_an_ep_run_picks_an_ep_that_fits():
+    """A restart keeps --ep where it divides the new dp and the experts, else the largest ep
+    below it that does; the global batch is kept."""
+    from commpipe.elastic.restart import elastic_config
+
+    cfg = checkpoint_ep_jobs.moe_cfg(ParallelDims(dp=4), 4, zero1=True, out="unused",
+                                     elastic=True, save_every=2)
+    said = []
+    for world, ep in ((4, 4), (2, 2), (1, 1)):
+        new = elastic_config(cfg, world, restart=1, log=said.append)
+        assert (new.dims.dp, new.ep, new.global_batch) == (world, ep, 8), (world, new.dims)
+    assert said[0].startswith("commpipe: elastic: 2 ranks instead of the 4 of the command line "
+                              "(tp1-cp1-pp1-dp4-ep4); running tp1-cp1-pp1-dp2-ep2")
+
+
+def test_ep_zero1_run_restarts_elastically_on_one_rank(world4, tmp_path):
+    """The ep2 x dp4 ZeRO-1 run's in-memory copy (experts gathered whole over each EP group,
+    states from their ZeRO-1 owners), restored as a checkpoint, holds the state the run had:
+    ep4 x dp4 loads it exactly, and the layout an elastic restart picks for one rank resumes
+    from it through the training loop with the uninterrupted run's losses."""
+    from commpipe.elastic.restart import elastic_config
+    from commpipe.train.checkpoint_io import read_metadata
+    from commpipe.train.loop import train
+
+    assert checkpoint.read_meta(world4["peers_ckpt"])["from_peer_copies"]
+    # written whole (one chunk each): a copy names none of the process groups a restart ends
+    stored = read_metadata(world4["peers_ckpt"]).state_dict_metadata
+    experts = [k for k in stored if ".experts.w" in k]
+    assert experts and all(len(stored[k].chunks) == 1 for k in experts)
+    assert_same_state(world4["ep4-from-peers"], world4["moe@2"], "peer copy -> ep4 x dp4")
+    shutil.copytree(world4["peers_ckpt"], tmp_path / "checkpoints" / world4["peers_ckpt"].name)
+    cfg = checkpoint_ep_jobs.moe_cfg(ParallelDims(dp=4), 2, zero1=True, out=str(tmp_path))
+    cfg = elastic_config(cfg, 1, restart=1, log=lambda *_: None)
+    assert (cfg.dims.world_size, cfg.ep) == (1, 1)
+    hist = train(cfg, log=None)
+    assert [r["step"] for r in hist] == [2, 3]
+    torch.testing.assert_close(torch.tensor([r["loss"] for r in hist]),
+                               torch.tensor(world4["moe"]["losses"][2:]), rtol=1e-5, atol=0)
 
 
 # -- single process: the CLI loop, resume, refusals, atomicity --------------------------------------

@@ -4,12 +4,15 @@ the whole MoETransformer (fp32, CPU, gloo), with the tolerances of tests/test_eq
 
 Layouts, in one launch of 4 processes (and one of 8): experts replicated (ep 1) under tp2 x pp2;
 expert parallelism ep2 x dp4 (expert gradients summed over the 2 ranks holding
-the same experts), ep2 x pp2 under 1f1b, zbv, dualpipev and stp, ep2 x tp2, and ep4 x dp8 on 8
-ranks. Under the braided schedules (dualpipev, stp) the stages run unit by unit, the EP
-all-to-alls on the edges between units (commpipe.runtime.units_moe); a probe checks that path is
-taken. Planted bugs must fail the comparison: expert gradients summed over the EP group, which
-holds *different* experts, instead of over the ranks replicating them; and, unit by unit, the
-dispatch all-to-all's adjoint dropped.
+the same experts), ep2 x pp2 under 1f1b, zbv, dualpipev and stp, ep2 x tp2, ep2 x dp4 with
+ZeRO-1 (expert states sharded over those 2 ranks, dense ones over dp4), ep2 x dp4 with uneven
+micro-batches across the two EP groups (3,3,1,1), and ep4 x dp8 on 8 ranks. Under the braided
+schedules (dualpipev, stp) the stages run unit by unit, the EP all-to-alls on the edges between
+units (commpipe.runtime.units_moe); a probe checks that path is taken. Planted bugs must fail
+the comparison: expert gradients summed over the EP group, which holds *different* experts,
+instead of over the ranks replicating them; unit by unit, the dispatch all-to-all's adjoint
+dropped; ZeRO-1 sharding the experts' states over the whole DP group; and uneven replicas
+weighted equally instead of by their sample counts.
 """
 
 from __future__ import annotations
@@ -33,8 +36,8 @@ MODEL = ("arch=moe,layers=4,hidden=32,heads=4,kv_heads=2,vocab=128,experts=4,top
          "expert_ffn=16,shared_experts=1,rope_theta=10000")
 
 
-def moe_cfg(dims: ParallelDims, schedule: str = "1f1b", ep: int = 1) -> TrainConfig:
-    return make_cfg(dims, schedule, model=MODEL, ep=ep)
+def moe_cfg(dims: ParallelDims, schedule: str = "1f1b", ep: int = 1, **kw) -> TrainConfig:
+    return make_cfg(dims, schedule, model=MODEL, ep=ep, **kw)
 
 
 def moe_reference_run(cfg: TrainConfig) -> dict:
@@ -86,6 +89,32 @@ def plant_expert_grads_over_ep(trainer) -> None:
 
     reducer._make_buckets = over_ep
     reducer.buckets = over_ep([p for b in reducer.buckets for p in b.params])
+
+
+def plant_zero1_experts_over_dp(trainer) -> None:
+    """ZeRO-1 shards the experts' states over the whole DP group instead of the edp ranks that
+    replicate them: one reduce-scatter sums the gradients of different experts."""
+    from commpipe.parallel.data import Bucket
+    from commpipe.train.optim import make_optimizer
+
+    reducer = trainer.reducer
+    reducer._bucket = lambda params, dim: Bucket(params, reducer.comm.size("dp"), dim, "dp")
+    reducer.buckets = reducer._make_buckets([p for b in reducer.buckets for p in b.params])
+    reducer._begin_step()
+    trainer.optimizer = make_optimizer(trainer.params, trainer.cfg, reducer)
+
+
+def plant_replicas_weighted_equally(trainer) -> None:
+    """Uneven micro-batches: each replica's loss is its own mean over its samples, averaged over
+    the replicas, instead of every sample weighing the same."""
+    prepare, cfg = trainer.prepare_batch, trainer.cfg
+
+    def per_replica_mean(batch):
+        *parts, _ = prepare(batch)
+        rows = cfg.replica_microbatches(trainer.comm.local_rank("dp")) * cfg.micro_batch_size
+        return (*parts, 1.0 / (rows * cfg.seq_len * cfg.dims.dp))
+
+    trainer.prepare_batch = per_replica_mean
 
 
 def probe_units(trainer) -> None:
@@ -163,6 +192,10 @@ LAYOUTS = {  # world 4
     "dp2-pp2-ep2-dualpipev": (ParallelDims(dp=2, pp=2), "dualpipev", 2),
     "dp2-pp2-ep2-stp": (ParallelDims(dp=2, pp=2), "stp", 2),
     "dp2-tp2-ep2": (ParallelDims(dp=2, tp=2), "1f1b", 2),
+    # ZeRO-1: dense states sharded over dp4, the experts' over the 2 ranks replicating them
+    "dp4-ep2-zero1": (ParallelDims(dp=4), "1f1b", 2, {"zero1": True}),
+    # uneven DP across the two EP groups (one count inside each)
+    "dp4-ep2-uneven": (ParallelDims(dp=4), "1f1b", 2, {"dp_microbatches": (3, 3, 1, 1)}),
 }
 
 
@@ -170,10 +203,16 @@ LAYOUTS = {  # world 4
 def results_of(world: int) -> dict:
     if world == 8:
         return run_ep_jobs(8, [("dp8-ep4", moe_cfg(ParallelDims(dp=8), ep=4))])
-    jobs = [(key, moe_cfg(d, sched, ep), probe_units) for key, (d, sched, ep) in LAYOUTS.items()]
+    jobs = [(key, moe_cfg(d, sched, ep, **(kw[0] if kw else {})), probe_units)
+            for key, (d, sched, ep, *kw) in LAYOUTS.items()]
     jobs.append(("planted-dp4-ep2", moe_cfg(ParallelDims(dp=4), ep=2), plant_expert_grads_over_ep))
     jobs.append(("planted-dualpipev-adjoint", moe_cfg(ParallelDims(dp=2, pp=2), "dualpipev", 2),
                  plant_dispatch_adjoint_dropped))
+    jobs.append(("planted-zero1-experts-over-dp", moe_cfg(ParallelDims(dp=4), ep=2, zero1=True),
+                 plant_zero1_experts_over_dp))
+    jobs.append(("planted-uneven-equal-weights",
+                 moe_cfg(ParallelDims(dp=4), ep=2, dp_microbatches=(3, 3, 1, 1)),
+                 plant_replicas_weighted_equally))
     return run_ep_jobs(4, jobs)
 
 
@@ -221,6 +260,22 @@ def test_expert_grads_reduced_over_ep_is_caught(reference):
         check_grads(reference, got, "planted")
     # the first step's loss comes before any reduction; later ones follow the wrong update
     check_losses({"losses": reference["losses"][:1]}, {"losses": got["losses"][:1]}, "planted")
+
+
+@pytest.mark.parametrize("key", ["planted-zero1-experts-over-dp", "planted-uneven-equal-weights"])
+def test_zero1_and_uneven_dp_bugs_are_caught(key, reference):
+    """ZeRO-1 sharding an expert's state over the whole DP group, and uneven replicas weighted
+    equally instead of by their sample counts, must fail the gradient comparison."""
+    got = results_of(4)[key]
+    with pytest.raises(AssertionError, match="grad"):
+        check_grads(reference, got, "planted")
+
+
+def test_uneven_dp_inside_an_ep_group_is_refused():
+    cfg = moe_cfg(ParallelDims(dp=4), ep=2, dp_microbatches=(3, 1, 2, 2))
+    with pytest.raises(ValueError, match="replicas 0 to 1 form one expert-parallel group and "
+                       "run 3,1 micro-batches.*e.g. --dp-microbatches 2,2,2,2"):
+        cfg.resolve(4)
 
 
 @pytest.mark.parametrize("ep,dp,why", [

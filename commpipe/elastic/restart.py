@@ -15,6 +15,13 @@ with the new WORLD_SIZE. Under `--elastic` each worker then, before any process 
 - resumes from the latest checkpoint in OUT/checkpoints (any layout loads it), so what is lost
   is the steps since the last `--save-every` save.
 
+A MoE model under expert parallelism keeps its --ep where it still divides the new dp*cp (and
+the experts), else takes the largest ep below it that does (`elastic_ep`; the planner's ranking
+is read for layouts with that ep, as the user's ep says how many experts a rank may hold and
+which ranks exchange tokens); the checkpoint holds every expert tensor whole, in shards at
+their row offsets, so each rank reads the rows of its experts under the new ep
+(commpipe.train.checkpoint_shards).
+
 Every worker of one attempt computes the same plan from the same inputs (no exchange needed).
 The process group's keys in torchrun's store are kept apart per attempt (`attempt_prefix`):
 the agent keeps one store across restarts, and a restarted gloo worker reading the addresses
@@ -91,25 +98,39 @@ def elastic_config(cfg, world: int, restart: int = 0, log=print):
     choice, why = plan_for_world(base, world, global_batch)
     say = log if os.environ.get("RANK", "0") == "0" else (lambda *_: None)
     say(f"commpipe: elastic: {world} ranks instead of the {given} of the command line "
-        f"({_dims_text(cfg.dims)}); running {_dims_text(choice.dims)}, {choice.schedule}, "
+        f"({_dims_text(cfg.dims, cfg.ep)}); running {_dims_text(choice.dims, choice.ep)}, "
+        f"{choice.schedule}, "
         f"{choice.microbatches} micro-batches of {choice.micro_batch_size} (global batch "
         f"{global_batch} kept): {why}")
     return choice
 
 
-def _dims_text(d) -> str:
-    return f"tp{d.tp}-cp{d.cp}-pp{d.pp}-dp{d.dp}"
+def _dims_text(d, ep: int = 1) -> str:
+    return f"tp{d.tp}-cp{d.cp}-pp{d.pp}-dp{d.dp}" + (f"-ep{ep}" if ep > 1 else "")
+
+
+def elastic_ep(base, replicas: int) -> int:
+    """The expert-parallel size for `replicas` = dp*cp ranks: `base.ep` where it divides them
+    and the model's experts, else the largest ep below it that does (1 always does; a dense
+    model keeps ep 1)."""
+    experts = getattr(base.spec, "experts", 0) or 0
+    if base.ep <= 1 or not experts:
+        return base.ep
+    return max(e for e in range(1, base.ep + 1) if replicas % e == 0 and experts % e == 0)
 
 
 def _with_layout(base, tp, cp, pp, dp, mbs, schedule, global_batch):
-    """A resolved copy of `base` under this layout, or None if the trainer refuses it."""
+    """A resolved copy of `base` under this layout (and `elastic_ep`), or None if the trainer
+    refuses it."""
     import copy
 
     from commpipe.parallel.dims import ParallelDims
 
     new = copy.deepcopy(base)
     new.dims = ParallelDims(dp=dp, pp=pp, cp=cp, tp=tp)
+    new.ep = elastic_ep(base, dp * cp)
     new.schedule, new.vpp = schedule, 1
+    new.dp_microbatches = None         # uneven counts were for the old replicas: even split
     new.microbatches, new.micro_batch_size, new.global_batch = None, mbs, global_batch
     if isinstance(new.stage_layers, list) and len(new.stage_layers) != pp:
         new.stage_layers = None        # explicit counts were for the old pipeline: even split
@@ -133,6 +154,8 @@ def plan_for_world(base, world: int, global_batch: int):
     else:
         note = "no layout of the planner's ranking runs here"
     for i, (lay, step_s) in enumerate(ranked):
+        if getattr(lay, "ep", 1) != elastic_ep(base, lay.dp * lay.cp):
+            continue                   # expert parallelism stays as close to --ep as fits
         cfg = _with_layout(base, lay.tp, lay.cp, lay.pp, lay.dp, lay.micro_batch_size, schedule,
                            global_batch)
         if cfg is not None:

@@ -2,6 +2,12 @@
 clipping, optional ZeRO-1 (a distributed optimizer: gradients reduce-scattered, parameters
 all-gathered).
 
+ZeRO-1 shards each parameter's optimizer state over the ranks that replicate the parameter:
+attention and the other dense parameters over dp (their CP replicas hold the same shards),
+routed experts sharded by expert parallelism over edp, the dp*cp/ep ranks holding the same
+experts (commpipe.parallel.expert). Sharding an expert over the whole DP group would sum
+different experts' gradients in one reduce-scatter.
+
 The loss of every micro-batch is already divided by the number of tokens in the *global*
 batch, so gradients are summed (not averaged) across data-parallel and context-parallel ranks:
 the sum over DP ranks, CP chunks and micro-batches is then exactly the gradient of the global
@@ -30,13 +36,15 @@ from commpipe.parallel.comm import Comm
 
 class Bucket:
     """Parameters reduced together over one group (`dim`: dp_cp, or edp for experts sharded by
-    expert parallelism, commpipe.parallel.expert). For ZeRO-1 each parameter has an owner in the DP group
-    (a greedy size balance, identical on every rank) and the flat buffer is laid out owner by
-    owner, each segment padded to the longest, so one reduce-scatter leaves every rank the
-    summed gradients of exactly the parameters it updates, and one all-gather returns them."""
+    expert parallelism, commpipe.parallel.expert). For ZeRO-1 each parameter has an owner among
+    the `n` ranks of `shard_dim` (dp, or edp for experts; a greedy size balance, identical on
+    every rank) and the flat buffer is laid out owner by owner, each segment padded to the
+    longest, so one reduce-scatter leaves every rank the summed gradients of exactly the
+    parameters it updates, and one all-gather returns them."""
 
-    def __init__(self, params: list[nn.Parameter], n: int, dim: str = "dp_cp"):
-        self.params, self.dim = params, dim
+    def __init__(self, params: list[nn.Parameter], n: int, dim: str = "dp_cp",
+                 shard_dim: str = "dp"):
+        self.params, self.dim, self.shard_dim, self.n = params, dim, shard_dim, n
         loads = [0] * n
         self.owner = []
         for p in params:
@@ -46,10 +54,10 @@ class Bucket:
         self.segment = max(loads)
         self.by_owner = [[p for p, o in zip(params, self.owner) if o == r] for r in range(n)]
 
-    def pack(self, tensors_of, n: int, zero: bool) -> torch.Tensor:
+    def pack(self, tensors_of, zero: bool) -> torch.Tensor:
         if not zero:
             return torch.cat([tensors_of(p).reshape(-1) for p in self.params])
-        return torch.cat([self.pack_segment(r, tensors_of) for r in range(n)])
+        return torch.cat([self.pack_segment(r, tensors_of) for r in range(self.n)])
 
     def pack_segment(self, r: int, tensors_of) -> torch.Tensor:
         ps = self.by_owner[r]
@@ -90,7 +98,6 @@ class GradReducer:
         self.comm, self.params, self.overlap = comm, params, overlap
         self.n = comm.size("dp_cp")
         self.zero = zero and comm.size("dp") > 1
-        self.shards = comm.size("dp") if self.zero else 1   # ZeRO-1 shards over DP
         self.bucket_bytes = bucket_mb * 1e6
         self.expected = microbatches
         self.sp_partial = {id(p) for p in params if getattr(p, "_sp_partial", False)} \
@@ -116,6 +123,12 @@ class GradReducer:
             return
         self._accumulated(p)
 
+    def _bucket(self, params: list[nn.Parameter], dim: str) -> Bucket:
+        # ZeRO-1 shards a bucket over the ranks replicating it: dp (the CP replicas hold the
+        # same shards), or edp for experts, whose other EP ranks hold other experts
+        shard_dim = "edp" if dim == "edp" else "dp"
+        return Bucket(params, self.comm.size(shard_dim) if self.zero else 1, dim, shard_dim)
+
     def _make_buckets(self, order: list[nn.Parameter]) -> list[Bucket]:
         # experts sharded over ep are summed over the ranks holding the same experts (edp)
         buckets, cur, size = [], [], 0
@@ -123,18 +136,18 @@ class GradReducer:
         for p in order:
             p_dim = "edp" if getattr(p, "_ep_sharded", False) else "dp_cp"
             if cur and p_dim != dim:
-                buckets.append(Bucket(cur, self.shards, dim))
+                buckets.append(self._bucket(cur, dim))
                 cur, size = [], 0
             dim = p_dim
             cur.append(p)
             size += p.numel() * p.element_size()
             if size >= self.bucket_bytes:
-                buckets.append(Bucket(cur, self.shards, dim))
+                buckets.append(self._bucket(cur, dim))
                 cur, size = [], 0
         if cur:
-            buckets.append(Bucket(cur, self.shards, dim))
+            buckets.append(self._bucket(cur, dim))
         self.bucket_of = {id(p): i for i, b in enumerate(buckets) for p in b.params}
-        self.owner_of = {id(p): o for b in buckets for p, o in zip(b.params, b.owner)}
+        self.owner_of = {id(p): (o, b.shard_dim) for b in buckets for p, o in zip(b.params, b.owner)}
         return buckets
 
     def _begin_step(self) -> None:
@@ -169,8 +182,10 @@ class GradReducer:
         if self.comm.size(bucket.dim) == 1:
             return
         grads = lambda p: p.grad if p.grad is not None else torch.zeros_like(p)  # noqa: E731
-        flat = bucket.pack(grads, self.shards, self.zero)
-        if self.zero:
+        flat = bucket.pack(grads, self.zero)
+        if self.zero and bucket.shard_dim == "edp":    # experts: edp spans the CP replicas too
+            handle = self.comm.reduce_scatter(flat, "edp", async_op=True)
+        elif self.zero:
             # CP replicas hold the same shards: sum over CP, then reduce-scatter over DP
             self.comm.all_reduce(flat, "cp")
             handle = self.comm.reduce_scatter(flat, "dp", async_op=True)
@@ -191,12 +206,12 @@ class GradReducer:
             raise RuntimeError(f"gradients not final after the step: {len(missing)} parameter(s) "
                                f"saw accumulations {[self._count[id(p)] for p in missing]}, "
                                f"expected {self.expected} (one per micro-batch)")
-        me = self.comm.local_rank("dp")
         for bucket, handle in self._inflight:
             flat = handle.wait()
             if self.zero:
                 for p in bucket.params:
                     p.grad = None
+                me = self.comm.local_rank(bucket.shard_dim)
                 for p, g in Bucket.unpack(flat, bucket.by_owner[me]):
                     p.grad = g.clone()
             else:
@@ -210,18 +225,21 @@ class GradReducer:
 
     # -- ZeRO-1 ----------------------------------------------------------------------------------
     def owns(self, p: nn.Parameter) -> bool:
-        return not self.zero or self.owner_of[id(p)] == self.comm.local_rank("dp")
+        if not self.zero:
+            return True
+        owner, shard_dim = self.owner_of[id(p)]
+        return owner == self.comm.local_rank(shard_dim)
 
     @torch.no_grad()
     def all_gather(self, tensors_of, write) -> None:
-        """Every bucket's owned segments all-gathered over DP (issued together, then
-        unpacked): `write(p, full_value)` for every parameter."""
-        me = self.comm.local_rank("dp")
-        pending = [(b, self.comm.all_gather(b.pack_segment(me, tensors_of), "dp",
-                                            async_op=True)) for b in self.buckets]
+        """Every bucket's owned segments all-gathered over its shard group (issued together,
+        then unpacked): `write(p, full_value)` for every parameter."""
+        pending = [(b, self.comm.all_gather(
+            b.pack_segment(self.comm.local_rank(b.shard_dim), tensors_of), b.shard_dim,
+            async_op=True)) for b in self.buckets]
         for b, handle in pending:
             flat = handle.wait()
-            for r in range(self.shards):
+            for r in range(b.n):
                 seg = flat[r * b.segment:(r + 1) * b.segment]
                 for p, value in Bucket.unpack(seg, b.by_owner[r]):
                     write(p, value)
@@ -232,7 +250,9 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, comm: Comm,
     """Clip by the norm of the *whole model's* gradient: squares summed over this rank's
     parameters (TP-replicated ones counted on tp rank 0 only), then over the TP and PP groups
     (and DP when ZeRO-1 left each rank only the gradients it owns: `sharded`); experts sharded
-    over ep are summed over ep first (every other parameter is the same on each ep rank)."""
+    over ep are summed over ep first (every other parameter is the same on each ep rank), or,
+    sharded, over dp_cp (each expert row is owned by one rank of its edp group, and the ep
+    groups' shards together are every expert once)."""
     # on the parameters' device: NCCL reduces only device tensors, and one sync per step
     device = next((p.grad.device for p in params if p.grad is not None), comm.device)
     sq = torch.zeros((), dtype=torch.float64, device=device)
@@ -242,9 +262,14 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, comm: Comm,
         if p.grad is None or (getattr(p, "_tp_dim", None) is None and tp_rank != 0):
             continue
         (sq_ep if getattr(p, "_ep_sharded", False) else sq).add_(p.grad.detach().double().pow(2).sum())
-    comm.all_reduce(sq_ep, "ep")
+    if sharded:
+        if comm.size("ep") > 1:
+            comm.all_reduce(sq_ep, "dp_cp")
+        comm.all_reduce(sq, "dp")
+    else:
+        comm.all_reduce(sq_ep, "ep")
     sq += sq_ep
-    for dim in ("tp", "pp", "dp") if sharded else ("tp", "pp"):
+    for dim in ("tp", "pp"):
         comm.all_reduce(sq, dim)
     norm = math.sqrt(sq.item())
     if max_norm > 0 and norm > max_norm:
@@ -258,12 +283,12 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, comm: Comm,
 class Zero1:
     """ZeRO stage 1 (Rajbhandari et al., 2020) as Megatron's distributed optimizer: each DP rank
     keeps optimizer state for, and updates, only the parameters it owns (the
-    reducer's bucket layout); gradients arrive reduce-scattered and the updated parameters are
-    all-gathered, bucket by bucket."""
+    reducer's bucket layout; an expert's owner is one of the edp ranks replicating it, as
+    Megatron-Core shards expert states over its expert-data-parallel group); gradients arrive
+    reduce-scattered and the updated parameters are all-gathered, bucket by bucket."""
 
     def __init__(self, params: list[nn.Parameter], reducer: GradReducer, make_optimizer):
         self.comm, self.reducer, self.params = reducer.comm, reducer, params
-        self.group = "dp"
         mine = [p for p in params if reducer.owns(p)]
         self.optimizer = make_optimizer(mine or [nn.Parameter(torch.zeros(1))])
 

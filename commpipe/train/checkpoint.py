@@ -49,6 +49,7 @@ from commpipe.train.checkpoint_shards import (  # noqa: F401 - gather_tp, shard_
     ep_sharded,
     for_load,
     full_shape,
+    gather_ep,
     gather_tp,
     local_part,
     shard_tp,
@@ -201,21 +202,32 @@ def _rng_keys(rank: int) -> dict[str, torch.Tensor]:
 
 
 # -- save -------------------------------------------------------------------------------------------
-def full_state_here(trainer, as_dp0: bool = False) -> dict[str, torch.Tensor]:
+def full_state_here(trainer, as_dp0: bool = False, whole: bool = False) -> dict[str, torch.Tensor]:
     """The whole-tensor state this rank writes (collective over TP): `model.<name>` from dp=0,
     cp=0, tp=0 of the stage holding it, `optim.<name>.exp_avg|exp_avg_sq|step` (step a 0-d
     float32) from tp=0, cp=0 of the DP rank keeping its AdamW state (dp=0, or the ZeRO-1 owner).
     A checkpoint save writes it; an adaptive switch gathers it everywhere. `as_dp0` (without
     ZeRO-1, where every DP replica holds the same state): what the dp=0 rank of these
-    coordinates writes, from this replica (commpipe.train.peer_copies keeps it on another node)."""
+    coordinates writes, from this replica (commpipe.train.peer_copies keeps it on another node).
+    `whole`: expert rows are all-gathered over their EP group and kept, as plain whole tensors,
+    by its first rank only (a peer copy outlives the process groups a DTensor shard names)."""
     comm = trainer.comm
     c = comm.coords
     state: dict[str, torch.Tensor] = {}
+
+    def keep(key: str, full: torch.Tensor, p) -> None:
+        if whole and ep_sharded(p):        # every rank of the EP group gathers
+            full = gather_ep(full, p, comm)
+            if comm.local_rank("ep") == 0:
+                state[key] = full.cpu()
+        else:
+            state[key] = to_save(full, p, comm)
+
     for name, p in trainer.named_params:
         if writes_model(p, comm, as_dp0):     # the TP group gathers; tp=0 writes
             full = gather_tp(p, getattr(p, "_tp_dim", None), comm)
             if c["tp"] == 0:
-                state[f"model.{name}"] = to_save(full, p, comm)
+                keep(f"model.{name}", full, p)
     adam, holds = adam_and_holder(trainer)
     if as_dp0 and not reads_sharded_states(trainer):
         holds = lambda p: True   # noqa: E731 - every replica steps with every state
@@ -227,7 +239,7 @@ def full_state_here(trainer, as_dp0: bool = False) -> dict[str, torch.Tensor]:
         for key in ("exp_avg", "exp_avg_sq"):
             full = gather_tp(st[key], tp_dim, comm)
             if c["tp"] == 0:
-                state[f"optim.{name}.{key}"] = to_save(full, p, comm)
+                keep(f"optim.{name}.{key}", full, p)
         if c["tp"] == 0 and (not ep_sharded(p) or comm.local_rank("ep") == 0):  # one step count
             state[f"optim.{name}.step"] = torch.as_tensor(st["step"], dtype=torch.float32).reshape(())
     return state

@@ -12,6 +12,12 @@ batch in its own order. Nothing else changes: every micro-batch loss is already 
 tokens of the whole global batch (commpipe.train.loop.Trainer.prepare_batch), so the sum that
 GradReducer all-reduces over DP is each replica's gradient weighted by its sample count, and
 the result is the gradient of the global mean loss that one device computes.
+
+With expert parallelism (--ep) the replicas of one EP group (`ep` consecutive DP ranks,
+commpipe.parallel.expert) exchange tokens by all-to-all in every MoE layer of every
+micro-batch, so they must run the same count (`check_ep_blocks`); counts may differ between EP
+groups. The expert gradients, summed over edp (one replica of each EP group), are weighted by
+sample count the same way.
 """
 
 from __future__ import annotations
@@ -45,6 +51,26 @@ def check_dp_microbatches(counts, dp: int, m: int, pp: int, schedule: str) -> tu
         raise ValueError("--dp-microbatches needs a named schedule (a CSV program has one "
                          "micro-batch count)")
     return None if len(set(counts)) == 1 else counts
+
+
+def check_ep_blocks(counts, ep: int) -> None:
+    """Refuse per-replica counts that differ inside an expert-parallel group (replicas
+    [k*ep, (k+1)*ep)): their all-to-alls pair up micro-batch by micro-batch."""
+    if not counts or ep == 1:
+        return
+    blocks = [counts[k:k + ep] for k in range(0, len(counts), ep)]
+    bad = next((k for k, b in enumerate(blocks) if len(set(b)) > 1), None)
+    if bad is None:
+        return
+    first = bad * ep
+    even = [sum(b) // ep for b in blocks]
+    hint = (f", e.g. --dp-microbatches {_text([c for c in even for _ in range(ep)])}"
+            if all(sum(b) % ep == 0 for b in blocks) else "")
+    raise ValueError(f"--dp-microbatches {_text(counts)} with --ep {ep}: replicas {first} to "
+                     f"{first + ep - 1} form one expert-parallel group and run "
+                     f"{_text(blocks[bad])} micro-batches, but the all-to-alls of an EP group pair "
+                     f"up micro-batch by micro-batch; give every {ep} consecutive replicas the "
+                     f"same count (counts may differ between EP groups){hint}, or use --ep 1")
 
 
 def replica_microbatches(counts, m: int, dp_rank: int) -> int:

@@ -3,12 +3,15 @@
 
 - configuration: as a LLaMA model (commpipe.train.decoder), plus expert parallelism: --ep must
   divide dp*cp and the expert count (commpipe.parallel.expert.check_ep); context parallelism,
-  recomputation and multi-head latent attention under TP are not applied to MoE stages, and
-  expert-parallel runs neither shard the optimizer (ZeRO-1) nor split DP micro-batches unevenly
-  nor restart elastically (their checkpoints store each expert shard at its offset,
-  commpipe.train.checkpoint_shards); `layout_problem` is the layout rule, which --adapt's
-  candidates follow too (they may change ep: commpipe.adapt.switch gathers and re-slices the
-  experts);
+  recomputation and multi-head latent attention under TP are not applied to MoE stages. Under
+  expert parallelism ZeRO-1 shards each parameter's AdamW state over the ranks replicating it
+  (dense over dp, experts over edp: commpipe.parallel.data), --dp-microbatches may differ
+  between EP groups but not inside one (their all-to-alls pair up micro-batch by micro-batch:
+  commpipe.train.dp_split.check_ep_blocks), and --elastic restarts keep the largest ep up to
+  --ep that divides the new dp (commpipe.elastic.restart.elastic_ep), each rank reading its
+  experts' rows from the checkpoint (commpipe.train.checkpoint_shards); `layout_problem` is the
+  layout rule, which --adapt's candidates follow too (they may change ep:
+  commpipe.adapt.switch gathers and re-slices the experts);
 - stages: the family's plain MoEStage modules, then tensor parallelism on attention, embedding
   and head (commpipe.parallel.tensor_moe) and the experts sharded over ep
   (commpipe.parallel.expert); the loss adds the load-balancing term the stages carried;
@@ -46,6 +49,8 @@ def layout_problem(spec, dims, ep: int) -> str | None:
 
 def resolve_config(cfg, world_size: int | None) -> None:
     """TrainConfig.resolve for a MoE model: validates and fills cfg in place."""
+    from commpipe.train.dp_split import check_ep_blocks
+
     family = family_for_model(cfg.model)
     spec = family.resolve(cfg.model)
     if cfg.vocab:
@@ -58,13 +63,6 @@ def resolve_config(cfg, world_size: int | None) -> None:
     if cfg.recompute != "none":
         raise ValueError(f"--recompute {cfg.recompute} is not applied to MoE stages; use "
                          "--recompute none")
-    if cfg.ep > 1:
-        for flag, used in (("--zero1", cfg.optim.zero1), ("--dp-microbatches",
-                                                          cfg.dp_microbatches is not None),
-                           ("--elastic", cfg.elastic)):
-            if used:
-                raise ValueError(f"{flag} is not supported with expert parallelism yet "
-                                 f"(--ep {cfg.ep}); drop it or use --ep 1")
     if isinstance(cfg.stage_layers, str):
         if cfg.stage_layers == "auto:measured":
             raise ValueError("--stage-layers auto:measured profiles the layers of blip models; "
@@ -77,6 +75,7 @@ def resolve_config(cfg, world_size: int | None) -> None:
     if not cfg.schedule.endswith(".csv"):
         d.check_model(spec, cfg.seq_len, cfg.stage_layers, cfg._stage_multiplier())
     cfg.resolve_batch()
+    check_ep_blocks(cfg.dp_microbatches, cfg.ep)   # an EP group's replicas: one count
     cfg._check_run_options()
     cfg.spec = spec
     prog = cfg.program()

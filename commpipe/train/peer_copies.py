@@ -10,10 +10,13 @@ disk). A copy is therefore a file there, in a folder of the node's agent:
 
 Every N steps, at the step boundary, each rank takes its part of the state: what it writes into
 a checkpoint (commpipe.train.checkpoint.full_state_here: full tensors of the parameters and
-AdamW states it writes) with the data position. The part is kept twice:
+AdamW states it writes; under expert parallelism the experts gathered whole over each EP group,
+held by its first rank, since a shard placed on this run's EP group could not be written once
+the restart has new groups) with the data position. The part is kept twice:
 - in its own node's folder, and
-- on another node: where a DP replica of the rank runs on another node (without ZeRO-1 it
-  holds the same state), that replica writes the part from its own memory, with no traffic;
+- on another node: where a DP replica of the rank runs on another node (without ZeRO-1 and
+  expert parallelism it holds the same state), that replica writes the part from its own
+  memory, with no traffic;
   else the part is sent (one message) to a neighbour, the rank of the same local index on the
   next node, which writes it into its node's folder.
 One lost node thus leaves every part on a node that survives. A node keeps its newest copy (two
@@ -135,11 +138,11 @@ class PeerCopies:
 
     def _take(self, trainer) -> None:
         comm = trainer.comm
-        part = checkpoint.full_state_here(trainer)
+        part = checkpoint.full_state_here(trainer, whole=True)
         if self.plan is None or self.plan.comm is not comm:
             self.plan = self._plan(trainer, bool(part))
         plan = self.plan
-        twin = checkpoint.full_state_here(trainer, as_dp0=True) if plan.mirror else {}
+        twin = checkpoint.full_state_here(trainer, as_dp0=True, whole=True) if plan.mirror else {}
         head = {"step": trainer.step, "world": comm.dims.world_size, "writers": plan.writers,
                 "meta": checkpoint.meta_of(trainer)}
         folder = node_dir(self.out) / checkpoint.step_dirname(trainer.step)
@@ -168,8 +171,9 @@ class PeerCopies:
         nodes = [n for n, _ in seen]
         if comm.rank == nodes.index(me):        # the node's first rank tidies its folders
             _tidy(run_dir(self.out), me, trainer.step)
+        # under expert parallelism a DP replica holds other experts than dp=0: no mirror
         return make_plan(comm, nodes, [r for r, (_, w) in enumerate(seen) if w],
-                         trainer.cfg.optim.zero1)
+                         trainer.cfg.optim.zero1 or trainer.cfg.ep > 1)
 
     def close(self) -> None:
         """The run is over: remove this rank's copies (and the folders left empty)."""
