@@ -85,14 +85,44 @@ def main(argv=None) -> int:
     diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(rows["adaptive"], rows["static"]))
     print(f"largest loss difference, adaptive vs static: {diff:.2e}")
     log = out / "adaptive" / "adapt.jsonl"
-    for d in (json.loads(x) for x in log.read_text().splitlines() if x.strip()):
-        if d.get("action") != "switch":
-            continue
-        after = [r["step_time_s"] * 1e3 for r in rows["adaptive"] if r["step"] > d["step"] + 2]
-        measured = statistics.median(after[:10]) if after else float("nan")
-        print(f"switch at step {d['step']} ({d['kind']}): {d['to']['name']}; predicted "
-              f"{d['predicted_best_ms']:.0f} ms, measured {measured:.0f} ms over the next steps")
+    for line in decision_lines([json.loads(x) for x in log.read_text().splitlines() if x.strip()],
+                               rows["adaptive"]):
+        print(line)
     return 0
+
+
+def decision_lines(records: list[dict], rows: list[dict]) -> list[str]:
+    """The controller's evaluations (its calibration: the healthy step it took the constant
+    from, the constant, the factor on the links measured slow), its switches, and each trial's
+    prediction next to its measured median, with their ratio."""
+    out = []
+    for d in records:
+        if d.get("action") == "trial":
+            ratio = d["measured_ms"] / d["predicted_ms"]
+            out.append(f"  trial {d['plan']}: predicted {d['predicted_ms']:.0f} ms, measured "
+                       f"{d['measured_ms']:.0f} ms (measured/predicted {ratio:.2f})")
+        elif d.get("action") == "settle":
+            out.append(f"  settled at step {d['step']} on {d['to']['name']} "
+                       f"({d['measured_ms']:.0f} ms, {d['reason']})")
+        elif "model" in d:
+            m = d["model"]
+            ref = m.get("reference_step_ms")
+            out.append(f"step {d['step']}: measured {d['measured_step_ms']:.0f} ms"
+                       + (f" (healthy {ref:.0f} ms)" if ref else "")
+                       + f"; other_ms {m['other_ms']:.0f}, fault factor "
+                       f"{m.get('fault_factor', 1.0):.2f} on {len(m.get('slow_links') or [])} "
+                       f"slow links; {d['action']}"
+                       + (f" ({d['kind']}) to {d['to']['name']}, predicted "
+                          f"{d['predicted_best_ms']:.0f} ms, switch cost {d['switch_cost_s']:.2f}"
+                          f" s" if d["action"] == "switch" else f": {d['reason']}"))
+            for c in d.get("candidates", [])[:6]:
+                out.append(f"    candidate {c['plan']} ({c['kind']}): {c['predicted_ms']:.0f} ms,"
+                           f" switch {c['switch_cost_s']:.2f} s")
+            if d["action"] == "switch" and not d.get("trials"):
+                after = [r["step_time_s"] * 1e3 for r in rows if r["step"] > d["step"] + 2]
+                measured = statistics.median(after[:10]) if after else float("nan")
+                out.append(f"  measured {measured:.0f} ms over the next steps")
+    return out
 
 
 if __name__ == "__main__":
