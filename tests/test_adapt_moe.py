@@ -28,7 +28,7 @@ import torch
 from commpipe.adapt.config import AdaptConfig
 from commpipe.adapt.plan import Plan
 from tests.dist_harness import spawn
-from tests.test_equivalence import LOSS_RTOL
+from tests.test_equivalence import LOSS_RTOL, check_params
 from tests.test_moe_parallel import moe_cfg, moe_reference_run, one_thread
 
 BEFORE, MIDDLE, AFTER = 2, 2, 1       # steps before the first switch, between, after the second
@@ -122,7 +122,7 @@ def test_plan_round_trips_ep():
 def test_the_ep_all_to_all_is_the_planners(rpn, ranks):
     """The cost model's dispatch (or combine) in EP group `ranks` equals
     commpipe.plan.moe_costs for the same bytes and the rates measured between its ranks, and
-    the alpha-beta formula by hand."""
+    the alpha-beta formula by hand; each link class at the group's slowest measured pair."""
     from commpipe.adapt.model import MEASURED_RUN, CostModel
     from commpipe.adapt.model_moe import a2a_ms
     from commpipe.layout import Layout
@@ -135,12 +135,14 @@ def test_the_ep_all_to_all_is_the_planners(rpn, ranks):
     fast, slow = 2.0, 0.25                       # GB/s: inside a node, across nodes
     links = {(a, b): (0.1, fast if a // rpn == b // rpn else slow)
              for a in range(4) for b in range(4) if a != b}
+    intra = 1.0                                  # the group's slowest pair inside a node
+    links[0, 1] = links[1, 0] = (0.1, intra)
     cfg = plan.apply(_cfg())
     model = CostModel(cfg.spec, cfg.seq_len, 4, rpn, _measured(plan, links))
     got = a2a_ms(model, plan, ranks)
     lat = model.base_latency / 1e3
     assert lat == pytest.approx(1e-4)
-    cluster = Cluster(MEASURED_RUN, 4, rpn, intra=Link(fast, lat), inter=Link(slow, lat),
+    cluster = Cluster(MEASURED_RUN, 4, rpn, intra=Link(intra, lat), inter=Link(slow, lat),
                       backend="gloo")
     layout = Layout(1, 1, 1, 4, 1, 1, "1f1b", ep=ep)
     job = Job(8, cfg.seq_len, precision="fp32")
@@ -148,9 +150,9 @@ def test_the_ep_all_to_all_is_the_planners(rpn, ranks):
     # by hand: a rank's 16 tokens x top_k 2 x imbalance 1.25 rows of h=32 fp32 values
     nbytes = 16 * 2 * 1.25 * 32 * 4
     if rpn >= ep:       # one node: (ep-1)/ep of it over the node's links
-        want = (ep - 1) / ep * nbytes / (fast * 1e9) + lat
+        want = (ep - 1) / ep * nbytes / (intra * 1e9) + lat
     else:               # two ranks per node: a peer inside over the node, two across
-        want = max(1 / ep * nbytes / (fast * 1e9), 2 / ep * nbytes / (slow * 1e9)) + lat
+        want = max(1 / ep * nbytes / (intra * 1e9), 2 / ep * nbytes / (slow * 1e9)) + lat
     assert got == pytest.approx(1e3 * want, rel=1e-12)
     # each MoE layer of a stage adds a dispatch and a combine to the stage's F and to its B
     bare = Plan(1, 1, 1, 4, (4,), "1f1b", 2, 1, ep=1)
@@ -181,7 +183,10 @@ def _worker(rank: int, world: int, outdir: str) -> dict:
             out.update(part)
         return out
 
-    res: dict = {"kept": [], "static": [], "layouts": []}
+    def params(trainer):      # {name: full parameter}
+        return {k[len("model."):]: v for k, v in merged(trainer).items() if k.startswith("model.")}
+
+    res: dict = {"kept": [], "static": [], "layouts": [], "params": [], "static_params": []}
     tr = build(START)
     res["switched"] = steps(tr, BEFORE)
     ckpts = []
@@ -195,9 +200,11 @@ def _worker(rank: int, world: int, outdir: str) -> dict:
                             merged(tr).keys() == before.keys()))
         res["layouts"].append((tr.cfg.ep, tr.comm.size("ep"), str(tr.cfg.dims)))
         res["switched"] += steps(tr, n)
+        res["params"].append(params(tr))
         static = build(plan)                 # the new layout, from a checkpoint of the state
         checkpoint.load(static, ckpts[i])
         res["static"].append(steps(static, n))
+        res["static_params"].append(params(static))
 
     # a planted bug: the switch slices each rank's experts (and moments) at the next rank's
     # offset, so every expert's rows hold another expert's weights
@@ -226,7 +233,7 @@ def four_ranks(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference():
     with one_thread():
-        return moe_reference_run(_cfg())["losses"]
+        return moe_reference_run(_cfg())
 
 
 def _close(got, want, label):
@@ -243,18 +250,29 @@ def test_switches_across_ep_keep_every_tensor_bit_for_bit(four_ranks):
             assert every_optim and same_items
 
 
-def test_losses_after_each_switch_equal_a_static_run_of_the_new_layout(four_ranks):
+def _params(named: dict) -> dict:
+    return {"params": named, "replicas_equal": True}   # gathered whole: one value per name
+
+
+def test_losses_and_parameters_after_each_switch_equal_a_static_run_of_the_new_layout(
+        four_ranks):
     for res in four_ranks:
         got = res["switched"]
-        _close(got[BEFORE:BEFORE + MIDDLE], res["static"][0], "switched vs static ep4 x dp4")
-        _close(got[BEFORE + MIDDLE:], res["static"][1], "switched vs static ep1 x pp2 x dp2")
+        for i, (label, span) in enumerate((("ep4 x dp4", slice(BEFORE, BEFORE + MIDDLE)),
+                                           ("ep1 x pp2 x dp2", slice(BEFORE + MIDDLE, None)))):
+            _close(got[span], res["static"][i], f"switched vs static {label}")
+            check_params(_params(res["static_params"][i]), _params(res["params"][i]),
+                         f"switched vs static {label}")
 
 
 def test_the_switched_run_equals_the_single_device_reference(four_ranks, reference):
     got = four_ranks[0]["switched"]
-    assert len(got) == len(reference) == BEFORE + MIDDLE + AFTER
-    _close(got, reference, "ep2 x pp2 x dp2 -> ep4 x dp4 -> ep1 x pp2 x dp2 vs one device")
-    assert max(reference) - min(reference) > 1e-3      # the losses move: not vacuous
+    losses = reference["losses"]
+    assert len(got) == len(losses) == BEFORE + MIDDLE + AFTER
+    label = "ep2 x pp2 x dp2 -> ep4 x dp4 -> ep1 x pp2 x dp2 vs one device"
+    _close(got, losses, label)
+    check_params(reference, _params(four_ranks[0]["params"][-1]), label)
+    assert max(losses) - min(losses) > 1e-3      # the losses move: not vacuous
 
 
 def test_a_switch_that_misplaces_the_experts_is_caught(four_ranks):
