@@ -106,9 +106,15 @@ def decision_lines(records: list[dict], rows: list[dict]) -> list[str]:
                        f"({d['measured_ms']:.0f} ms, {d['reason']})")
         elif "model" in d:
             m = d["model"]
-            ref = m.get("reference_step_ms")
+            ref, parts = m.get("reference_step_ms"), m.get("reference_parts") or {}
+            healthy = f" (healthy {ref:.0f} ms" if ref else ""
+            if parts:
+                rates = ", ".join(f"{k} {v:.3g} GB/s" for k, v in
+                                  sorted((parts.get("collective_gbps") or {}).items()))
+                healthy += (f" = compute {parts['compute_ms']:.0f} + communication "
+                            f"{parts['comm_ms']:.0f} + other, collectives at {rates or '-'}")
             out.append(f"step {d['step']}: measured {d['measured_step_ms']:.0f} ms"
-                       + (f" (healthy {ref:.0f} ms)" if ref else "")
+                       + (healthy + ")" if ref else "")
                        + f"; other_ms {m['other_ms']:.0f}, fault factor "
                        f"{m.get('fault_factor', 1.0):.2f} on {len(m.get('slow_links') or [])} "
                        f"slow links; {d['action']}"

@@ -129,6 +129,7 @@ class CostModel:
         self.slow_links: set[tuple[int, int]] = set()   # rank pairs measured slower than before
         self.slow_ranks: set[int] = set()
         self.fault_factor, self.fault_ms = 1.0, 0.0
+        self.healthy_parts: dict | None = None   # the healthy step's modelled parts, for the log
         ref = measured.reference
         if ref is None:
             self._fit(measured.step_ms)
@@ -139,6 +140,8 @@ class CostModel:
         # healthy steps, and what the fault added beyond the model is put on what the monitor
         # measured as slow: the links (or, failing those, the ranks) that slowed by min_shift.
         healthy = CostModel(spec, seq_len, world, ranks_per_node, ref, a)
+        self.healthy_parts = dict(zip(("compute_ms", "comm_ms"), healthy.components(cur)),
+                                  collective_gbps=ref.collective_gbps)
         self.scale, self.comm_weight, self.other_ms = \
             healthy.scale, healthy.comm_weight, healthy.other_ms
         self._find_slow(healthy, a.min_shift)
@@ -189,6 +192,7 @@ class CostModel:
                 "links": {f"{a}->{b}": bw for (a, b), (_, bw) in sorted(self.m.links.items())},
                 "scale": self.scale, "comm_weight": self.comm_weight, "other_ms": self.other_ms,
                 "reference_step_ms": self.m.reference.step_ms if self.m.reference else None,
+                "reference_parts": self.healthy_parts,
                 "fault_ms": self.fault_ms, "fault_factor": self.fault_factor,
                 "slow_links": sorted(f"{a}->{b}" for a, b in self.slow_links),
                 "slow_ranks": sorted(self.slow_ranks)}
