@@ -241,3 +241,27 @@ def test_cp_ring_merges_by_hand():
     ag = stage_costs(SPEC, Layout(cp=2, dp=1, micro_batch_size=2), replace(job, cp_comm="allgather"),
                      cluster, eff)
     assert ag.comp_f[0] == pytest.approx(dp2.comp_f[0], rel=1e-12)
+
+
+def test_megatron_unfused_cross_entropy_by_hand():
+    # Megatron-LM's vocab_parallel_cross_entropy op by op (kernels.CE_BYTES): 38 bytes per logit
+    # forward, 14 backward, against the fused rule's 10 and 10. The small Llama's head on one
+    # H100, 2048 tokens x 32,000 logits = 65,536,000: forward +28, backward +4 bytes per logit
+    h100 = resolve_gpu("h100")
+    hbm, cluster, eff = 3350e9 * HBM_EFFICIENCY, default_cluster(h100, 1, 8), Efficiency()
+    lay = Layout(dp=1)
+    fused = stage_costs(SPEC, lay, Job(1, 2048), cluster, eff)
+    mlm = stage_costs(SPEC, lay, Job(1, 2048, ce_kernel="megatron-unfused"), cluster, eff)
+    assert mlm.comp_f[0] - fused.comp_f[0] == pytest.approx(28 * 65_536_000 / hbm, rel=1e-9)
+    assert mlm.comp_i[0] - fused.comp_i[0] == pytest.approx(4 * 65_536_000 / hbm, rel=1e-9)
+    # tp 2 holds half the vocabulary: half the logits per rank
+    lay2, c2 = Layout(tp=2, dp=1), default_cluster(h100, 2, 8)
+    d2 = (stage_costs(SPEC, lay2, Job(1, 2048, ce_kernel="megatron-unfused"), c2, eff).comp_f[0]
+          - stage_costs(SPEC, lay2, Job(1, 2048), c2, eff).comp_f[0])
+    assert d2 == pytest.approx(14 * 65_536_000 / hbm, rel=1e-9)
+    # Megatron-LM's own script runs it (--cross-entropy-loss-fusion is opt-in); the other presets
+    # keep the fused rule; an unknown kernel says what to use
+    assert framework_job_fields("megatron-lm", "bf16")["ce_kernel"] == "megatron-unfused"
+    assert "ce_kernel" not in framework_job_fields("megatron", "bf16")
+    with pytest.raises(ValueError, match="megatron-unfused"):
+        Job(1, 2048, ce_kernel="unfused")

@@ -92,26 +92,52 @@ def ub_sm_slowdown(sms: int) -> float:
 # NCCL's collectives overlapped with computation (Megatron's --overlap-grad-reduce and
 # --overlap-param-gather, FSDP's prefetched all-gathers and reduce-scatters on their own streams)
 # run as one CUDA block per channel (github.com/NVIDIA/nccl src/enqueue.cc: the kernel's grid is
-# the plan's channel count; NCCL_MIN/MAX_NCHANNELS set it), each block of up to 512 threads
-# (NCCL_SIMPLE_MAX_NTHREADS, src/include/device.h) holding its SM, polling the network, for the
-# collective's whole duration; a GEMM's blocks, each needing most of an SM's registers and shared
-# memory, do not fit beside it, so the computation it hides behind runs on sms - NCCL_COMM_CTAS
-# SMs meanwhile. The count is that of NCCL's inter-node ring
-# on an 8-NIC node (DGX A100, DGX H100): one search channel per NIC (src/graph/search.cc), every
-# channel doubled when the rings connect (src/graph/connect.cc, connectRings: nChannels * 2), 16;
-# NVIDIA budgets the same 16 SMs for kernels beside overlapped communication (Megatron-LM's
-# examples: NVTE_FWD/BWD_LAYERNORM_SM_MARGIN=16; TE userbuffers' UB_COMM_SMS above), and NCCL's
-# Hopper default caps it at 32 (max_ctas, Megatron-LM megatron/core/parallel_state.py). The
-# collective's HBM traffic (a reduce-scatter reads two operands and writes one per element) is
-# a few percent of the bandwidth beside compute-bound GEMMs: not priced.
-NCCL_COMM_CTAS = 16
+# the plan's channel count), each block of up to 512 threads (NCCL_SIMPLE_MAX_NTHREADS,
+# src/include/device.h) holding its SM, polling the network, for the collective's whole
+# duration; a GEMM's blocks, each needing most of an SM's registers and shared memory, do not fit
+# beside it, so the computation it hides behind runs on sms - channels SMs meanwhile. The
+# channels of a ring, as NCCL's topology search and connection derive them for nodes with one
+# NIC per GPU (src/graph/search.cc, connect.cc; the same since NCCL 2.18.3, 2023):
+#   - across nodes: one search channel per NIC the group drives on a node, at the fastest ring
+#     speed the NIC carries (sm90SpeedArrayInter: 48 GB/s for a 400 Gb/s NIC, 24 for 200 Gb/s);
+#     ncclTopoDupChannels doubles them unless they run below 25 GB/s, or, on GPUs newer than
+#     sm_80, more than 4 of them run below 50 GB/s; connectRings doubles them again. A DGX H100
+#     DP group with 8 ranks per node: 8 -> 16; with 1 (tp 8): 1 -> 2 -> 4; DGX A100 (200 Gb/s):
+#     8 -> 16.
+#   - inside one node (NVLink rings): six search channels at 60 (H100) or 40 (A100) GB/s fill
+#     the GPU's NVLink, doubled twice: 24.
+# NCCL's default on Hopper caps them at 32 CTAs (max_ctas; Megatron-LM
+# megatron/core/parallel_state.py). The collective's HBM traffic (a reduce-scatter reads two
+# operands and writes one per element) is a few percent of the bandwidth beside compute-bound
+# GEMMs: not priced.
+NCCL_INTRA_CHANNELS = 24
+NCCL_MAX_CTAS = 32
+RING_SPEEDS = (48.0, 45.0, 42.0, 40.0, 30.0, 24.0, 22.0, 20.0, 17.5, 15.0, 12.0, 6.0, 3.0)
 
 
-def nccl_sm_share(sms: int) -> float:
-    """Share of a GPU's SMs an overlapped NCCL collective holds while it runs (comment above):
-    the computation it hides behind loses that share of its rate for the collective's hidden
-    duration. 0 when the SM count is unknown (a CPU, whose collectives run on host threads)."""
-    return NCCL_COMM_CTAS / sms if sms > NCCL_COMM_CTAS else 0.0
+def nccl_channels(cluster, size: int, stride: int) -> int:
+    """Channels (CUDA blocks) of NCCL's ring collective over the group {0, stride, ...,
+    (size-1)*stride} of `cluster` (comment above); 0 for a group of one."""
+    if size <= 1:
+        return 0
+    inside, per_node = cluster.placement(size, stride)
+    if inside:
+        return NCCL_INTRA_CHANNELS
+    nics = per_node if cluster.nics_per_node is None else min(per_node, cluster.nics_per_node)
+    speed = max((v for v in RING_SPEEDS if v <= cluster.gpu.nic_gbps), default=RING_SPEEDS[-1])
+    newer_than_sm80 = cluster.gpu.fp8_tflops > 0       # FP8 tensor cores: sm_89 and later
+    dup = speed >= 25.0 and not (newer_than_sm80 and speed < 50.0 and nics > 4)
+    return min(NCCL_MAX_CTAS, nics * (2 if dup else 1) * 2)
+
+
+def nccl_sm_share(cluster, size: int, stride: int) -> float:
+    """Share of each GPU's SMs an overlapped NCCL collective over the group holds while it runs
+    (comment above): the computation it hides behind loses that share of its rate for the
+    collective's hidden duration. 0 when the SM count is unknown (a CPU, whose collectives run
+    on host threads)."""
+    sms = cluster.gpu.sms
+    ch = nccl_channels(cluster, size, stride)
+    return ch / sms if sms > ch else 0.0
 
 
 # Ring attention as Transformer Engine runs it (AttnFuncWithCPAndKVP2P; load-balanced causal
@@ -133,6 +159,20 @@ def cp_ring_merge_bytes(spec: ModelSpec, layout: Layout, job: Job) -> tuple[floa
     q_elems = tokens * spec.heads * spec.head_dim / layout.tp
     kv_elems = 2 * tokens * spec.kv_dim / layout.tp
     return 6 * cp * q_elems, 6 * cp * (q_elems + kv_elems)
+
+
+# The vocabulary head's cross-entropy, HBM bytes per logit (forward, backward) of the kernels that
+# run it. "fused": one pass that reads the bf16 logits and writes, then re-reads, an fp32 softmax
+# (about 10 bytes per logit each way; the planner's rule for fused loss kernels). "megatron-unfused":
+# Megatron-LM's vocab_parallel_cross_entropy (megatron/core/tensor_parallel/cross_entropy.py at
+# github.com/NVIDIA/Megatron-LM@f2e5db4, the commit of its README's scaling table), what runs
+# without --cross-entropy-loss-fusion (an opt-in flag; Megatron-Core's cross_entropy_loss_fusion
+# defaults to False), op by op on the [tokens, V/tp] logits:
+#     forward:  .float() (r 2, w 4), max over V (r 4), -= max in place (r 4, w 4),
+#               exp in place (r 4, w 4), sum over V (r 4), softmax div_ in place (r 4, w 4)   38
+#     backward: grad_input.mul_(grad_output) (r 4, w 4), the .float()'s backward to bf16 (r 4, w 2) 14
+# (the target gathers and per-token scalars are one value per token, not per logit).
+CE_BYTES = {"fused": (10.0, 10.0), "megatron-unfused": (38.0, 14.0)}     # keys: layout.CE_KERNELS
 
 
 def op_sac_recomputed(spec: ModelSpec, layout: Layout, job: Job) -> list[tuple]:

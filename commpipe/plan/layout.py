@@ -24,6 +24,7 @@ SEARCHED_RECOMPUTE = ("none", "selective", "full")
 PRECISIONS = ("bf16", "fp32", "fp8")
 ZERO_STAGES = (0, 1, 2, 3)
 CP_COMM = ("ring", "allgather")
+CE_KERNELS = ("fused", "megatron-unfused")   # the loss kernels priced (kernels.CE_BYTES)
 
 
 def runtime_job(features: RuntimeFeatures | None = None) -> dict:
@@ -99,6 +100,9 @@ class Job:
     #                             gradients into, flat NCCL buffers on the compute stream (kernels.py)
     expert_imbalance: float = 1.25  # MoE: token copies routed to the busiest EP rank over the
     #                             mean (Switch Transformer's capacity factor; plan/moe.py)
+    ce_kernel: str = "fused"    # the head's cross-entropy kernels: "fused" (one pass, ~10 bytes
+    #                             per logit each way) or "megatron-unfused" (Megatron-LM without
+    #                             --cross-entropy-loss-fusion, counted op by op; kernels.py)
 
     def __post_init__(self):
         if self.global_batch < 1 or self.seq_len < 1:
@@ -107,6 +111,8 @@ class Job:
             raise ValueError(f"--precision {self.precision!r} is unknown; use one of {PRECISIONS}")
         if self.cp_comm not in CP_COMM:
             raise ValueError(f"cp_comm {self.cp_comm!r} is unknown; use one of {CP_COMM}")
+        if self.ce_kernel not in CE_KERNELS:
+            raise ValueError(f"ce_kernel {self.ce_kernel!r} is unknown; use one of {CE_KERNELS}")
 
     @property
     def activation_bytes(self) -> int:

@@ -55,6 +55,7 @@ from commpipe.models.family import layer_form
 from commpipe.models.spec import ModelSpec
 from commpipe.plan.cluster import Cluster
 from commpipe.plan.kernels import (
+    CE_BYTES,
     FP8_CAST_BYTES,
     cp_ring_merge_bytes,
     eager_elementwise_bytes,
@@ -251,16 +252,17 @@ def gemms_time(shapes: list[tuple], job: Job, gpu, eff: Efficiency) -> float:
 
 
 def head_compute(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
-                 eff: Efficiency) -> tuple[float, float]:
-    """Forward seconds of the vocabulary-head GEMM and of the cross-entropy, one micro-batch."""
+                 eff: Efficiency) -> tuple[float, float, float]:
+    """Forward seconds of the vocabulary-head GEMM, then of the cross-entropy forward and
+    backward, one micro-batch."""
     gpu = cluster.gpu
     tokens = layout.micro_batch_size * job.seq_len / layout.cp
     v = spec.vocab / layout.tp
     g = gemm_time(2 * tokens * spec.hidden * v, tokens, spec.hidden, v, gpu.achievable_tflops("bf16") * 1e12,
                   eff, gpu.ridge_flop_per_byte)
-    # loss: read bf16 logits, write and re-read the fp32 softmax (~10 bytes per logit)
-    loss = 10 * tokens * v / hbm_rate(gpu)
-    return g, loss
+    # loss: HBM bytes per logit of the job's loss kernels (kernels.CE_BYTES)
+    per_f, per_b = CE_BYTES[job.ce_kernel]
+    return g, per_f * tokens * v / hbm_rate(gpu), per_b * tokens * v / hbm_rate(gpu)
 
 
 def _group_strides(layout: Layout) -> dict[str, tuple[int, int]]:
@@ -338,7 +340,7 @@ def stage_costs(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
     attn_b = FLASH_BWD_RATIO if job.uses_flash(spec) else 2.0
     layer_i = (lc["gemm"] + attn_b * lc["attn"] + lc["elem_b"] + lc["copy_b"] + merge_b + eff.overhead_s
                + re_comp)
-    head_gemm, loss = head_compute(spec, layout, job, cluster, eff)
+    head_gemm, loss, loss_b = head_compute(spec, layout, job, cluster, eff)
     head_f, head_b, embed_tp = _head_and_embedding_tp(spec, layout, job, cluster, act_bytes, call)
     # collective calls per layer and pass (host CPU time = calls * coll_overhead_s)
     layer_calls = (2 if tp_size > 1 else 0) + (2 if cp_size > 1 and job.cp_comm == "allgather" else 0)
@@ -357,7 +359,7 @@ def stage_costs(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
             hf += call if tp_size > 1 else 0.0
         if st == stages - 1:
             cf += head_gemm + loss + eff.overhead_s
-            ci += head_gemm + loss + eff.overhead_s     # input-gradient GEMM + loss backward
+            ci += head_gemm + loss_b + eff.overhead_s   # input-gradient GEMM + loss backward
             cw += head_gemm
             tf += head_f
             tb += head_b
@@ -420,7 +422,7 @@ def _dp_and_optimizer(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluste
         costs.dp_total.append(total)
         costs.dp_exposed.append(exposed)
         # the hidden part runs beside the backward (forward) it overlaps, on fewer SMs (kernels.py)
-        costs.dp_sm.append(nccl_sm_share(cluster.gpu.sms) * max(0.0, total - exposed))
+        costs.dp_sm.append(nccl_sm_share(cluster, *groups["dp_cp"]) * max(0.0, total - exposed))
         # the embedding and the head (with the final norm) count as one layer each
         held = layers + (0 in chunks[rank]) + (stages - 1 in chunks[rank])
         opt = params / shard * bytes_per_param_opt / hbm + held * eff.optimizer_overhead_s

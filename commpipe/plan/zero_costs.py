@@ -31,7 +31,7 @@ def zero_exposed(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster, la
     n = layout.shard_size
     if z < 2 or n == 1 or layers == 0 or (z == 3 and layout.pp > 1):
         return 0.0, 0.0, 0.0, 0.0
-    share = nccl_sm_share(cluster.gpu.sms)
+    share = nccl_sm_share(cluster, n, layout.tp)
     per_layer = layer_params_per_rank(spec, layout.tp)
     lin = linear_params_per_layer(spec, layout.tp)
     grad_b = 4 if (not job.mixed or job.grad_fp32) else 2
