@@ -118,6 +118,17 @@ def test_plan_round_trips_ep():
     assert layout_label(cfg) == plan.name      # the metrics' layout names the plan
 
 
+def test_the_switch_cost_moves_whole_moe_layers():
+    """pp2 -> pp1: a stage-0 rank lacks stage 1's two layers and the head. A layer of the test
+    model (h 32, 4 heads, 2 KV heads of 8, 4 experts and 1 shared of width 16, vocab 128):
+    attention 32*(32+2*16) + 32*32 = 3,072, norms 64, router 128, experts 5 x 3*32*16 = 7,680:
+    10,944 parameters; the head 128*32 + 32; 12 bytes each (fp32 value and two moments)."""
+    from commpipe.adapt.plan import moved_bytes
+
+    spec = _cfg().resolve(4).spec
+    assert moved_bytes(START, PLANS[0], spec) == 12 * (2 * 10_944 + 128 * 32 + 32)
+
+
 @pytest.mark.parametrize("rpn, ranks", [(4, [0, 1]), (4, [0, 1, 2, 3]), (2, [0, 1, 2, 3])])
 def test_the_ep_all_to_all_is_the_planners(rpn, ranks):
     """The cost model's dispatch (or combine) in EP group `ranks` equals

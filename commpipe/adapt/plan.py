@@ -119,10 +119,16 @@ def held_parts(plan: Plan, rank: int) -> set:
 
 
 def part_bytes(spec) -> dict[str, float]:
-    """Bytes a switch moves per model part: parameters and two AdamW moments, fp32."""
+    """Bytes a switch moves per model part: parameters and two AdamW moments, fp32 (a MoE
+    model's layer: its largest, all E experts, as the switch gathers them whole)."""
+    from commpipe.models import moe_spec
     from commpipe.models.spec import layer_param_count
+    from commpipe.plan.moe import routed_spec
 
-    return {"layer": 12.0 * layer_param_count(spec), "embedding": 12.0 * spec.vocab * spec.hidden,
+    moe = routed_spec(spec)
+    layer = max(moe_spec.layer_param_count(moe, i) for i in range(moe.layers)) if moe \
+        else layer_param_count(spec)
+    return {"layer": 12.0 * layer, "embedding": 12.0 * spec.vocab * spec.hidden,
             "head": 12.0 * (spec.vocab * spec.hidden + spec.hidden)}
 
 
