@@ -75,6 +75,11 @@ def test_a_dp_replica_on_another_node_keeps_the_copy_without_traffic():
     # ZeRO-1: the replicas hold other optimizer states, so every part travels
     ps = plans(dims, ["a", "b", "a", "b"], [0, 1, 2, 3], zero1=True)
     assert [p.send_to for p in ps] == [1, 0, 3, 2] and not any(p.mirror for p in ps)
+    # expert parallelism (ep2): dp=1 holds the other experts; dp=0's part (its EP group's
+    # experts gathered whole) travels
+    ps = [make_plan(SimpleNamespace(dims=dims, rank=r, coords=dims.coords(r)), ["a", "b", "a", "b"],
+                    [0, 2], False, ep=2) for r in range(4)]
+    assert [p.send_to for p in ps] == [1, None, 3, None] and not any(p.mirror for p in ps)
 
 
 def test_one_node_keeps_one_copy():

@@ -80,10 +80,11 @@ class Plan:
     recv_from: list[int] = field(default_factory=list)   # ranks whose parts come here
 
 
-def make_plan(comm, nodes: list[str], writers: list[int], zero1: bool) -> Plan:
+def make_plan(comm, nodes: list[str], writers: list[int], zero1: bool, ep: int = 1) -> Plan:
     """Each writer's part on a second node: a DP replica there where one exists (without
-    ZeRO-1), else the neighbour of the same local index on the next node. One node: no second
-    copy (a restart of this node's workers still finds the first)."""
+    ZeRO-1 and expert parallelism: a DP replica holds other experts than dp=0), else the
+    neighbour of the same local index on the next node. One node: no second copy (a restart of
+    this node's workers still finds the first)."""
     dims, rank = comm.dims, comm.rank
     order = list(dict.fromkeys(nodes))          # nodes in rank order
     members = {n: [r for r in range(len(nodes)) if nodes[r] == n] for n in order}
@@ -91,7 +92,7 @@ def make_plan(comm, nodes: list[str], writers: list[int], zero1: bool) -> Plan:
     if len(order) == 1:
         return plan
     mirrored = set()
-    if not zero1:
+    if not zero1 and ep == 1:
         for pp in range(dims.pp):
             twin = dims.rank_of(pp=pp, dp=0, cp=0, tp=0)
             d = next((d for d in range(1, dims.dp)
@@ -171,9 +172,8 @@ class PeerCopies:
         nodes = [n for n, _ in seen]
         if comm.rank == nodes.index(me):        # the node's first rank tidies its folders
             _tidy(run_dir(self.out), me, trainer.step)
-        # under expert parallelism a DP replica holds other experts than dp=0: no mirror
         return make_plan(comm, nodes, [r for r, (_, w) in enumerate(seen) if w],
-                         trainer.cfg.optim.zero1 or trainer.cfg.ep > 1)
+                         trainer.cfg.optim.zero1, trainer.cfg.ep)
 
     def close(self) -> None:
         """The run is over: remove this rank's copies (and the folders left empty)."""
