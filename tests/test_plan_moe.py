@@ -143,7 +143,6 @@ def test_plan_cli_on_mixtral_prints_a_feasible_layout(capsys):
     (["--model", "moe-tiny", "--ep", "8"],
      "--ep 8 does not divide the model's 4 experts; use --ep in [1, 2, 4]"),
     (["--model", "tiny", "--ep", "2"], "--ep 2 shards routed experts"),
-    (["--model", "deepseek-v3"], "multi-head latent attention"),
 ])
 def test_estimate_refuses_what_it_cannot_price(argv, message, capsys):
     rc = main(["estimate", *argv, "--gpu", "h100", "--gpus", "8", "--global-batch", "8",

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from commpipe.models.family import layer_form
 from commpipe.models.spec import ModelSpec
+from commpipe.plan.attention import kv_width, mla, mla_gemms, score_dims
 from commpipe.plan.layout import Job, Layout
 
 HBM_EFFICIENCY = 0.8   # STREAM-like kernels reach ~80-90% of datasheet HBM bandwidth (timing.py)
@@ -53,10 +54,13 @@ def hbm_rate(gpu) -> float:
 def layer_gemms(spec: ModelSpec, layout: Layout, job: Job, fused: bool = True) -> list[tuple]:
     """(M, K, N) of one layer's weight GEMMs after TP/CP sharding, in forward order. `fused`:
     QKV as one GEMM and the SwiGLU gate and up as one (Megatron/TE); else one per matrix, as
-    torchtitan's Llama runs them (wq, wk, wv, wo, w1, w3, w2)."""
+    torchtitan's Llama runs them (wq, wk, wv, wo, w1, w3, w2). Multi-head latent attention:
+    its own five or six GEMMs (commpipe.plan.attention), then the MLP's."""
     t, h = layout.tp, spec.hidden
     tokens = layout.micro_batch_size * job.seq_len / layout.cp
     kv, f = spec.kv_dim, spec.ffn_hidden
+    if mla(spec):
+        return mla_gemms(spec, tokens, t) + [(tokens, h, 2 * f / t), (tokens, f / t, h)]
     if not layer_form(spec).gated_mlp:
         return [(tokens, h, (h + 2 * kv) / t), (tokens, h / t, h), (tokens, h, f / t), (tokens, f / t, h)]
     if fused:
@@ -156,9 +160,11 @@ def cp_ring_merge_bytes(spec: ModelSpec, layout: Layout, job: Job) -> tuple[floa
     if cp == 1 or job.cp_comm != "ring":
         return 0.0, 0.0
     tokens = layout.micro_batch_size * job.seq_len / cp
-    q_elems = tokens * spec.heads * spec.head_dim / layout.tp
-    kv_elems = 2 * tokens * spec.kv_dim / layout.tp
-    return 6 * cp * q_elems, 6 * cp * (q_elems + kv_elems)
+    heads, qk, v = score_dims(spec)
+    out_elems = tokens * heads * v / layout.tp          # the attention output (and its gradient)
+    q_elems = tokens * heads * qk / layout.tp
+    kv_elems = 2 * tokens * kv_width(spec) / layout.tp
+    return 6 * cp * out_elems, 6 * cp * (q_elems + kv_elems)
 
 
 # The vocabulary head's cross-entropy, HBM bytes per logit (forward, backward) of the kernels that

@@ -57,8 +57,9 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 from commpipe.models.family import layer_form
-from commpipe.models.spec import ModelSpec, layer_param_count
+from commpipe.models.spec import ModelSpec
 from commpipe.parallel.dims import split_layers
+from commpipe.plan.attention import layer_params, mla, mla_activation_bytes, replicated_attention_params
 from commpipe.plan.kernels import op_sac_activation_bytes
 from commpipe.plan.layout import Job, Layout, zero_stage
 from commpipe.plan.moe import (
@@ -108,12 +109,12 @@ def _replicated_layer_params(spec: ModelSpec) -> int:
     """Per-layer parameters TP does not split: norm weights (and GPT's LN biases and the biases
     of the row-parallel output and second MLP matrix, which are added after the reduction)."""
     h = spec.hidden
-    return 4 * h + 2 * h if layer_form(spec).biases else 2 * h
+    return (4 * h + 2 * h if layer_form(spec).biases else 2 * h) + replicated_attention_params(spec)
 
 
 def layer_params_per_rank(spec: ModelSpec, tp: int) -> float:
     rep = _replicated_layer_params(spec)
-    return (layer_param_count(spec) - rep) / tp + rep
+    return (layer_params(spec) - rep) / tp + rep
 
 
 def stage_params(spec: ModelSpec, layout: Layout, job: Job) -> list[tuple[int, float]]:
@@ -198,11 +199,15 @@ def layer_activation_bytes(spec: ModelSpec, layout: Layout, job: Job, recompute:
         mlp_act = 8 * f / h                 # + SiLU's output, kept by plain autograd
     # Q, O, K/V, MLP intermediates: split by TP; under fp8 TE also keeps an FP8 copy of O for the
     # output projection's weight gradient (flash attention's backward needs O in bf16)
-    split = 4 + 4 * kv / h + mlp_act + (1 if fp8 else 0)
+    # (multi-head latent attention: its own Q, K, V, O and latents, plan/attention.py)
+    latent = mla_activation_bytes(spec, tokens, t) if mla(spec) else None
+    split = (0.0 if latent else 4 + 4 * kv / h) + mlp_act + (1 if fp8 else 0)
     # norm inputs 2 + 2 and the QKV and MLP inputs, split only by SP: the GEMM inputs are kept as
     # FP8 copies (1 byte) under fp8
     repl = 6.0 if fp8 else 8.0
     base = tokens * h * ((split + repl) / t if sp else repl + split / t)
+    if latent:
+        base += sum(latent)
     if flash:
         score = 4 * a * tokens / t          # fp32 log-sum-exp per head and token
     else:
@@ -212,7 +217,7 @@ def layer_activation_bytes(spec: ModelSpec, layout: Layout, job: Job, recompute:
 
 def linear_params_per_layer(spec: ModelSpec, tp: int) -> float:
     """Parameters of a layer's four linear maps on one TP rank (the ones FP8 runs in FP8)."""
-    return (layer_param_count(spec) - _replicated_layer_params(spec)) / tp
+    return (layer_params(spec) - _replicated_layer_params(spec)) / tp
 
 
 def _bytes_per_param(job: Job) -> tuple[int, int, int]:

@@ -79,9 +79,6 @@ def model_problem(spec, job) -> str | None:
     moe = routed_spec(spec)
     if moe is None:
         return None
-    if moe.attention != "gqa":
-        return (f"{moe.name} uses multi-head latent attention (attention={moe.attention}), which "
-                "the planner does not price yet; plan a grouped-query shape (attention=gqa)")
     if job.runtime == "commpipe":
         return ("MoE layers are priced for GPU frameworks (--framework megatron, the default on "
                 "GPUs); commpipe's own runtime's MoE tensors are not counted yet (drop "

@@ -53,6 +53,7 @@ from dataclasses import asdict, dataclass, field
 
 from commpipe.models.family import layer_form
 from commpipe.models.spec import ModelSpec
+from commpipe.plan.attention import kv_width, mla, score_dims
 from commpipe.plan.cluster import Cluster
 from commpipe.plan.kernels import (
     CE_BYTES,
@@ -195,7 +196,7 @@ def layer_compute(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
     gpu = cluster.gpu
     peak, ridge = gpu.achievable_tflops("bf16") * 1e12, gpu.ridge_flop_per_byte
     t, s = layout.tp, job.seq_len
-    d = spec.head_dim
+    nh, qk, v = score_dims(spec)        # grouped-query: qk = v = head_dim (plan/attention.py)
     # torchtitan's eager Llama and commpipe's own on a GPU run one GEMM per matrix;
     # Megatron/TE fuse QKV and gate/up
     own = own_runtime_on_gpu(job, gpu)
@@ -208,13 +209,16 @@ def layer_compute(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
         gemm_f = gemm + margin * (ub_sm_slowdown(gpu.sms) - 1)
     if job.precision == "fp8":
         cast = fp8_cast_time(spec, layout, job, gpu)
-    heads = layout.micro_batch_size * spec.heads / t
+    heads = layout.micro_batch_size * nh / t
     q_len = s / layout.cp
-    attn_flops = 2 * 2 * q_len * s * d * heads          # QK^T and AV, full s x s (Megatron count)
+    attn_flops = 2 * q_len * s * (qk + v) * heads       # QK^T and AV, full s x s (Megatron count)
     if job.uses_flash(spec):
         attn = 0.5 * attn_flops / (peak * eff.e_max * eff.attn_rel)
+    elif qk == v:
+        attn = 2 * heads * gemm_time(2 * q_len * qk * s, q_len, qk, s, peak, eff, ridge)
     else:
-        attn = 2 * heads * gemm_time(2 * q_len * d * s, q_len, d, s, peak, eff, ridge)
+        attn = heads * (gemm_time(2 * q_len * qk * s, q_len, qk, s, peak, eff, ridge)
+                        + gemm_time(2 * q_len * s * v, q_len, s, v, peak, eff, ridge))
     hbm = hbm_rate(gpu)
     eager = eager_elementwise_bytes(spec, layout, job) if job.eager_ops else None
     if own:     # commpipe's eager kernels, counted op by op (runtime_kernels.py)
@@ -292,7 +296,8 @@ def stage_costs(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
         # the layer's GEMMs of that pass shows (forward: QKV, proj, fc1, fc2; backward: their
         # input-gradient GEMMs, the same shapes)
         tp_f = tp_b = max(0.0, 2 * tp_one - lc["gemm"])
-    elif job.tp_grad_overlap and tp_size > 1 and not schedule_info(layout.schedule).splits_backward:
+    elif job.tp_grad_overlap and tp_size > 1 and not schedule_info(layout.schedule).splits_backward \
+            and not mla(spec):      # commpipe's runtime, which runs no MLA under TP
         # each entry's backward collective (AR, or SP's RS: half the layer's backward traffic)
         # travels while the weight-gradient GEMMs of the projections it feeds run: QKV for the
         # attention, gate and up for the MLP (dW has the forward GEMM's shape and FLOPs)
@@ -302,7 +307,7 @@ def stage_costs(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
         tp_b -= sum(min(entry, gemms_time(g, job, cluster.gpu, eff)) for g in fed)
     cp_size, cp_stride = groups["cp"]
     cp_f = cp_b = merge_b = 0.0
-    kv_bytes = job.activation_bytes * tokens * spec.kv_dim / t      # this rank's K (or V)
+    kv_bytes = job.activation_bytes * tokens * kv_width(spec) / t   # this rank's K (or V)
     if cp_size > 1 and job.cp_comm == "ring":
         # ring attention: K,V chunk [b, s/cp, 2*kv/tp] per step, overlapped with attention
         bw, link = cluster.bus_bandwidth(cp_size, cp_stride)
