@@ -19,6 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from commpipe.parallel.dims import ParallelDims
+from commpipe.parallel.placement import placement
 from commpipe.train import checkpoint, checkpoint_shards
 from commpipe.train.config import OptimConfig, TrainConfig
 
@@ -66,7 +67,7 @@ def snapshot(trainer) -> dict:
         if holds(p) and st:   # the same answer on every rank of an ep group
             opt[name] = (whole(st["exp_avg"], p), whole(st["exp_avg_sq"], p), float(st["step"]))
     return {"coords": comm.coords, "step": trainer.step,
-            "params": {n: (whole(p, p), getattr(p, "_tp_dim", None))
+            "params": {n: (whole(p, p), placement(p).tp_dim)
                        for n, p in trainer.named_params}, "opt": opt}
 
 

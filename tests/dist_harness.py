@@ -19,6 +19,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from commpipe.cluster.ports import free_port  # the rendezvous port of every launch here
+from commpipe.parallel.placement import placement
 
 
 class RankFailed(RuntimeError):
@@ -106,7 +107,7 @@ def train_jobs(rank: int, world: int, jobs: list) -> dict:
             "coords": trainer.comm.coords,
             "losses": [r["loss"] for r in records],
             "grad_norms": [r["grad_norm"] for r in records],
-            "params": {n: (p.detach().clone(), getattr(p, "_tp_dim", None))
+            "params": {n: (p.detach().clone(), placement(p).tp_dim)
                        for n, p in trainer.named_params},
             "grads": trainer.last_grads,
             "activation_mb": [r.get("activation_mb") for r in records],

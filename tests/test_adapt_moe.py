@@ -27,6 +27,7 @@ import torch
 
 from commpipe.adapt.config import AdaptConfig
 from commpipe.adapt.plan import Plan
+from commpipe.parallel.placement import placement
 from tests.dist_harness import spawn
 from tests.test_equivalence import LOSS_RTOL, check_params
 from tests.test_moe_parallel import moe_cfg, moe_reference_run, one_thread
@@ -220,7 +221,7 @@ def _worker(rank: int, world: int, outdir: str) -> dict:
     # a planted bug: the switch slices each rank's experts (and moments) at the next rank's
     # offset, so every expert's rows hold another expert's weights
     def next_offset(full, p, comm):
-        if not getattr(p, "_ep_sharded", False):
+        if not placement(p).ep_sharded:
             return full
         n = comm.size("ep")
         return full.chunk(n, dim=0)[(comm.local_rank("ep") + 1) % n]

@@ -24,6 +24,7 @@ from commpipe.cli import main
 from commpipe.data import SyntheticTokens
 from commpipe.models.llama import build_model
 from commpipe.parallel.dims import ParallelDims
+from commpipe.parallel.placement import placement
 from commpipe.train import checkpoint
 from commpipe.train.config import OptimConfig, TrainConfig
 from tests import checkpoint_ep_jobs
@@ -50,7 +51,7 @@ def _snapshot(trainer) -> dict:
         if holds(p) and st:
             opt[name] = (st["exp_avg"].clone(), st["exp_avg_sq"].clone(), float(st["step"]))
     return {"coords": trainer.comm.coords, "step": trainer.step,
-            "params": {n: (p.detach().clone(), getattr(p, "_tp_dim", None))
+            "params": {n: (p.detach().clone(), placement(p).tp_dim)
                        for n, p in trainer.named_params}, "opt": opt}
 
 

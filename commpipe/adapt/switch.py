@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from commpipe.parallel.placement import placement
 from commpipe.train.checkpoint import adam_and_holder, full_state_here, gather_tp, shard_tp
 from commpipe.train.checkpoint_shards import gather_ep, shard_ep
 
@@ -58,7 +59,7 @@ def load_state(trainer, state: dict[str, torch.Tensor]) -> None:
             key = f"model.{name}"
             if key not in state:
                 raise RuntimeError(f"switch: no gathered value for parameter {name}")
-            tp_dim = getattr(p, "_tp_dim", None)
+            tp_dim = placement(p).tp_dim
             p.copy_(shard_ep(shard_tp(state[key], tp_dim, comm), p, comm).to(p.device))
             if holds(p) and f"optim.{name}.step" in state:
                 adam.state[p] = {
@@ -75,7 +76,7 @@ def held_state(trainer) -> dict[str, torch.Tensor]:
     adam, _ = adam_and_holder(trainer)
     out: dict[str, torch.Tensor] = {}
     for name, p in trainer.named_params:
-        tp_dim = getattr(p, "_tp_dim", None)
+        tp_dim = placement(p).tp_dim
         out[f"model.{name}"] = gather_ep(gather_tp(p, tp_dim, comm), p, comm)
         st = adam.state.get(p)
         if st:   # ZeRO-1 owners are per DP rank: the same answer across a TP (an EP) group

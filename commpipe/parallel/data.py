@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from commpipe.parallel.comm import Comm
+from commpipe.parallel.placement import placement
 
 
 class Bucket:
@@ -100,7 +101,7 @@ class GradReducer:
         self.zero = zero and comm.size("dp") > 1
         self.bucket_bytes = bucket_mb * 1e6
         self.expected = microbatches
-        self.sp_partial = {id(p) for p in params if getattr(p, "_sp_partial", False)} \
+        self.sp_partial = {id(p) for p in params if placement(p).sp_partial} \
             if comm.size("tp") > 1 else set()
         self.buckets = self._make_buckets(list(reversed(params)))  # last layers are final first
         # ready-order buckets: the first step records the order gradients became final
@@ -134,7 +135,7 @@ class GradReducer:
         buckets, cur, size = [], [], 0
         dim = "dp_cp"
         for p in order:
-            p_dim = "edp" if getattr(p, "_ep_sharded", False) else "dp_cp"
+            p_dim = "edp" if placement(p).ep_sharded else "dp_cp"
             if cur and p_dim != dim:
                 buckets.append(self._bucket(cur, dim))
                 cur, size = [], 0
@@ -259,9 +260,10 @@ def clip_grad_norm_(params: list[nn.Parameter], max_norm: float, comm: Comm,
     sq_ep = torch.zeros((), dtype=torch.float64, device=device)
     tp_rank = comm.local_rank("tp")
     for p in params:
-        if p.grad is None or (getattr(p, "_tp_dim", None) is None and tp_rank != 0):
+        where = placement(p)
+        if p.grad is None or (where.tp_dim is None and tp_rank != 0):
             continue
-        (sq_ep if getattr(p, "_ep_sharded", False) else sq).add_(p.grad.detach().double().pow(2).sum())
+        (sq_ep if where.ep_sharded else sq).add_(p.grad.detach().double().pow(2).sum())
     if sharded:
         if comm.size("ep") > 1:
             comm.all_reduce(sq_ep, "dp_cp")

@@ -16,7 +16,7 @@ which an expert's rows are summed into its weight gradient changes. Every exchan
 Comm (dim "ep"), so the monitor sees it: dispatch and combine as op "all_to_all", the row counts
 as COUNTS_OP, in records of their own, so EP bytes and time are the payload's. An expert's
 gradient is summed over `edp` (the ranks holding the same experts), never over `ep`
-(commpipe.parallel.data reads `_ep_sharded`; ZeRO-1 shards its optimizer state over edp too).
+(commpipe.parallel.data reads their placement, `ep_sharded`; ZeRO-1 shards its optimizer state over edp too).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from torch import nn
 from commpipe.models.moe import GroupedExperts, MoELayer
 from commpipe.parallel.comm import Comm
 from commpipe.parallel.dims import ParallelDims
+from commpipe.parallel.placement import place
 
 COUNTS_OP = "all_to_all_counts"     # the monitor's name of the row-count exchange
 
@@ -97,7 +98,7 @@ class ExpertParallelExperts(GroupedExperts):
         mine = slice(ep_rank * local, (ep_rank + 1) * local)
         for name in ("w1", "w3", "w2"):
             p = nn.Parameter(getattr(full, name).detach()[mine].clone())
-            p._ep_sharded = True     # gradient summed over edp; norm summed over ep
+            place(p, ep_sharded=True)    # gradient summed over edp; norm summed over ep
             setattr(self, name, p)
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:

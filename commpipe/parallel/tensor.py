@@ -11,16 +11,16 @@ out of it) on the outputs of wo and w2, installed as module hooks: the model cod
 Sequence parallelism (Korthikanti et al. 2022): the residual stream, the norms and the stage
 boundaries hold 1/tp of the sequence ([b, s/tp, h]); `f` becomes an all-gather along the
 sequence and `g` a reduce-scatter; the embedding reduce-scatters instead of all-reducing. The
-norm weights then see only their rank's tokens: they carry `_sp_partial` and their gradients
-are summed over TP (commpipe.parallel.data) before the DP reduction.
+norm weights then see only their rank's tokens: their placement is `sp_partial` and their
+gradients are summed over TP (commpipe.parallel.data) before the DP reduction.
 
 With overlap, the column-parallel Linears behind each entry stash their weight-gradient GEMMs
 in that entry's `TPRegion`, run while the input-gradient collective travels (functional.py).
 With sequence parallelism and `forward_overlap`, the entry hook also computes those Linears
 itself, their GEMMs over the rank's own rows beside the all-gather (`gather_seq_columns`); each
 Linear then returns the output computed for it (`_serve_ready`).
-Sharded parameters carry `_tp_dim` (the dimension split across TP ranks), which checkpoints and
-the equivalence tests use to reassemble full tensors.
+Sharded parameters' placement (commpipe.parallel.placement) names `tp_dim`, the dimension split
+across TP ranks, which checkpoints and the equivalence tests use to reassemble full tensors.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from commpipe.parallel.functional import (
     reduce_from,
     scatter_seq,
 )
+from commpipe.parallel.placement import place
 from commpipe.parallel.weight_grad import route_linear
 
 COLUMN = ("wq", "wk", "wv", "w1", "w3")   # output features split: dim 0 of the weight
@@ -48,7 +49,7 @@ ROW = ("wo", "w2")                         # input features split: dim 1 of the 
 def _shard_(linear: nn.Linear, dim: int, comm: Comm) -> None:
     shard = linear.weight.detach().chunk(comm.size("tp"), dim=dim)[comm.local_rank("tp")]
     linear.weight = nn.Parameter(shard.clone())
-    linear.weight._tp_dim = dim
+    place(linear.weight, tp_dim=dim)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -63,7 +64,7 @@ class VocabParallelEmbedding(nn.Module):
         self.start = comm.local_rank("tp") * per_rank
         self.end = self.start + per_rank
         self.weight = nn.Parameter(full.weight.detach()[self.start:self.end].clone())
-        self.weight._tp_dim = 0
+        place(self.weight, tp_dim=0)
         self._tp_by_units = False       # the unit-by-unit runtime sums the partials itself
 
     def forward(self, tokens):
@@ -237,8 +238,8 @@ def apply_tp(model: Transformer, comm: Comm, sequence_parallel: bool = False,
             row.register_forward_hook(post_g)
         block.tp = TPLayer(comm, sequence_parallel)
         if sequence_parallel:
-            block.attention_norm.weight._sp_partial = True
-            block.ffn_norm.weight._sp_partial = True
+            place(block.attention_norm.weight, sp_partial=True)
+            place(block.ffn_norm.weight, sp_partial=True)
     if model.tok_embeddings is not None:
         model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, comm,
                                                       sequence_parallel)
@@ -246,5 +247,5 @@ def apply_tp(model: Transformer, comm: Comm, sequence_parallel: bool = False,
         _shard_(model.output, 0, comm)
         entry(model.output, [model.output])
         if sequence_parallel:
-            model.norm.weight._sp_partial = True
+            place(model.norm.weight, sp_partial=True)
     return model

@@ -27,6 +27,7 @@ from torch import nn
 from commpipe.models.blip import IGNORE, Attention, Blip, DecoderBlock
 from commpipe.parallel.comm import Comm
 from commpipe.parallel.functional import copy_to, reduce_from
+from commpipe.parallel.placement import place
 from commpipe.parallel.tensor import VocabParallelEmbedding, _shard_, run_steps, vocab_parallel_ce_steps
 from commpipe.parallel.weight_grad import route_linear
 
@@ -35,7 +36,7 @@ def _column(linear: nn.Linear, comm: Comm) -> None:
     _shard_(linear, 0, comm)
     shard = linear.bias.detach().chunk(comm.size("tp"))[comm.local_rank("tp")]
     linear.bias = nn.Parameter(shard.clone())
-    linear.bias._tp_dim = 0
+    place(linear.bias, tp_dim=0)
 
 
 def _row(linear: nn.Linear, comm: Comm) -> None:

@@ -10,7 +10,8 @@ Layout of a run folder:
 
 What is saved, under the parameter's logical name (`layers.<i>.…`, whatever stage holds it):
     model.<name>               the full tensor: TP shards all-gathered (through Comm) along the
-                               parameter's `_tp_dim`, written by the dp=0, cp=0, tp=0 rank only
+                               parameter's placement `tp_dim`, written by the dp=0, cp=0, tp=0
+                               rank only
     optim.<name>.exp_avg       AdamW first and second moments, full tensors, and its step count,
     optim.<name>.exp_avg_sq    written by the rank holding them (dp=0, or the ZeRO-1 owner of
     optim.<name>.step          the parameter), cp=0, tp=0
@@ -44,6 +45,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 
 from commpipe.files import StorageError
 from commpipe.models.spec import ModelSpec
+from commpipe.parallel.placement import placement
 from commpipe.train.checkpoint_io import SafeReader, damaged, load_failure, read_metadata, save_failure
 from commpipe.train.checkpoint_shards import (  # noqa: F401 - gather_tp, shard_tp: adapt.switch
     ep_sharded,
@@ -225,7 +227,7 @@ def full_state_here(trainer, as_dp0: bool = False, whole: bool = False) -> dict[
 
     for name, p in trainer.named_params:
         if writes_model(p, comm, as_dp0):     # the TP group gathers; tp=0 writes
-            full = gather_tp(p, getattr(p, "_tp_dim", None), comm)
+            full = gather_tp(p, placement(p).tp_dim, comm)
             if c["tp"] == 0:
                 keep(f"model.{name}", full, p)
     adam, holds = adam_and_holder(trainer)
@@ -235,7 +237,7 @@ def full_state_here(trainer, as_dp0: bool = False, whole: bool = False) -> dict[
         st = adam.state.get(p) if holds(p) and c["cp"] == 0 else None
         if not st:
             continue  # same answer on every rank of this TP group: the gathers stay matched
-        tp_dim = getattr(p, "_tp_dim", None)
+        tp_dim = placement(p).tp_dim
         for key in ("exp_avg", "exp_avg_sq"):
             full = gather_tp(st[key], tp_dim, comm)
             if c["tp"] == 0:

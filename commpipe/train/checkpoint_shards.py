@@ -4,10 +4,10 @@ an in-memory switch, the whole tensors gathered over tp and ep: commpipe.adapt.s
 A checkpoint holds every parameter (and its AdamW moments) under its logical name as the tensor
 of a one-device model (commpipe.train.checkpoint). Two placements cut it across ranks:
 
-    TP   `_tp_dim` (commpipe.parallel.tensor): the slice along that dimension. Saving
+    TP   `placement(p).tp_dim` (commpipe.parallel.placement): the slice along that dimension. Saving
          all-gathers it over tp through Comm and one rank writes the whole tensor; loading reads
          the whole tensor and keeps this rank's slice.
-    EP   `_ep_sharded` (commpipe.parallel.expert): rows [ep_rank * E/ep, (ep_rank + 1) * E/ep)
+    EP   `placement(p).ep_sharded` (commpipe.parallel.expert): rows [ep_rank * E/ep, (ep_rank + 1) * E/ep)
          of an expert weight stacked [E, ...]. Nothing is gathered: each rank of one EP group
          writes its rows as a DCP shard of the [E, ...] tensor at its global row offset (a
          DTensor whose global size is the full tensor's), so the checkpoint holds the full
@@ -25,22 +25,18 @@ from __future__ import annotations
 
 import torch
 
+from commpipe.parallel.placement import placement
+
 
 def ep_sharded(p: torch.Tensor) -> bool:
-    return bool(getattr(p, "_ep_sharded", False))
-
-
-def _check_placement(p: torch.Tensor) -> None:
-    if ep_sharded(p) and getattr(p, "_tp_dim", None) is not None:
-        raise NotImplementedError("a parameter sharded over both tp and ep cannot be "
-                                  "checkpointed (tensor parallelism inside experts is not applied)")
+    return placement(p).ep_sharded
 
 
 def full_shape(p: torch.Tensor, comm) -> tuple[int, ...]:
-    """The shape of p's logical (one-device) tensor."""
-    _check_placement(p)
+    """The shape of p's logical (one-device) tensor (a parameter is sharded over tp or ep,
+    never both: commpipe.parallel.placement.place)."""
     shape = list(p.shape)
-    tp_dim = getattr(p, "_tp_dim", None)
+    tp_dim = placement(p).tp_dim
     if tp_dim is not None:
         shape[tp_dim] *= comm.size("tp")
     if ep_sharded(p):
@@ -116,7 +112,7 @@ def local_part(loaded, p: torch.Tensor, comm) -> torch.Tensor:
     full tensor, or its expert rows."""
     if ep_sharded(p):
         return loaded.to_local()
-    return shard_tp(loaded, getattr(p, "_tp_dim", None), comm)
+    return shard_tp(loaded, placement(p).tp_dim, comm)
 
 
 def _sharded(local: torch.Tensor, size: tuple[int, ...], comm):
