@@ -134,6 +134,38 @@ def test_megatron_overlap_of_the_dp_reduction_by_hand():
     assert overlapped_dp_exposed(1.0, 0.0, 400e6, [2.0], [4.0], 4) == pytest.approx(0.1)
 
 
+def test_megatron_lm_chained_parameter_gather_by_hand():
+    from commpipe.plan.zero_costs import overlapped_dp_exposed
+
+    # Megatron-LM at f2e5db4 chains the buckets' all-gathers: each chunk's 0.3 s gather (5 buckets
+    # of 40M) hides only behind its own first forward, bucket by bucket: the step's first bucket
+    # (0.3 x 0.2 = 0.06) plus, per chunk, 0.8 x max(0, 0.3 - forward); the reduction as before
+    # short forwards (0.01): 0.06 + 2 x 0.8 x 0.29 = 0.524, + 0.90 reduction
+    assert overlapped_dp_exposed(1.0, 0.6, 400e6, [0.01, 0.01], [0.02, 0.02], 4, chained=True) == \
+        pytest.approx(1.424)
+    # forwards of 0.1 s: launched a chunk ahead (Megatron-Core 0.9+), chunk 1's gather hides behind
+    # the 4 forwards of chunk 0 and only chunk 0's 0.3 - 0.1 shows; chained, both chunks show 0.8 x
+    # 0.2 after the first bucket: 0.06 + 0.32 = 0.38 (reduction 0.1: the last bucket)
+    assert overlapped_dp_exposed(1.0, 0.6, 400e6, [0.1, 0.1], [1.0, 1.0], 4) == pytest.approx(0.3)
+    assert overlapped_dp_exposed(1.0, 0.6, 400e6, [0.1, 0.1], [1.0, 1.0], 4, chained=True) == \
+        pytest.approx(0.48)
+    # long forwards hide every bucket but the first either way
+    assert overlapped_dp_exposed(1.0, 0.6, 400e6, [0.5, 0.5], [1.0, 1.0], 4, chained=True) == \
+        pytest.approx(0.16)
+    assert framework_job_fields("megatron-lm", "bf16")["param_gather_chained"] is True
+    assert "param_gather_chained" not in framework_job_fields("megatron", "bf16")
+    # and the job's flag reaches the step: ZeRO-1 over 8 H100, 256-token micro-batches whose
+    # forward is shorter than the 126,362,624 parameters' gather
+    h100, params = resolve_gpu("h100"), 126_362_624
+    cluster, lay, eff = default_cluster(h100, 8, 8), Layout(dp=8, zero=1), Efficiency()
+    red, ag = cluster.reduce_scatter(4 * params, 8, 1), cluster.all_gather(2 * params, 8, 1)
+    for chained in (False, True):
+        c = stage_costs(SPEC, lay, Job(8, 256, grad_fp32=True, param_gather_chained=chained), cluster, eff)
+        assert c.f[0] < ag / 2
+        assert c.dp_exposed[0] == pytest.approx(
+            overlapped_dp_exposed(red, ag, params, c.f, c.b, 1, chained=chained), rel=1e-9)
+
+
 def test_op_sac_counts_the_replayed_matmuls_as_executed_flops():
     from commpipe.models.spec import flops_per_token
     from commpipe.plan.estimate import hardware_flops_per_token

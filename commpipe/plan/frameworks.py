@@ -38,14 +38,15 @@ FRAMEWORKS: dict[str, Framework] = {
     # Megatron-LM's own training script (pretrain_gpt.py, github.com/NVIDIA/Megatron-LM@f2e5db4,
     # the commit of its README's scaling table) with the overlaps that README names
     # (--tp-comm-overlap --overlap-grad-reduce --overlap-param-gather), otherwise its defaults: the
-    # unfused vocab-parallel cross-entropy (--cross-entropy-loss-fusion is opt-in), bf16 weights
+    # unfused vocab-parallel cross-entropy (--cross-entropy-loss-fusion is opt-in), the
+    # distributed optimizer's bucket all-gathers chained (no --delay-param-gather), bf16 weights
     # under FP8 (no FP8 parameter gather at that commit), fp32 gradient accumulation and reduction
     # (validate_args forces it under --bf16, which FP8 runs also pass), TE's ring (p2p) context
     # parallelism.
     "megatron-lm": Framework("megatron-lm", "Megatron-LM@f2e5db4 (July 2024), its README's overlaps",
                              {"tp_overlap": True, "fp8_params": False, "cp_comm": "ring",
                               "eager_ops": False, "fsdp_copies": False, "fused_swiglu": True,
-                              "ce_kernel": "megatron-unfused"},
+                              "ce_kernel": "megatron-unfused", "param_gather_chained": True},
                              fp8_grad_fp32=True),
     # NeMo 24.07 (NeMo-Framework-Launcher@24.07 training configs and NeMo's performance scripts):
     # tp_comm_overlap=True; fp8_params not set, so cfg.get('fp8_params', False) in

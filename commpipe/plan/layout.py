@@ -100,6 +100,10 @@ class Job:
     #                             gradients into, flat NCCL buffers on the compute stream (kernels.py)
     expert_imbalance: float = 1.25  # MoE: token copies routed to the busiest EP rank over the
     #                             mean (Switch Transformer's capacity factor; plan/moe.py)
+    param_gather_chained: bool = False  # Megatron-LM before Megatron-Core 0.9: the distributed
+    #                             optimizer's bucket all-gathers chained, each launched when the
+    #                             previous one is waited on (zero_costs.py); False: a chunk's
+    #                             gather launched a chunk ahead (Megatron-Core 0.9 and later)
     ce_kernel: str = "fused"    # the head's cross-entropy kernels: "fused" (one pass, ~10 bytes
     #                             per logit each way) or "megatron-unfused" (Megatron-LM without
     #                             --cross-entropy-loss-fusion, counted op by op; kernels.py)

@@ -65,19 +65,30 @@ def fsdp_copies(spec: ModelSpec, layout: Layout, job: Job, hbm: float) -> tuple[
 # in an interleaved pipeline every chunk has its own buffers and its reduction starts when that
 # chunk's last backward ends (the schedule's grad_sync_func per chunk). With
 # --overlap-param-gather the distributed optimizer's parameter all-gather runs in the next step's
-# forward, each bucket waited for by the forward pre-hook of its first layer.
+# forward, each bucket waited for by the forward pre-hook of its first layer. Megatron-Core 0.9 and
+# later launch a chunk's whole gather one chunk ahead (the schedule's param_sync_func per chunk);
+# Megatron-LM before it (f2e5db4, the README's scaling runs; without --delay-param-gather) chains
+# the buckets: the first at the end of the step (zero_grad), each next one only when the forward
+# pre-hook has waited on the one before (distrib_optimizer.py, _finish_param_sync_helper: so that
+# communication kernels do not block compute under CUDA_DEVICE_MAX_CONNECTIONS=1), across every
+# chunk's buckets in order (`Job.param_gather_chained`).
 BUCKET_PARAMS = 40e6
 
 
 def overlapped_dp_exposed(reduce_s: float, gather_s: float, params: float, f: list[float],
-                          b: list[float], pp: int) -> float:
+                          b: list[float], pp: int, chained: bool = False) -> float:
     """Exposed seconds per step of one pipeline rank's data-parallel traffic under Megatron's
     overlap (comment above). `f`, `b`: one micro-batch's forward and backward per chunk of the
     rank, in stage order. The rank's last backward is its first chunk's; before it the cooldown
     runs pp backwards of that chunk (interleaved 1F1B), which hide the other chunks' reductions;
     the first chunk's own reduction hides behind its last backward except the last bucket. The
     all-gather mirrors this in the forward: the first chunk's behind its first forward except
-    the first bucket, the others behind the pp forwards of the first chunk that precede them."""
+    the first bucket, the others behind the pp forwards of the first chunk that precede them.
+    `chained` (Megatron-LM before Megatron-Core 0.9, comment above): a bucket's gather hides only
+    behind the previous bucket's layers, so in each chunk's first forward (1 - bucket) of
+    max(0, gather - forward) shows, plus the step's first bucket; a later chunk's first bucket is
+    launched when the previous chunk's last one is waited on and hides behind the forwards
+    between."""
     v = len(b)
     share = 1.0 / v
     bucket = min(1.0, BUCKET_PARAMS / max(params * share, 1.0))
@@ -85,7 +96,12 @@ def overlapped_dp_exposed(reduce_s: float, gather_s: float, params: float, f: li
     hide_b = (v - 1) * pp * b[0]
     hide_f = (v - 1) * pp * f[0]
     red = max(0.0, reduce_s - red0 - hide_b) + max(red0 - b[0], red0 * bucket)
-    gat = max(0.0, gather_s - gat0 - hide_f) + max(gat0 - f[0], gat0 * bucket) if gather_s else 0.0
+    if not gather_s:
+        gat = 0.0
+    elif chained:
+        gat = gat0 * bucket + sum(max(0.0, gat0 - fk) * (1 - bucket) for fk in f)
+    else:
+        gat = max(0.0, gather_s - gat0 - hide_f) + max(gat0 - f[0], gat0 * bucket)
     return red + gat
 
 
@@ -113,7 +129,7 @@ def dp_cost(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster, f: list
         # Megatron during the next step's forward
         later = job.runtime == "commpipe"
         exposed = overlapped_dp_exposed(red, 0.0 if later else ag, params, [f[s] for s in mine],
-                                        [b[s] for s in mine], layout.pp)
+                                        [b[s] for s in mine], layout.pp, job.param_gather_chained)
         return red + ag, exposed + (ag if later else 0.0)
     window = sum(b[s] for s in mine) if job.dp_overlap else 0.0
     # the last bucket can never hide: Megatron's default bucket is 40M parameters
