@@ -18,7 +18,8 @@ With overlap, the column-parallel Linears behind each entry stash their weight-g
 in that entry's `TPRegion`, run while the input-gradient collective travels (functional.py).
 With sequence parallelism and `forward_overlap`, the entry hook also computes those Linears
 itself, their GEMMs over the rank's own rows beside the all-gather (`gather_seq_columns`); each
-Linear then returns the output computed for it (`_serve_ready`).
+Linear (a `DeferrableLinear`, commpipe.parallel.weight_grad) then returns the output computed
+for it (its `ready`).
 Sharded parameters' placement (commpipe.parallel.placement) names `tp_dim`, the dimension split
 across TP ranks, which checkpoints and the equivalence tests use to reassemble full tensors.
 """
@@ -170,22 +171,6 @@ class TPLayer:
                 m._tp_by_units = on
 
 
-def _serve_ready(linear: nn.Linear) -> None:
-    """Let `linear` return the output its entry hook computed for this very input (set as
-    `_tp_ready = (input, output)`), once; any other input is computed as before."""
-    inner = linear.forward
-    linear._tp_ready = None
-
-    def forward(x):
-        ready = linear._tp_ready
-        if ready is not None and ready[0] is x:
-            linear._tp_ready = None
-            return ready[1]
-        return inner(x)
-
-    linear.forward = forward
-
-
 def apply_tp(model: Transformer, comm: Comm, sequence_parallel: bool = False,
              overlap: bool = False, forward_overlap: bool = False) -> Transformer:
     """Shard `model` in place across comm's TP group; a no-op when tp=1. `overlap`: the
@@ -199,13 +184,9 @@ def apply_tp(model: Transformer, comm: Comm, sequence_parallel: bool = False,
         column-parallel Linears stash their weight-gradient GEMMs in."""
         region = TPRegion() if overlap else None
         for linear in columns:
-            route_linear(linear)
-            linear._wg_region = region
+            route_linear(linear).wg_region = region
         enter = gather_seq if sequence_parallel else copy_to
         chunked = sequence_parallel and forward_overlap
-        if chunked:
-            for linear in columns:
-                _serve_ready(linear)
 
         def pre(mod, args):
             if mod._tp_by_units:     # the unit-by-unit runtime issues it (runtime/units.py)
@@ -213,7 +194,7 @@ def apply_tp(model: Transformer, comm: Comm, sequence_parallel: bool = False,
             if chunked:              # gathered input, and the column outputs computed beside it
                 x, outs = gather_seq_columns(args[0], comm, "tp", region, columns)
                 for linear, y in zip(columns, outs):
-                    linear._tp_ready = (x, y)
+                    linear.ready = (x, y)      # DeferrableLinear.forward returns it
                 return (x, *args[1:])
             return (enter(args[0], comm, "tp", region), *args[1:])
 

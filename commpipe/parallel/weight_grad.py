@@ -68,12 +68,12 @@ def _ready(p: nn.Parameter) -> None:
         ready(p)
 
 
-def _stash_of(owner: nn.Module) -> list | None:
-    """Where `owner`'s weight-gradient work goes at backward time: `_wg_store` deferring (an I
-    action) -> stashed for the W action; else `_wg_region` (a tensor-parallel region with
+def _stash_of(owner: DeferrableLinear) -> list | None:
+    """Where `owner`'s weight-gradient work goes at backward time: its `wg_store` deferring (an
+    I action) -> stashed for the W action; else its `wg_region` (a tensor-parallel region with
     overlap on) -> stashed until that region's input-gradient collective is in flight
     (commpipe.parallel.functional); else None, computed now."""
-    store, region = owner._wg_store, owner._wg_region
+    store, region = owner.wg_store, owner.wg_region
     return store.pending if store is not None and store.deferring else \
         region.pending if region is not None else None
 
@@ -147,22 +147,47 @@ class _BiasAdd(torch.autograd.Function):
         return grad_out, grad_out.reshape(-1, grad_out.shape[-1]).sum(0).to(bias.dtype), None
 
 
-def route_linear(m: nn.Linear, reduce=None) -> None:
-    """Send a Linear through `_Linear` (idempotent); its routes start empty. With `reduce` (a
-    row-parallel all-reduce), y = reduce(x W^T) + b, the bias added after the reduction by
-    `_BiasAdd`."""
-    if getattr(m, "_wg_routed", False):
-        return
-    m._wg_store, m._wg_region, m._wg_routed = None, None, True
-    if reduce is None:
-        m.forward = (lambda mod: lambda x: _Linear.apply(x, mod.weight, mod.bias, mod))(m)
-        return
+class DeferrableLinear(nn.Linear):
+    """A model's nn.Linear run through `_Linear`, so its weight (and bias) gradients can be
+    deferred to a W action or stashed behind a TP collective. `route_linear` makes one from the
+    model's own Linear by changing its class in place (as FSDP2's `fully_shard` does), so its
+    parameters, hooks and state-dict names stay the model's.
 
-    def forward(x, mod=m):
-        y = reduce(_Linear.apply(x, mod.weight, None, mod))
-        return y if mod.bias is None else _BiasAdd.apply(y, mod.bias, mod)
+      wg_store   the stage's WeightGradStore (zero-bubble schedules): deferring during I actions
+      wg_region  the TP region (commpipe.parallel.functional.TPRegion) whose input-gradient
+                 collective its weight-gradient GEMMs run beside, with TP overlap on
+      reduce     a row-parallel reduction of x W^T, before the bias (`_BiasAdd`); None: none
+      ready      (input, output) computed for this Linear by its TP entry hook beside the
+                 sequence-parallel all-gather (commpipe.parallel.tensor): returned, once, for
+                 that very input
+    """
 
-    m.forward = forward
+    wg_store: WeightGradStore | None = None
+    wg_region: object = None
+    reduce: object = None
+    ready: tuple | None = None
+
+    def forward(self, x):
+        ready = self.ready
+        if ready is not None and ready[0] is x:
+            self.ready = None
+            return ready[1]
+        if self.reduce is None:
+            return _Linear.apply(x, self.weight, self.bias, self)
+        y = self.reduce(_Linear.apply(x, self.weight, None, self))
+        return y if self.bias is None else _BiasAdd.apply(y, self.bias, self)
+
+
+def route_linear(m: nn.Linear, reduce=None) -> DeferrableLinear:
+    """Make `m` a `DeferrableLinear` in place (idempotent: a routed Linear keeps its reduce);
+    its routes start empty. With `reduce` (a row-parallel all-reduce), y = reduce(x W^T) + b."""
+    if isinstance(m, DeferrableLinear):
+        return m
+    if type(m) is not nn.Linear:
+        raise TypeError(f"route_linear takes a plain nn.Linear, got {type(m).__name__}")
+    m.__class__ = DeferrableLinear
+    m.reduce = reduce
+    return m
 
 
 def enable_weight_grad_split(module: nn.Module, store: WeightGradStore) -> None:
@@ -170,5 +195,4 @@ def enable_weight_grad_split(module: nn.Module, store: WeightGradStore) -> None:
     functions."""
     for m in module.modules():
         if isinstance(m, nn.Linear):
-            route_linear(m)
-            m._wg_store = store
+            route_linear(m).wg_store = store
