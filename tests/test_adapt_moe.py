@@ -291,3 +291,27 @@ def test_a_switch_that_misplaces_the_experts_is_caught(four_ranks):
     planted, static = four_ranks[0]["planted"], four_ranks[0]["static"][0]
     with pytest.raises(AssertionError):
         _close(planted, static, "planted")
+
+
+def test_rebalances_of_an_ep_run_share_micro_batches_between_ep_groups():
+    # ep2 x dp4: replicas (0, 1) and (2, 3) are two EP groups; rank 3 at three times the
+    # compute. Each group runs one count (check_ep_blocks), the slow group fewer, the total kept
+    from commpipe.adapt.candidates import candidates, rebalances
+    from commpipe.adapt.model import CostModel
+    from commpipe.train.dp_split import check_ep_blocks
+
+    cur = Plan(1, 1, 1, 4, (4,), "1f1b", 2, 1, ep=2)
+    cfg = cur.apply(_cfg(cur))
+    measured = _measured(cur)
+    measured.rank_busy[3] *= 3.0
+    model = CostModel(cfg.spec, cfg.seq_len, 4, 4, measured)
+    found = rebalances(cur, model)
+    assert found
+    for plan in found:
+        c = plan.dp_microbatches or (cur.microbatches,) * 4
+        check_ep_blocks(c, 2)
+        assert sum(c) == 8 and c[0] == c[1] and c[2] == c[3]
+    assert any(p.dp_microbatches and p.dp_microbatches[2] < p.dp_microbatches[0] for p in found)
+    everything = candidates(cur, model, cfg.spec, cfg.seq_len, cfg.global_batch, 4, 4,
+                            AdaptConfig(rebalance=True))
+    assert any(p.dp_microbatches for p in everything)

@@ -34,8 +34,13 @@ def _feasible(plan: Plan, spec: ModelSpec, seq_len: int, global_batch: int) -> b
     if routed_spec(spec) is not None:
         from commpipe.train.moe import layout_problem
 
-        # no rebalancing of expert-parallel runs: commpipe.train.moe restricts their DP shares
-        if layout_problem(spec, dims, plan.ep) or (plan.ep > 1 and plan.dp_microbatches):
+        from commpipe.train.dp_split import check_ep_blocks
+
+        if layout_problem(spec, dims, plan.ep):
+            return False
+        try:                    # an EP group's replicas run one count (rebalances keeps to it)
+            check_ep_blocks(plan.dp_microbatches, plan.ep)
+        except ValueError:
             return False
     try:
         dims.check_model(spec, seq_len, list(plan.stage_layers))
@@ -102,20 +107,27 @@ def proportional(total: int, speeds: list[float], least: int = 1) -> tuple[int, 
 def rebalances(cur: Plan, model: CostModel) -> list[Plan]:
     """Micro-batches per DP replica in proportion to each replica's measured speed (its slowest
     rank), every one-micro-batch move from there between two replicas, and the even split;
-    counts the schedule cannot run are left out (the model prices the rest)."""
-    if cur.dp < 2:
+    counts the schedule cannot run are left out (the model prices the rest). Under expert
+    parallelism the ep consecutive replicas of an EP group run one count (their all-to-alls pair
+    up micro-batch by micro-batch: commpipe.train.dp_split.check_ep_blocks), so the shares go to
+    the groups, each at its slowest replica's speed."""
+    ep = cur.ep if cur.ep > 1 else 1
+    groups = cur.dp // ep
+    if groups < 2:
         return []
-    total = cur.microbatches * cur.dp
+    total = cur.microbatches * cur.dp // ep          # per group: each of its replicas runs it
     least = info(cur.schedule).min_m(cur.pp)
-    speeds = [1.0 / model.replica_slowdown(cur, d) for d in range(cur.dp)]
+    speeds = [min(1.0 / model.replica_slowdown(cur, d) for d in range(g * ep, (g + 1) * ep))
+              for g in range(groups)]
     base = proportional(total, speeds, least)
-    found = {base, (cur.microbatches,) * cur.dp}
-    for a in range(cur.dp):
-        for b in range(cur.dp):
+    found = {base, (cur.microbatches,) * groups}
+    for a in range(groups):
+        for b in range(groups):
             if a != b:
                 moved = list(base)
                 moved[a], moved[b] = moved[a] - 1, moved[b] + 1
                 found.add(tuple(moved))
+    found = {tuple(c for c in counts for _ in range(ep)) for counts in found}
     out = []
     for counts in sorted(found):
         if any(info(cur.schedule).m_problem(cur.pp, c) for c in counts):
