@@ -9,7 +9,9 @@ root and iproute2), the tiny 4-layer LLaMA of `commpipe demo --adaptive`, 50 ste
 from step 12 (30 steps for the healthy and transient runs, three runs each). Faults use
 the mechanisms commpipe already has: a link changes rate while the run trains
 (`EmulatedCluster.set_rate` at step boundaries, commpipe.adapt.demo.RateDriver) and a rank's
-compute is stretched by the `--slow-rank RANK:FACTOR@STEP` drill. Each scenario runs
+compute is stretched by the `--slow-rank RANK:FACTOR@STEP` drill. The degraded link rates are
+aimed at a static dp2 step of ~1.3x, ~2x and ~5x the healthy one from a 12-step healthy run on
+this host first (`aimed_rates`; `--fixed-rates` keeps 80, 40 and 12 Mbit/s). Each scenario runs
 
     adaptive   the scenario with --adapt
     static     the same scenario, controller off (same seed: same losses)
@@ -33,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -49,10 +52,30 @@ ONSET = 12           # first step under a lasting fault
 NODE = 1             # the node whose link is throttled
 TRAIN = {"model": MODEL, "seq_len": 32, "global_batch": 8, "seed": 0, "log_every": 10}
 DP2, PP2 = {"dp": 2}, {"pp": 2, "schedule": "1f1b"}
-# link rates (Mbit/s): the healthy link, as in the demo, and the degraded ones aimed at a static
-# dp2 step ~1.3x, ~2x and ~5x of the healthy one on this host (each run reports the severity it
+# link rates (Mbit/s): the healthy link, as in the demo, and the degraded ones for a static dp2
+# step ~1.3x, ~2x and ~5x of the healthy one: aimed on this host before the scenarios run
+# (`aimed_rates`), or these fixed ones with --fixed-rates (each run reports the severity it
 # measured: a loaded host moves it)
-FAST, RATE_13, RATE_2, RATE_5 = 1000.0, 80.0, 40.0, 12.0
+FAST = 1000.0
+FIXED_RATES = {1.3: 80.0, 2.0: 40.0, 5.0: 12.0}
+
+
+def gradient_bits() -> float:
+    """Bits the dp2 gradient all-reduce sends each way over the inter-node link per step: every
+    fp32 gradient once (a ring of two ranks: reduce-scatter half, all-gather half)."""
+    from commpipe.models.family import family_for_model
+
+    family = family_for_model(MODEL)
+    return 32.0 * family.param_count(family.resolve(MODEL), TRAIN["seq_len"])
+
+
+def aimed_rates(healthy_s: float, bits: float, targets=tuple(FIXED_RATES)) -> dict[float, float]:
+    """Inter-node rates (Mbit/s) for a static dp2 step k x the healthy one: the step is the rest
+    of its work plus the gradient all-reduce's bits over the link, T(r) = T_c + bits / r, where
+    the healthy step gives T_c = T_h - bits / FAST; so r = bits / (k T_h - T_c). The bucketed
+    all-reduce overlaps part of the backward, so the measured severity can fall short of k."""
+    rest = healthy_s - bits / (FAST * 1e6)
+    return {k: bits / (k * healthy_s - rest) / 1e6 for k in targets}
 
 
 @dataclass
@@ -70,10 +93,11 @@ class Case:
     skip: str = ""                              # why the scenario cannot be run here
 
 
-def cases() -> list[Case]:
+def cases(rates: dict[float, float] = FIXED_RATES) -> list[Case]:
     """The scenarios, the issue's list in the order the suite runs them: the goals' scenarios
-    first, so an interrupted run has measured those."""
+    first, so an interrupted run has measured those. `rates`: Mbit/s per aimed severity."""
     lasting = (ONSET, None)
+    RATE_13, RATE_2, RATE_5 = (round(rates[k], 1) for k in (1.3, 2.0, 5.0))
 
     def link(name, what, mbit):
         return Case(name, what, DP2, [(ONSET, mbit)], lasting=lasting,
@@ -257,6 +281,9 @@ def main(argv=None) -> int:
                    help="comma-separated subset of: " + ",".join(all_cases))
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    p.add_argument("--fixed-rates", action="store_true",
+                   help=f"degrade links to {', '.join(f'{v:g}' for v in FIXED_RATES.values())} "
+                        "Mbit/s instead of rates aimed at this host's healthy step")
     args = p.parse_args(argv)
     if args.list:
         for c in all_cases.values():
@@ -277,6 +304,15 @@ def main(argv=None) -> int:
     with EmulatedCluster(nodes=2, ranks_per_node=1, inter_node_mbit=FAST,
                          prefix="cpsuite") as cluster:
         bench = Bench(cluster, out)
+        rates = dict(FIXED_RATES)
+        if not args.fixed_rates:
+            probe = Case("calibrate", "dp2, healthy, to aim the link rates", DP2, steps=12)
+            steps = [r["step_time_s"] for r in bench.train(probe, out / "calibrate", False)["rows"][1:]]
+            rates = aimed_rates(statistics.median(steps), gradient_bits())
+            print(f"healthy dp2 step {statistics.median(steps) * 1e3:.0f} ms; link rates aimed at "
+                  + ", ".join(f"{k:g}x: {v:.0f} Mbit/s" for k, v in rates.items()), flush=True)
+            all_cases = {c.name: c for c in cases(rates)}
+        start["rates_mbit"] = rates
         for name in names:
             case = all_cases[name]
             if case.skip:
@@ -296,7 +332,7 @@ def main(argv=None) -> int:
 
 def write_json(path, start: dict, t0: float, results: list, scenarios: list) -> dict:
     machine = {"start": start, "end_load_avg": os.getloadavg(), "elapsed_s": time.monotonic() - t0,
-               "rates_mbit": [FAST, RATE_13, RATE_2, RATE_5], "steps": STEPS, "onset": ONSET}
+               "healthy_mbit": FAST, "steps": STEPS, "onset": ONSET}
     if path:
         Path(path).write_text(json.dumps({"machine": machine, "results": results,
                                           "scenarios": [asdict(c) for c in scenarios]},
