@@ -32,9 +32,8 @@ def _feasible(plan: Plan, spec: ModelSpec, seq_len: int, global_batch: int) -> b
     if plan.ep not in ep_choices(spec, plan.dp * plan.cp):
         return False
     if routed_spec(spec) is not None:
-        from commpipe.train.moe import layout_problem
-
         from commpipe.train.dp_split import check_ep_blocks
+        from commpipe.train.moe import layout_problem
 
         if layout_problem(spec, dims, plan.ep):
             return False
