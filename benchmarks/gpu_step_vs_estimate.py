@@ -204,13 +204,12 @@ def main(argv=None) -> None:
         tflops = got["flops"] / med / 1e12
         iv = est.get("interval")                # in TFLOP/s -> step time (none on --gpu cpu)
         scale = est["step_time_s"] * est["tflops_per_gpu"] * 1e3
-        low_ms = scale / iv["tflops_per_gpu_high"] if iv else float("nan")
-        high_ms = scale / iv["tflops_per_gpu_low"] if iv else float("nan")
+        interval = [scale / iv["tflops_per_gpu_high"], scale / iv["tflops_per_gpu_low"]] if iv else None
         err = est["step_time_s"] / med - 1
         mfu = tflops / est["tflops_per_gpu"] * est["mfu"] if est["mfu"] else float("nan")
         row = {"mbs": mbs, "measured_ms": med * 1e3,
                "min_ms": min(got["times"]) * 1e3, "max_ms": max(got["times"]) * 1e3,
-               "estimate_ms": est["step_time_s"] * 1e3, "interval_ms": [low_ms, high_ms],
+               "estimate_ms": est["step_time_s"] * 1e3, "interval_ms": interval,
                "error": err, "measured_tflops": tflops, "measured_mfu": mfu,
                "peak_gb": got["peak_gb"], "reserved_gb": got["reserved_gb"],
                "plan_gb": est["memory_gb_per_gpu"] * GIB / 1e9,
@@ -219,8 +218,9 @@ def main(argv=None) -> None:
                "breakdown_s": est["breakdown_s"], "kernel_busy": got["kernel_busy"]}
         rows.append(row)
         peak = f"{got['peak_gb']:9.1f}" if got["peak_gb"] is not None else f"{'-':>9}"
+        span = f"{interval[0]:7.1f}-{interval[1]:<7.1f}" if interval else f"{'-':^15}"
         print(f"{mbs:>4} {med * 1e3:12.1f} {row['min_ms']:6.1f}-{row['max_ms']:<6.1f} "
-              f"{row['estimate_ms']:12.1f} {low_ms:7.1f}-{high_ms:<7.1f} {err:+7.1%} "
+              f"{row['estimate_ms']:12.1f} {span} {err:+7.1%} "
               f"{tflops:8.1f} {mfu:6.1%} {peak} {row['plan_tensors_gb']:8.1f}", flush=True)
         if got["reserved_gb"] is not None:
             print(f"     memory: {got['reserved_gb']:.1f} GB reserved by the allocator, "
@@ -231,9 +231,10 @@ def main(argv=None) -> None:
         if got["kernel_busy"] is not None:
             print(f"     traced step: GPU kernels busy {got['kernel_busy']:.0%} of its wall time")
     errs = [abs(r["error"]) for r in rows]
-    print(f"median |error| {statistics.median(errs):.1%}; inside the 80% interval: "
-          f"{sum(r['interval_ms'][0] <= r['measured_ms'] <= r['interval_ms'][1] for r in rows)}"
-          f"/{len(rows)}")
+    spans = [r for r in rows if r["interval_ms"]]
+    inside = (f"{sum(r['interval_ms'][0] <= r['measured_ms'] <= r['interval_ms'][1] for r in spans)}"
+              f"/{len(spans)}" if spans else "- (no interval for --gpu cpu)")
+    print(f"median |error| {statistics.median(errs):.1%}; inside the 80% interval: {inside}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": name, "gpu": args.gpu, "torch": torch.__version__,
