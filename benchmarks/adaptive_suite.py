@@ -305,11 +305,12 @@ def main(argv=None) -> int:
                          prefix="cpsuite") as cluster:
         bench = Bench(cluster, out)
         rates = dict(FIXED_RATES)
-        if not args.fixed_rates:
+        if not args.fixed_rates and any(all_cases[n].link for n in names):
             probe = Case("calibrate", "dp2, healthy, to aim the link rates", DP2, steps=12)
             steps = [r["step_time_s"] for r in bench.train(probe, out / "calibrate", False)["rows"][1:]]
-            rates = aimed_rates(statistics.median(steps), gradient_bits())
-            print(f"healthy dp2 step {statistics.median(steps) * 1e3:.0f} ms; link rates aimed at "
+            healthy = statistics.median(steps)
+            rates = aimed_rates(healthy, gradient_bits())
+            print(f"healthy dp2 step {healthy * 1e3:.0f} ms; link rates aimed at "
                   + ", ".join(f"{k:g}x: {v:.0f} Mbit/s" for k, v in rates.items()), flush=True)
             all_cases = {c.name: c for c in cases(rates)}
         start["rates_mbit"] = rates
