@@ -110,7 +110,9 @@ class Controller:
         if self.timer not in trainer.comm.observers:
             trainer.comm.observers.append(self.timer)
         if trainer.monitor is not None:
-            trainer.monitor.exchange_every = 1    # records of step s are ready after step s
+            # the monitor's exchange rides in the controller's own gather after every step:
+            # records of step s are ready after step s, at no collective of their own
+            trainer.monitor.exchange_by_caller = True
 
     def close(self) -> None:
         if self.log is not None:
@@ -126,8 +128,13 @@ class Controller:
         c = trainer.comm.coords
         if c["dp"] == 0 and c["cp"] == 0 and c["tp"] == 0:
             self.timelines.append([e.to_dict() for e in trainer.runtime.events or ()])
+        mon = trainer.monitor
+        carried = mon.exchange_payload() if mon is not None and mon.exchange_by_caller else None
         with unmonitored(trainer):
-            summaries = trainer.comm.gather_objects(summary, "world")
+            gathered = trainer.comm.gather_objects((summary, carried), "world")
+        summaries = [s for s, _ in gathered]
+        if carried is not None:
+            mon.exchange_ingest([p for _, p in gathered])
         signals = step_signals(summaries, rec["step_time_s"] * 1e3)
         self.window.append((signals, summaries))
         if self.trials is not None:     # the slowest rank's step time: the same on every rank

@@ -2,8 +2,9 @@
 
 From the runtime's timeline of the step (`PipelineRuntime.events`, the one `--trace` records):
 compute time per action and per rank. From the monitor's records of the step
-(`Monitor.last_records`, written per step when the controller runs): per-link point-to-point
-transfer time and bandwidth with their link class, and collective transfer times. Fields are
+before (`Monitor.last_records`: the monitor's exchange of step s rides in the controller's gather
+after step s, so a rank's summary of step s carries the records of step s - 1): per-link
+point-to-point transfer time and bandwidth with their link class, and collective transfer times. Fields are
 read defensively: a record without timing (nothing sampled that step) gives no observation.
 """
 
@@ -64,8 +65,8 @@ def rank_summary(trainer, step: int, ranks_per_node: int, timer: CollectiveTimer
             compute.setdefault(op, []).append(e.dur_ms)
     links, colls = {}, {}
     records = getattr(trainer.monitor, "last_records", None) or []
-    for r in records:
-        if r.get("step") != step or r.get("transfer_ms") is None:
+    for r in records:   # step - 1's: exchanged in the gather this summary goes out in
+        if r.get("step") != step - 1 or r.get("transfer_ms") is None:
             continue
         if r.get("op") == P2P_RECV and r.get("peer") is not None:
             calls = max(r.get("sampled") or r.get("calls") or 1, 1)

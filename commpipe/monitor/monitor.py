@@ -111,6 +111,10 @@ class Monitor:
         # close): records stay per step, written in batches, and the one collective the
         # monitor adds to training is paid once per batch instead of once per step
         self.exchange_every = exchange_every
+        # True: a caller that gathers over the world after every step anyway (the adaptive
+        # controller) carries `exchange_payload()` in its gather and hands the result to
+        # `exchange_ingest`, so the exchange costs no collective of its own (every step)
+        self.exchange_by_caller = False
         self._closings: list = []             # (step, counts) of steps not yet exchanged
         self._streams: dict = {}              # (dim, op, peer, group) -> _Stream
         self._samplers: dict = {}             # (dim, op, peer, group, size class) -> _Sampler
@@ -288,7 +292,7 @@ class Monitor:
         self._finished = []
         self._next_step = step + 1
         self._closings.append((step, counts))
-        if (step + 1) % self.exchange_every == 0:
+        if not self.exchange_by_caller and (step + 1) % self.exchange_every == 0:
             self._exchange(force=False)
         if (step + 1) % self.resync_every == 0:
             self._sync_clock()
@@ -318,6 +322,11 @@ class Monitor:
         return None
 
     def _exchange(self, force: bool) -> None:
+        self.exchange_ingest(self.comm.gather_objects(self.exchange_payload(force), "world"), force)
+
+    def exchange_payload(self, force: bool = False) -> tuple:
+        """This rank's part of an exchange (picklable): every rank's goes to `exchange_ingest`
+        on every rank, in rank order."""
         off = self.offset
         samples, still = [], []
         for t in self._unresolved:
@@ -346,8 +355,13 @@ class Monitor:
         closings, self._closings = self._closings, []
         step = self._next_step - 1
         mark = (min(t.step for t in still) - 1) if still else (float("inf") if force else step)
-        payload = (self.rank, closings, samples, posts, mark)
-        for r, closed, r_samples, r_posts, r_mark in self.comm.gather_objects(payload, "world"):
+        return (self.rank, closings, samples, posts, mark)
+
+    def exchange_ingest(self, payloads: list, force: bool = False) -> None:
+        """Match every rank's `exchange_payload` (all of them, rank order) and write the
+        records that are complete; `last_records` then holds this rank's latest step's."""
+        step = self._next_step - 1
+        for r, closed, r_samples, r_posts, r_mark in payloads:
             self._ingest(r, closed, r_samples, r_posts, r_mark, step)
         self._finalize(step, force)
 
