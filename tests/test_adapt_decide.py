@@ -48,7 +48,7 @@ def _measured(slow: float = 1.0, plan: Plan = CUR):
     t0, t1 = 2 * BLOCK * C, (2 * BLOCK + HEAD) * C * slow
     costs = CostTable(f=[t0 / 3, t1 / 3], b=[2 * t0 / 3, 2 * t1 / 3])
     return Measured(plan, costs, host_ms=0.0, step_ms=t0 + 8 * t1 + OTHER_MS,
-                    rank_busy={0: 8 * t0, 1: 8 * t1})
+                    rank_busy={0: 8 * t0, 1: 8 * t1}, rebuild_s=0.3)   # the run's own build
 
 
 def _decide(measured, steps_left=1000, free_gb=None, **acfg) -> Decision:
@@ -159,6 +159,32 @@ def test_a_healthy_balanced_run_stays_put():
     assert d.action == "stay" and "below the minimum" in d.reason
     assert d.candidates_admitted == 0 and d.candidates_considered == 10
     assert d.predicted_best_ms >= d.predicted_current_ms
+
+
+def test_the_rebuild_allowance_is_the_runs_own_build_time_unless_configured():
+    """Before a switch of a kind was measured, its rebuild is priced at what this run took to
+    build its stages (Measured.rebuild_s, from Trainer.build_s), plus its process groups'
+    creation (groups_s) when the layout changes; a configured allowance overrides it."""
+    from dataclasses import replace
+
+    from commpipe.adapt.evaluate import switch_cost
+    from commpipe.adapt.model import CostModel
+
+    spec = _cfg().spec
+    m = replace(_measured(slow=3.0), rebuild_s=0.02, groups_s=0.5)
+    model = CostModel(spec, 16, 2, 2, m)
+    resplit = Plan(1, 1, 2, 1, (3, 1), "1f1b", 8, 1)
+    reshard = Plan(1, 1, 1, 2, (4,), "1f1b", 4, 1)
+    assert CUR.kind_of_switch(resplit) == "resplit" and CUR.kind_of_switch(reshard) == "reshard"
+    moved = {k: switch_cost(CUR, p, model, spec, AdaptConfig(), {}) for k, p in
+             (("resplit", resplit), ("reshard", reshard))}
+    fixed = switch_cost(CUR, resplit, model, spec, AdaptConfig(resplit_base_s=0.3), {})
+    assert fixed - moved["resplit"] == pytest.approx(0.3 - 0.02)
+    # the new layout pays the groups too (and moves more state than the re-split)
+    assert moved["reshard"] > 0.02 + 0.5
+    assert AdaptConfig().base_switch_s("reshard", 0.02, 0.5) == pytest.approx(0.52)
+    assert AdaptConfig().base_switch_s("rebatch", 0.02, 0.5) == pytest.approx(0.02)
+    assert AdaptConfig(reshard_base_s=1.0).base_switch_s("replace", 0.02, 0.5) == 1.0
 
 
 def test_a_switch_that_cannot_pay_back_in_the_steps_left_is_refused():

@@ -86,7 +86,7 @@ def _two_nodes(plan, inter_gbps, extra_ms=0.0, load=1.0, reference=None):
                     t0 + 4 * t1 + AR / (inter_gbps * 1e6) + OTHER_MS + extra_ms, links=links,
                     collective_gbps={"inter_node": inter_gbps},
                     rank_busy={r: 4 * (t0, t1)[dims.coords(r)["pp"]] for r in range(4)},
-                    reference=reference)
+                    reference=reference, rebuild_s=0.1, groups_s=0.9)   # the run's own build
 
 
 def _degraded(plan=DP_ACROSS):

@@ -32,10 +32,15 @@ Defaults and why:
                   a link's time comes from a few sampled calls per step: the detector sees the
                   median of its last 3 values (collectives are timed on every large call and
                   compute on every action, so they are not smoothed).
-  rebatch_base_s=0.1, rebalance_base_s=0.1, resplit_base_s=0.3, reshard_base_s=1.0
+  rebatch_base_s, rebalance_base_s, resplit_base_s, reshard_base_s (None: measured)
                   before a switch of a kind has been measured, the time to rebuild stages (and,
-                  for a new layout, process groups) on top of moving the state; measured on the
-                  tiny models on 2 CPU cores. Replaced by the measured time after the first one.
+                  for a new layout, process groups) on top of moving the state. None: this run's
+                  own, timed when it started: the seconds Trainer.build spent on its stages,
+                  runtime, reducer and optimizer (`Trainer.build_s`), plus for a new layout
+                  (reshard, replace) the seconds its process groups took (`Comm.groups_s`;
+                  NCCL creates communicators at their first collective, which the first trial
+                  step, discarded as warm-up, pays). A number overrides it. Replaced by the
+                  measured time after the first switch of that kind.
   collective_min_bytes=65536
                   collectives smaller than 64 KiB per call (a loss, a norm) measure latency, not
                   bandwidth: they are neither timed as signals nor used for the bus rate; nor
@@ -72,10 +77,10 @@ class AdaptConfig:
     relaunch: bool = False            # switch by checkpoint and relaunch instead of in memory
     trial_warmup_steps: int = 1
     link_smooth_steps: int = 3
-    rebatch_base_s: float = 0.1
-    rebalance_base_s: float = 0.1
-    resplit_base_s: float = 0.3
-    reshard_base_s: float = 1.0
+    rebatch_base_s: float | None = None
+    rebalance_base_s: float | None = None
+    resplit_base_s: float | None = None
+    reshard_base_s: float | None = None
     collective_min_bytes: int = 65536
     max_microbatches_per_stage: int = 4
     default_intra_gbps: float = 10.0
@@ -112,8 +117,8 @@ class AdaptConfig:
             raise ValueError(f"switch_cost_s {self.switch_cost_s} must be >= 0")
         if self.trial_warmup_steps < 0 or self.link_smooth_steps < 1:
             raise ValueError("trial_warmup_steps must be >= 0 and link_smooth_steps >= 1")
-        if min(self.rebatch_base_s, self.rebalance_base_s, self.resplit_base_s,
-               self.reshard_base_s) < 0:
+        if min(x for x in (self.rebatch_base_s, self.rebalance_base_s, self.resplit_base_s,
+                           self.reshard_base_s, 0.0) if x is not None) < 0:
             raise ValueError("rebatch_base_s, rebalance_base_s, resplit_base_s and "
                              "reshard_base_s must be >= 0")
         if self.max_microbatches_per_stage < 1 or self.logged_candidates < 0 \
@@ -124,11 +129,17 @@ class AdaptConfig:
             raise ValueError("default_intra_gbps and default_inter_gbps must be > 0")
         return self
 
-    def base_switch_s(self, kind: str) -> float:
-        """The allowance for rebuilding under a switch of `kind` before one was measured."""
-        return {"rebatch": self.rebatch_base_s, "rebalance": self.rebalance_base_s,
-                "resplit": self.resplit_base_s,
-                "reshard": self.reshard_base_s, "replace": self.reshard_base_s}[kind]
+    def base_switch_s(self, kind: str, build_s: float = 0.0, groups_s: float = 0.0) -> float:
+        """The allowance for rebuilding under a switch of `kind` before one was measured: the
+        configured one, else `build_s` (the run's own stage build) plus `groups_s` (its
+        process groups) where the layout changes."""
+        new_layout = kind in ("reshard", "replace")
+        fixed = {"rebatch": self.rebatch_base_s, "rebalance": self.rebalance_base_s,
+                 "resplit": self.resplit_base_s, "reshard": self.reshard_base_s,
+                 "replace": self.reshard_base_s}[kind]
+        if fixed is not None:
+            return fixed
+        return build_s + (groups_s if new_layout else 0.0)
 
 
 @dataclass(frozen=True)

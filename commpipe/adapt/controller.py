@@ -301,7 +301,8 @@ class Controller:
             collective_gbps=collective_rates(window, self.rpn, self.acfg.collective_min_bytes),
             rank_busy={r: statistics.median(v) for r, v in busy.items()},
             element_bytes=element_bytes,
-            backend="nccl" if trainer.device.type == "cuda" else "gloo")
+            backend="nccl" if trainer.device.type == "cuda" else "gloo",
+            rebuild_s=trainer.build_s, groups_s=getattr(trainer.comm, "groups_s", 0.0))
 
     def _where(self, d) -> dict:
         """The nodes and link class a link or collective detection spans."""

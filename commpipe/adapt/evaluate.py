@@ -23,19 +23,20 @@ from commpipe.models.family import layout_planned
 def switch_cost(cur: Plan, plan: Plan, model: CostModel, spec, acfg: AdaptConfig,
                 measured_cost: dict[str, float]) -> float:
     """Fixed (--adapt-switch-cost), else the last measured switch of this kind, else a
-    rebuild allowance plus the time the slowest rank takes to receive what it lacks
-    (parameters and two AdamW moments, fp32; DP replicas and TP groups already hold full copies
-    of their stages), each part over the link from its nearest holder as the model prices that
-    link (commpipe.adapt.plan.moved_s, the sender the switch uses): a re-placement moves only
-    the stages of the ranks whose role changes, inside a node where a node holds them, so a
-    degraded link between nodes does not price it."""
+    rebuild allowance (AdaptConfig.base_switch_s: this run's own build time) plus the time the
+    slowest rank takes to receive what it lacks (parameters and two AdamW moments, fp32; DP
+    replicas and TP groups already hold full copies of their stages), each part over the link
+    from its nearest holder as the model prices that link (commpipe.adapt.plan.moved_s, the
+    sender the switch uses): a re-placement moves only the stages of the ranks whose role
+    changes, inside a node where a node holds them, so a degraded link between nodes does not
+    price it."""
     kind = cur.kind_of_switch(plan)
     if acfg.switch_cost_s is not None:
         return acfg.switch_cost_s
     if kind in measured_cost:
         return measured_cost[kind]
-    return acfg.base_switch_s(kind) + moved_s(cur, plan, spec, lambda a, b: model.link(a, b)[1],
-                                              model.rpn)
+    rebuild = acfg.base_switch_s(kind, model.m.rebuild_s, model.m.groups_s)
+    return rebuild + moved_s(cur, plan, spec, lambda a, b: model.link(a, b)[1], model.rpn)
 
 
 def memory_need_gb(cfg, plan: Plan, on_cpu: bool, ranks_per_node: int) -> float:

@@ -77,6 +77,8 @@ class Measured:
     rank_busy: dict = field(default_factory=dict)  # rank -> compute ms per step
     element_bytes: int = 4           # bytes of an activation element on the wire (2 under bf16)
     backend: str = "gloo"            # the process groups' backend: gloo | nccl
+    rebuild_s: float = 0.0           # seconds this run took to build its stages (Trainer.build_s)
+    groups_s: float = 0.0            # and to create its process groups (Comm.groups_s)
     # the same plan measured before the change (the steps its detector's baselines came from):
     # what the step cost outside the modelled compute and communication while healthy
     reference: Measured | None = None

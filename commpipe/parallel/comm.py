@@ -140,6 +140,7 @@ class Comm:
         # NCCL; on gloo every message then travels with one tag, so gloo matches it the same way
         self.strict_order = strict_order or self.backend == "nccl"
         self.timeout_s = timeout_s
+        t0 = time.perf_counter()
         for name in GROUP_DIMS:
             ranks_here = None
             for ranks in dims.groups(name):
@@ -150,6 +151,7 @@ class Comm:
                     ranks_here = tuple(ranks)
                     self._pg[name] = pg
             self.groups[name] = ranks_here
+        self.groups_s = time.perf_counter() - t0   # creating the process groups (a new layout's)
         # no expert parallelism until add_groups: every rank holds every expert
         self.groups["ep"], self._pg["ep"] = (rank,), None
         self.groups["edp"], self._pg["edp"] = self.groups["dp_cp"], self._pg["dp_cp"]

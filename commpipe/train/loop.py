@@ -11,6 +11,7 @@ optimizer (optionally ZeRO-1). What each applies is read off `cfg.features()`
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -83,6 +84,7 @@ class Trainer:
     last_grads: dict = field(default_factory=dict)
     forward_runner: PipelineRuntime | None = None   # validation: the schedule's forwards only
     meter: ActivationMeter | None = None            # activation_mb of each step
+    build_s: float = 0.0   # seconds building the stages, runtime, reducer and optimizer
 
     @classmethod
     def build(cls, cfg: TrainConfig, comm: Comm | None = None, source=None) -> Trainer:
@@ -99,6 +101,11 @@ class Trainer:
             cfg.resolve(comm.dims.world_size)
         comm.strict_order = comm.strict_order or cfg.strict_order
         spec = cfg.spec
+        # torch imports torch._dynamo (~2 s) at the first parameter initialised under a device
+        # context; imported first, build_s times what rebuilding the stages repeats (the
+        # adaptive controller's switch-cost allowance)
+        importlib.import_module("torch._dynamo")
+        t_build = time.perf_counter()
         # uneven DP (commpipe.train.dp_split): this replica's pipeline runs its own count
         program = cfg.program(cfg.replica_microbatches(comm.coords["dp"]))
         # bf16: autocast, with stage boundaries (pipeline buffers) in bf16 too
@@ -115,11 +122,13 @@ class Trainer:
         reducer = GradReducer(params, comm, cfg.dp_bucket_mb, microbatches=program.microbatches,
                               overlap=features.overlap.dp, zero=features.zero == 1)
         optimizer = make_optimizer(params, cfg, reducer)
+        build_s = time.perf_counter() - t_build
         if source is None:
             source = make_source(cfg, spec)
         else:
             check_vocab(source, spec, cfg.data)
         trainer = cls(cfg, comm, stages, runtime, optimizer, reducer, params, source, device)
+        trainer.build_s = build_s
         trainer.meter = ActivationMeter(params, device)
         # validation reads even DP shares (source.validation): the even count's program
         even = program if cfg.dp_microbatches is None else cfg.program()
