@@ -219,8 +219,9 @@ class Bench:
 
 
 def extra_candidates(train: dict, kinds) -> list[dict]:
-    """Static layouts beyond the oracle's even and balanced splits: pp2 with one stage holding
-    one layer ("splits"), dp2 with fewer micro-batches on replica 1 ("dp")."""
+    """Static layouts beyond the oracle's even and balanced splits, as the controller's own
+    candidates reach them: pp2 with each split of the 4 layers, micro-batch size 1, 2 or 4 and
+    the 1f1b or zbh1 schedule ("splits"), dp2 with fewer micro-batches on replica 1 ("dp")."""
     from commpipe.adapt.oracle import _config
     from commpipe.cluster.launch import train_flags
     from commpipe.layout import Layout
@@ -228,7 +229,10 @@ def extra_candidates(train: dict, kinds) -> list[dict]:
     shared = {k: v for k, v in train.items() if k not in ("adapt", "out", "log_every")}
     found = []
     for kind in kinds:
-        options = ([(f"layers{a}.{4 - a}", PP2, {"stage_layers": f"{a},{4 - a}"}) for a in (1, 3)]
+        options = ([(f"layers{a}.{4 - a}-mbs{m}", dict(PP2, schedule=sched),
+                     {"stage_layers": f"{a},{4 - a}", "micro_batch_size": m})
+                    for a in (1, 2, 3) for m in (1, 2, 4) for sched in ("1f1b", "zbh1")
+                    if (a, m, sched) != (2, 1, "1f1b")]   # the oracle's own even split
                    if kind == "splits" else
                    [(f"dpm{a}.{8 - a}", DP2, {"dp_microbatches": f"{a},{8 - a}"})
                     for a in (5, 6, 7)])
