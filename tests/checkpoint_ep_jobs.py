@@ -6,8 +6,10 @@ also keeps a copy of its state in memory for an elastic restart (commpipe.train.
 restored as a checkpoint that ep4 x dp4 loads here and one process (the layout an elastic
 restart picks for 1 rank) loads in tests/test_checkpoint.py; a resume under ep2 x dp4 through
 the training loop with the communication monitor on, whose run folder `check_report` reads; a
-run started from the weights only; and a planted bug (each rank puts the rows it loaded into
-its experts in reverse order) that the comparisons must catch.
+run started from the weights only; and two planted bugs (each rank puts the rows it loaded into
+its experts in reverse order; under tp2 x ep2 each keeps the other TP rank's slice of its expert
+rows) that the comparisons must catch. The tp2 x ep2 layout (each expert split over TP too)
+loads the ep2 x dp4 checkpoint and saves one that ep1 x dp4 (no TP, no EP) loads.
 
 Snapshots hold full tensors: each rank all-gathers its experts' rows (and their AdamW moments)
 over its ep group in group order, so tests/test_checkpoint.py's `assemble` compares them as
@@ -35,11 +37,14 @@ LAYOUTS = {  # key: (dims, ep[, ZeRO-1]); every one loads the ep2 x dp4 checkpoi
     "ep4-dp4": (ParallelDims(dp=4), 4),
     "ep2-dp2-pp2": (ParallelDims(dp=2, pp=2), 2),
     "ep2-dp4-zero1": (ParallelDims(dp=4), 2, True),
+    # each expert also split over tp2 (gate and up by columns, down by its input columns)
+    "ep2-dp2-tp2": (ParallelDims(dp=2, tp=2), 2),
 }
 SAVE_AGAIN = {  # key of LAYOUTS that saves after step 3: (dims, ep) that loads that checkpoint
     "ep1-dp4": (ParallelDims(dp=4), 2),           # whole expert tensors read as ep2 shards
     "ep2-dp2-pp2": (ParallelDims(dp=4), 4),       # pp2's shards read as ep4's
     "ep2-dp4-zero1": (ParallelDims(dp=4), 4),     # states written by their ZeRO-1 owners
+    "ep2-dp2-tp2": (ParallelDims(dp=4), 1),       # tp2 x ep2 expert slices read whole
 }
 PEERS = "ep2-dp4-zero1"      # takes the in-memory copy right after loading (step 2)
 
@@ -84,6 +89,26 @@ def plant_experts_in_the_wrong_slots() -> None:
     checkpoint.local_part = wrong
 
 
+def plant_expert_tp_slices_swapped():
+    """The planted bug of TP inside experts: each rank keeps the other TP rank's slice of the
+    expert rows it loaded. Returns the undo."""
+    right = checkpoint_shards.local_part
+
+    def wrong(loaded, p, comm):
+        tp_dim = placement(p).tp_dim
+        if not checkpoint_shards.ep_sharded(p) or tp_dim is None:
+            return right(loaded, p, comm)
+        rows = loaded.to_local()
+        return rows.chunk(comm.size("tp"), tp_dim)[comm.size("tp") - 1 - comm.local_rank("tp")]
+
+    checkpoint_shards.local_part = checkpoint.local_part = wrong
+
+    def undo():
+        checkpoint_shards.local_part = checkpoint.local_part = right
+
+    return undo
+
+
 def run(rank: int, root: Path, build) -> dict:
     """Every expert-parallel job on this rank; `build(cfg, rank)` resolves and builds a Trainer."""
     from commpipe.train.loop import train
@@ -122,6 +147,11 @@ def run(rank: int, root: Path, build) -> dict:
     t = build(moe_cfg(ParallelDims(dp=4), 4), rank)      # --init-from: weights only
     load_weights(t, ck)
     res["ep4-init"] = snapshot(t)
+    undo = plant_expert_tp_slices_swapped()
+    t = build(moe_cfg(ParallelDims(dp=2, tp=2), 2), rank)
+    checkpoint.load(t, ck)
+    res["planted-tp"] = snapshot(t)
+    undo()
     plant_experts_in_the_wrong_slots()                   # last: the modules stay planted
     t = build(moe_cfg(ParallelDims(dp=2, pp=2), 2), rank)
     checkpoint.load(t, ck)

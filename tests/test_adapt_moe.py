@@ -9,7 +9,8 @@ link rates, and a hand-derived (ep-1)/ep x bytes / rate + latency.
 
 One launch of 4 gloo processes (tests/test_moe_parallel.py's 4-layer MoE, 4 experts): a run on
 ep2 x pp2 x dp2 switches in memory (commpipe.adapt.switch, as the controller does) to ep4 x dp4
-(pp1), then to ep1 x pp2 x dp2. Across each switch every full tensor (experts gathered over EP,
+(pp1), then to ep1 x pp2 x dp2, then to tp2 x ep2 x dp2 (each expert's width split over TP too:
+commpipe.parallel.tensor_moe). Across each switch every full tensor (experts gathered over EP,
 AdamW moments included) is bit-identical; the steps after each switch give the losses of a
 static run of the new layout loaded from a checkpoint of the same state (DCP reshards the
 experts by their offsets, another path than the switch's gather), and the whole switched run
@@ -35,14 +36,16 @@ from tests.test_moe_parallel import moe_cfg, moe_reference_run, one_thread
 BEFORE, MIDDLE, AFTER = 2, 2, 1       # steps before the first switch, between, after the second
 START = Plan(1, 1, 2, 2, (2, 2), "1f1b", 4, 1, ep=2)
 PLANS = (Plan(1, 1, 1, 4, (4,), "1f1b", 2, 1, ep=4),        # another ep and pp
-         Plan(1, 1, 2, 2, (2, 2), "1f1b", 4, 1))            # experts whole again (ep 1)
+         Plan(1, 1, 2, 2, (2, 2), "1f1b", 4, 1),            # experts whole again (ep 1)
+         Plan(2, 1, 1, 2, (4,), "1f1b", 4, 1, ep=2))        # each expert split over tp2 too
+SPANS = (MIDDLE, AFTER, AFTER)                               # steps after each switch
 
 
 def _cfg(plan: Plan = START):
     from commpipe.parallel.dims import ParallelDims
 
     cfg = moe_cfg(ParallelDims(dp=plan.dp, pp=plan.pp), ep=plan.ep)
-    cfg.steps = BEFORE + MIDDLE + AFTER        # the learning-rate schedule of the whole run
+    cfg.steps = BEFORE + sum(SPANS)            # the learning-rate schedule of the whole run
     return cfg
 
 
@@ -202,7 +205,7 @@ def _worker(rank: int, world: int, outdir: str) -> dict:
     tr = build(START)
     res["switched"] = steps(tr, BEFORE)
     ckpts = []
-    for i, (plan, n) in enumerate(zip(PLANS, (MIDDLE, AFTER))):
+    for i, (plan, n) in enumerate(zip(PLANS, SPANS)):
         ckpts.append(checkpoint.save(tr, Path(outdir) / f"ckpt{i}"))
         before = merged(tr)
         tr, _ = sw.switch(tr, plan)
@@ -256,7 +259,7 @@ def _close(got, want, label):
 
 def test_switches_across_ep_keep_every_tensor_bit_for_bit(four_ranks):
     for res in four_ranks:
-        assert [x[:2] for x in res["layouts"]] == [(4, 4), (1, 1)]
+        assert [x[:2] for x in res["layouts"]] == [(4, 4), (1, 1), (2, 2)]
         for n, own_ok, every_optim, same_items in res["kept"]:
             assert n > 0 and own_ok, "a rank holds a changed expert or moment after a switch"
             assert every_optim and same_items
@@ -270,8 +273,10 @@ def test_losses_and_parameters_after_each_switch_equal_a_static_run_of_the_new_l
         four_ranks):
     for res in four_ranks:
         got = res["switched"]
-        for i, (label, span) in enumerate((("ep4 x dp4", slice(BEFORE, BEFORE + MIDDLE)),
-                                           ("ep1 x pp2 x dp2", slice(BEFORE + MIDDLE, None)))):
+        ends = [BEFORE + sum(SPANS[:i + 1]) for i in range(len(SPANS))]
+        labels = ("ep4 x dp4", "ep1 x pp2 x dp2", "tp2 x ep2 x dp2")
+        for i, label in enumerate(labels):
+            span = slice(ends[i] - SPANS[i], ends[i])
             _close(got[span], res["static"][i], f"switched vs static {label}")
             check_params(_params(res["static_params"][i]), _params(res["params"][i]),
                          f"switched vs static {label}")
@@ -280,8 +285,8 @@ def test_losses_and_parameters_after_each_switch_equal_a_static_run_of_the_new_l
 def test_the_switched_run_equals_the_single_device_reference(four_ranks, reference):
     got = four_ranks[0]["switched"]
     losses = reference["losses"]
-    assert len(got) == len(losses) == BEFORE + MIDDLE + AFTER
-    label = "ep2 x pp2 x dp2 -> ep4 x dp4 -> ep1 x pp2 x dp2 vs one device"
+    assert len(got) == len(losses) == BEFORE + sum(SPANS)
+    label = "ep2 x pp2 x dp2 -> ep4 x dp4 -> ep1 x pp2 x dp2 -> tp2 x ep2 x dp2 vs one device"
     _close(got, losses, label)
     check_params(reference, _params(four_ranks[0]["params"][-1]), label)
     assert max(losses) - min(losses) > 1e-3      # the losses move: not vacuous

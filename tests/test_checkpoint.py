@@ -259,6 +259,14 @@ def test_experts_loaded_into_the_wrong_slots_are_caught(world4):
     assert all(torch.equal(got["params"][n], want["params"][n]) for n in dense)
 
 
+def test_expert_tp_slices_loaded_swapped_are_caught(world4):
+    """The planted bug of TP inside experts (tests/checkpoint_ep_jobs.py): each tp2 x ep2 rank
+    keeps the other TP rank's slice of its expert rows."""
+    got, want = world4["planted-tp"], world4["moe@2"]
+    with pytest.raises(AssertionError, match="experts"):
+        assert_same_state(got, want, "planted")
+
+
 def test_single_process_loads_an_ep_checkpoint(world4):
     from commpipe.train.loop import Trainer
 

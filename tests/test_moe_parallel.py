@@ -25,6 +25,7 @@ import torch
 
 from commpipe.models.moe import build_moe, moe_loss_sum
 from commpipe.parallel.dims import ParallelDims
+from commpipe.parallel.placement import place, placement
 from commpipe.train.config import TrainConfig
 from commpipe.train.source import make_source
 from tests.dist_harness import assemble, spawn, train_jobs
@@ -146,6 +147,49 @@ def plant_dispatch_adjoint_dropped(trainer) -> None:
             experts.unit_edges = unit_edges
 
 
+def _tp_moe_layers(trainer) -> list:
+    from commpipe.parallel.tensor_moe import TensorParallelMoELayer
+
+    return [m for stage in trainer.stages.values() for m in stage.modules()
+            if isinstance(m, TensorParallelMoELayer)]
+
+
+def probe_expert_tp(trainer) -> None:
+    """Records each expert tensor's shape and placement (is it split over TP, and how)."""
+    probe_units(trainer)
+    trainer.test_log["experts"] = {
+        n: (tuple(p.shape), placement(p).tp_dim, placement(p).ep_sharded)
+        for n, p in trainer.named_params if ".experts.w" in n}
+
+
+def plant_routed_not_reduced_over_tp(trainer) -> None:
+    """TP inside experts without the routed part's reduction: each rank adds its own experts'
+    partial sums to the shared experts' TP-reduced output."""
+    from commpipe.models.moe import MoELayer
+    from commpipe.parallel.functional import reduce_from
+
+    for layer in _tp_moe_layers(trainer):
+        def unit_combine(y, r, shared, layer=layer):
+            return MoELayer.combine(layer, y, r) + reduce_from(shared, layer.comm, "tp")
+
+        layer.unit_combine = unit_combine
+
+
+def plant_gate_grad_not_reduced_over_tp(trainer) -> None:
+    """The gate weights' gradient left as each TP rank's partial sum (no `f` on them): the
+    router and everything before it get a rank's share of the experts' part."""
+    for layer in _tp_moe_layers(trainer):
+        layer.weigh = lambda weights: weights
+
+
+def plant_down_split_recorded_by_rows(trainer) -> None:
+    """The experts' down projection (w2 [E, h, f], split over its f input columns) recorded as
+    split by its h output rows: whatever reads the placement (checkpoints, the switch, this
+    test's reassembly) puts the shards together the wrong way."""
+    for layer in _tp_moe_layers(trainer):
+        place(layer.experts.w2, tp_dim=1)
+
+
 def run_ep_jobs(world: int, jobs: list) -> dict:
     """tests.dist_harness.run_jobs, with expert shards put back together: the experts a rank
     holds are rows [ep_rank * E/ep, ...) of each stacked expert weight."""
@@ -192,6 +236,8 @@ LAYOUTS = {  # world 4
     "dp2-pp2-ep2-dualpipev": (ParallelDims(dp=2, pp=2), "dualpipev", 2),
     "dp2-pp2-ep2-stp": (ParallelDims(dp=2, pp=2), "stp", 2),
     "dp2-tp2-ep2": (ParallelDims(dp=2, tp=2), "1f1b", 2),
+    # TP inside the experts unit by unit (the braided runtime calls the layer's parts)
+    "tp2-pp2-ep1-dualpipev": (ParallelDims(tp=2, pp=2), "dualpipev", 1),
     # ZeRO-1: dense states sharded over dp4, the experts' over the 2 ranks replicating them
     "dp4-ep2-zero1": (ParallelDims(dp=4), "1f1b", 2, {"zero1": True}),
     # uneven DP across the two EP groups (one count inside each)
@@ -203,7 +249,7 @@ LAYOUTS = {  # world 4
 def results_of(world: int) -> dict:
     if world == 8:
         return run_ep_jobs(8, [("dp8-ep4", moe_cfg(ParallelDims(dp=8), ep=4))])
-    jobs = [(key, moe_cfg(d, sched, ep, **(kw[0] if kw else {})), probe_units)
+    jobs = [(key, moe_cfg(d, sched, ep, **(kw[0] if kw else {})), probe_expert_tp)
             for key, (d, sched, ep, *kw) in LAYOUTS.items()]
     jobs.append(("planted-dp4-ep2", moe_cfg(ParallelDims(dp=4), ep=2), plant_expert_grads_over_ep))
     jobs.append(("planted-dualpipev-adjoint", moe_cfg(ParallelDims(dp=2, pp=2), "dualpipev", 2),
@@ -213,6 +259,9 @@ def results_of(world: int) -> dict:
     jobs.append(("planted-uneven-equal-weights",
                  moe_cfg(ParallelDims(dp=4), ep=2, dp_microbatches=(3, 3, 1, 1)),
                  plant_replicas_weighted_equally))
+    for plant in (plant_routed_not_reduced_over_tp, plant_gate_grad_not_reduced_over_tp,
+                  plant_down_split_recorded_by_rows):
+        jobs.append((f"planted-{plant.__name__}", moe_cfg(ParallelDims(dp=2, tp=2), ep=2), plant))
     return run_ep_jobs(4, jobs)
 
 
@@ -269,6 +318,40 @@ def test_zero1_and_uneven_dp_bugs_are_caught(key, reference):
     got = results_of(4)[key]
     with pytest.raises(AssertionError, match="grad"):
         check_grads(reference, got, "planted")
+
+
+def test_experts_split_over_tp():
+    """With tp2 every routed expert holds half its width: gate and up [E/ep, f/2, h] split by
+    output columns (tp_dim 1), down [E/ep, h, f/2] by input columns (tp_dim 2)."""
+    h, f, experts = 32, 16, 4
+    for key, (dims, _, ep) in [(k, v[:3]) for k, v in LAYOUTS.items()]:
+        tp = dims.tp
+        for log in results_of(4)[key]["logs"]:
+            for name, (shape, tp_dim, ep_sharded) in log["experts"].items():
+                down = name.endswith("w2")
+                want = (experts // ep, h, f // tp) if down else (experts // ep, f // tp, h)
+                assert shape == want, (key, name, shape, want)
+                assert tp_dim == ((2 if down else 1) if tp > 1 else None), (key, name, tp_dim)
+                assert ep_sharded == (ep > 1), (key, name)
+
+
+@pytest.mark.parametrize("plant", ["plant_routed_not_reduced_over_tp",
+                                   "plant_gate_grad_not_reduced_over_tp"])
+def test_tp_inside_experts_bugs_are_caught(plant, reference):
+    """The routed experts' partial sums not reduced over TP (the loss is already wrong), and
+    the gate weights' gradient not summed over TP (the router's gradient is wrong)."""
+    got = results_of(4)[f"planted-{plant}"]
+    with pytest.raises(AssertionError, match="grad"):
+        check_grads(reference, got, "planted")
+
+
+def test_expert_down_split_recorded_by_rows_is_caught(reference):
+    """A wrong tp_dim on the down projection: reassembled from its placement, w2 is not the
+    one-device tensor (the run itself computes right: only the metadata is wrong)."""
+    got = results_of(4)["planted-plant_down_split_recorded_by_rows"]
+    check_losses(reference, got, "planted")
+    with pytest.raises(AssertionError):
+        check_against(reference, got, "planted")
 
 
 def test_uneven_dp_inside_an_ep_group_is_refused():

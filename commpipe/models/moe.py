@@ -213,13 +213,19 @@ class MoELayer(nn.Module):
         """x [b, s, h] -> (out [b, s, h], this layer's load-balancing loss)."""
         flat = x.reshape(-1, x.shape[-1])                          # [T, h]
         r = self.route(flat)
-        y = self.experts(self.dispatch(flat, r), r.counts)
-        return self.unit_combine(y, r, self.unit_shared(flat)).view_as(x), r.aux
+        rows, shared = self.unit_dispatch(flat, r)
+        return self.unit_combine(self.experts(rows, r.counts), r, shared).view_as(x), r.aux
 
     # Units (DualPipe, DeepSeek-V3 section 3.2.1): the layer cut at its token exchanges, so a
     # unit-by-unit runtime (commpipe.runtime.units_moe) can keep expert parallelism's
-    # all-to-alls in flight while another pass computes: route, then dispatch and the shared
-    # experts, the routed experts, then unit_combine; forward() above is their composition.
+    # all-to-alls in flight while another pass computes: route, then unit_dispatch (dispatch
+    # and the shared experts), the routed experts, then unit_combine; forward() above is their
+    # composition.
+    def unit_dispatch(self, flat: torch.Tensor, r: Routing):
+        """The tokens [T, h] -> (their copies grouped by expert [T k, h], the shared experts'
+        output [T, h] or None)."""
+        return self.dispatch(flat, r), self.unit_shared(flat)
+
     def unit_shared(self, flat: torch.Tensor) -> torch.Tensor | None:
         """The shared experts on the tokens [T, h] (None without shared experts)."""
         return self.shared(flat) if self.shared is not None else None

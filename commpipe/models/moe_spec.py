@@ -130,6 +130,22 @@ class MoESpec:
         return self
 
 
+def tp_problem(spec: MoESpec, tp: int) -> str | None:
+    """Why tensor parallelism of `tp` ranks cannot split this model's MLPs (every routed and
+    shared expert and dense MLP is split by its width: commpipe.parallel.tensor_moe), or None."""
+    widths = {"expert_ffn": spec.expert_ffn}
+    if spec.shared_experts:
+        widths["shared_experts*expert_ffn"] = spec.shared_experts * spec.expert_ffn
+    if spec.dense_layers:
+        widths["dense_ffn"] = spec.dense_ffn
+    for name, width in widths.items():
+        if width % tp:
+            ok = [t for t in range(1, tp + 1) if all(w % t == 0 for w in widths.values())]
+            return (f"--tp {tp} does not divide {name} = {width} (tensor parallelism splits "
+                    f"every expert's width); use --tp in {ok}")
+    return None
+
+
 # Published shapes: Mixtral 8x7B (Jiang et al. 2024, and its config.json); DeepSeek-V3
 # (DeepSeek-AI 2024, section 4.2, and its config.json). Their counts are tested against the
 # published totals in tests/test_moe_model.py.

@@ -29,7 +29,7 @@ from torch import nn
 from commpipe.models.moe import GroupedExperts, MoELayer
 from commpipe.parallel.comm import Comm
 from commpipe.parallel.dims import ParallelDims
-from commpipe.parallel.placement import place
+from commpipe.parallel.placement import place, placement
 
 COUNTS_OP = "all_to_all_counts"     # the monitor's name of the row-count exchange
 
@@ -97,8 +97,10 @@ class ExpertParallelExperts(GroupedExperts):
         self.comm, self.local = comm, local
         mine = slice(ep_rank * local, (ep_rank + 1) * local)
         for name in ("w1", "w3", "w2"):
-            p = nn.Parameter(getattr(full, name).detach()[mine].clone())
-            place(p, ep_sharded=True)    # gradient summed over edp; norm summed over ep
+            whole = getattr(full, name)
+            p = nn.Parameter(whole.detach()[mine].clone())
+            # gradient summed over edp, norm over ep; a TP split (tensor_moe) is kept
+            place(p, tp_dim=placement(whole).tp_dim, ep_sharded=True)
             setattr(self, name, p)
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:

@@ -104,8 +104,8 @@ def _layer_steps(mod, i: str, block, positions, shape, h: str, m: str | None) ->
         r, flat = routing["r"], n.reshape(-1, n.shape[-1])
         if edges is not None:
             edges.settle(r.counts, received)
-        shared = ff.unit_shared(flat)
-        return (ff.dispatch(flat, r),) + (() if shared is None else (shared,))
+        rows, shared = ff.unit_dispatch(flat, r)
+        return (rows,) + (() if shared is None else (shared,))
 
     def experts(rows):
         if edges is not None:

@@ -6,7 +6,9 @@ of a one-device model (commpipe.train.checkpoint). Two placements cut it across 
 
     TP   `placement(p).tp_dim` (commpipe.parallel.placement): the slice along that dimension. Saving
          all-gathers it over tp through Comm and one rank writes the whole tensor; loading reads
-         the whole tensor and keeps this rank's slice.
+         the whole tensor and keeps this rank's slice. An expert tensor under tp > 1 is cut
+         both ways (commpipe.parallel.tensor_moe): its TP slices are put together first, then
+         its rows are handled as EP below, and loading keeps the TP slice of the rows read.
     EP   `placement(p).ep_sharded` (commpipe.parallel.expert): rows [ep_rank * E/ep, (ep_rank + 1) * E/ep)
          of an expert weight stacked [E, ...]. Nothing is gathered: each rank of one EP group
          writes its rows as a DCP shard of the [E, ...] tensor at its global row offset (a
@@ -33,14 +35,20 @@ def ep_sharded(p: torch.Tensor) -> bool:
 
 
 def full_shape(p: torch.Tensor, comm) -> tuple[int, ...]:
-    """The shape of p's logical (one-device) tensor (a parameter is sharded over tp or ep,
-    never both: commpipe.parallel.placement.place)."""
+    """The shape of p's logical (one-device) tensor (an expert tensor may be cut both ways:
+    its rows over ep, its tp_dim over tp)."""
+    shape = list(tp_whole_shape(p, comm))
+    if ep_sharded(p):
+        shape[0] *= comm.size("ep")
+    return tuple(shape)
+
+
+def tp_whole_shape(p: torch.Tensor, comm) -> tuple[int, ...]:
+    """p's shape with its TP slices put together (its expert rows still this rank's)."""
     shape = list(p.shape)
     tp_dim = placement(p).tp_dim
     if tp_dim is not None:
         shape[tp_dim] *= comm.size("tp")
-    if ep_sharded(p):
-        shape[0] *= comm.size("ep")
     return tuple(shape)
 
 
@@ -103,15 +111,15 @@ def for_load(p: torch.Tensor, comm, dtype: torch.dtype | None = None):
     dtype = dtype or p.dtype
     if not ep_sharded(p):
         return torch.empty(full_shape(p, comm), dtype=dtype)
-    local = torch.empty(tuple(p.shape), dtype=dtype)
+    local = torch.empty(tp_whole_shape(p, comm), dtype=dtype)   # its experts, every TP slice
     return _sharded(local, full_shape(p, comm), comm)
 
 
 def local_part(loaded, p: torch.Tensor, comm) -> torch.Tensor:
     """This rank's piece of p from what `for_load` made and DCP filled: its TP slice of the
-    full tensor, or its expert rows."""
+    full tensor, or of its expert rows."""
     if ep_sharded(p):
-        return loaded.to_local()
+        loaded = loaded.to_local()
     return shard_tp(loaded, placement(p).tp_dim, comm)
 
 

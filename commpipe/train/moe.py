@@ -12,9 +12,10 @@
   experts' rows from the checkpoint (commpipe.train.checkpoint_shards); `layout_problem` is the
   layout rule, which --adapt's candidates follow too (they may change ep:
   commpipe.adapt.switch gathers and re-slices the experts);
-- stages: the family's plain MoEStage modules, then tensor parallelism on attention, embedding
-  and head (commpipe.parallel.tensor_moe) and the experts sharded over ep
-  (commpipe.parallel.expert); the loss adds the load-balancing term the stages carried;
+- stages: the family's plain MoEStage modules, then tensor parallelism on attention, embedding,
+  head and MLPs, each expert split over TP too (commpipe.parallel.tensor_moe), and the experts
+  sharded over ep (commpipe.parallel.expert); the loss adds the load-balancing term the stages
+  carried;
 - data: the decoder's (a tokenized corpus or synthetic tokens).
 """
 
@@ -31,6 +32,7 @@ def layout_problem(spec, dims, ep: int) -> str | None:
     """Why tp x cp x pp x dp (`dims`) with expert parallelism `ep` cannot train `spec`, or None:
     what `resolve_config` refuses and the adaptive controller's candidates leave out
     (commpipe.adapt.candidates)."""
+    from commpipe.models.moe_spec import tp_problem
     from commpipe.parallel.expert import check_ep
 
     if dims.cp > 1:
@@ -40,6 +42,8 @@ def layout_problem(spec, dims, ep: int) -> str | None:
     if dims.tp > 1 and spec.attention != "gqa":
         return (f"--tp {dims.tp}: tensor parallelism shards grouped-query attention; "
                 f"{spec.name} uses attention={spec.attention}; use --tp 1")
+    if dims.tp > 1 and tp_problem(spec, dims.tp):
+        return tp_problem(spec, dims.tp)
     try:
         check_ep(ep, dims, spec.experts)
     except ValueError as e:
@@ -85,7 +89,8 @@ def resolve_config(cfg, world_size: int | None) -> None:
 
 
 def build(cfg, comm, program, device, act_dtype, features) -> tuple[dict, object, list]:
-    """This rank's stages (TP on attention, experts over ep), the loss and the boundaries."""
+    """This rank's stages (TP on attention and inside every MLP, experts over ep), the loss and
+    the boundaries."""
     from commpipe.models.family import family_of
     from commpipe.models.moe import stage_loss_sum
     from commpipe.parallel.dims import split_layers
