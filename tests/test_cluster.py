@@ -218,6 +218,26 @@ def test_same_node_traffic_stays_off_the_veth():
 
 
 @needs_netns
+def test_intra_node_rate_throttles_same_node_traffic_only():
+    """set_intra_rate shapes a node's loopback: a transfer between two processes of that node
+    takes at least what the rate allows, another node's stays fast, and removing it restores
+    loopback speed and MTU."""
+    nbytes = 1_000_000
+    with netns.EmulatedCluster(2, 2, prefix=_prefix("i")) as c:
+        c.set_intra_rate(0, 40)
+        floor_40 = 0.8 * nbytes / 5e6            # the least time 1 MB can take at 40 Mbit/s
+        assert floor_40 < _transfer(c, 0, 0, nbytes, 5621) < 3 * nbytes / 5e6
+        assert _transfer(c, 1, 1, nbytes, 5622) < floor_40
+        assert c.describe()["intra_rates_mbit"] == [40, None]
+        c.set_intra_rate(0, None)
+        assert _transfer(c, 0, 0, nbytes, 5623) < floor_40
+        mtu = subprocess.run(["ip", "-n", c.ns(0), "link", "show", "lo"], capture_output=True,
+                             text=True, check=True).stdout
+        assert f"mtu {netns.LO_MTU}" in mtu
+    assert _nothing_left(c.prefix)
+
+
+@needs_netns
 def test_teardown_after_failure_leaves_nothing():
     prefix = _prefix("f")
     with pytest.raises(RuntimeError, match="boom"):

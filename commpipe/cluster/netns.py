@@ -15,9 +15,13 @@ so a transfer between nodes a and b runs at min(rate_a, rate_b) in either direct
 
 Intra-node traffic: gloo (with GLOO_SOCKET_IFNAME=eth0) addresses every peer by its eth0
 address, including peers on the same node; the kernel delivers packets for a local address over
-the loopback device, so same-node pairs never cross the veth and are never throttled (a test
-checks the veth byte counters). Namespaces share the host's CPUs and memory: only the network
-is emulated, not compute.
+the loopback device, so same-node pairs never cross the veth and the node's link rate does not
+throttle them (a test checks the veth byte counters). `set_intra_rate(node, mbit)` shapes them
+instead: a `tbf` qdisc on the namespace's own `lo` (with lo's MTU set to 1500 while it is
+shaped, so every packet fits the small bucket below). Loopback has one queue for both
+directions, so two ranks sending to each other at once share the rate: the node's internal
+link is half duplex, unlike the full-duplex veth between nodes. Namespaces share the host's
+CPUs and memory: only the network is emulated, not compute.
 
 Needs root and iproute2 (`ip`, `tc`); `available()` says why not otherwise, and callers fall
 back to one host on loopback. Everything created is removed by `teardown()`, which also runs on
@@ -41,6 +45,7 @@ from pathlib import Path
 NS_IFNAME = "eth0"           # the node's network interface inside its namespace
 MAX_IFNAME = 15              # Linux IFNAMSIZ - 1
 DEFAULT_SUBNET = "10.77.0"   # a /24 from the private 10/8 range, seldom used by real networks
+LO_MTU = 65536               # Linux's loopback MTU, restored when a node's loopback is unshaped
 
 _LIVE: dict[str, EmulatedCluster] = {}     # prefix -> cluster, for the exit and signal hooks
 _HOOKS_INSTALLED = False
@@ -116,6 +121,7 @@ class EmulatedCluster:
                 tbf_params(r)  # validates
         self.nodes, self.ranks_per_node, self.prefix, self.subnet = nodes, ranks_per_node, prefix, subnet
         self.rates: list[float | None] = list(rates)
+        self.intra_rates: list[float | None] = [None] * nodes   # set_intra_rate
         self.keep = keep                 # `commpipe cluster up`: leave it running after exit
         self.bridge = f"{prefix}br"
         self._procs: list[subprocess.Popen] = []
@@ -203,6 +209,23 @@ class EmulatedCluster:
         if self.keep:
             _state_file(self.prefix).write_text(json.dumps(self.describe()))
 
+    def set_intra_rate(self, node: int, mbit: float | None) -> None:
+        """Set (or, with None, remove) the rate in Mbit/s between the ranks of one node (its
+        loopback, shared by both directions); safe while traffic flows."""
+        self._check_node(node)
+        ns = ["ip", "netns", "exec", self.ns(node)]
+        if mbit is None:
+            _run(ns + ["tc", "qdisc", "del", "dev", "lo", "root"], check=False)
+            _run(["ip", "-n", self.ns(node), "link", "set", "lo", "mtu", str(LO_MTU)])
+        else:
+            p = tbf_params(mbit)
+            _run(["ip", "-n", self.ns(node), "link", "set", "lo", "mtu", "1500"])
+            _run(ns + ["tc", "qdisc", "replace", "dev", "lo", "root", "tbf", "rate", p["rate"],
+                       "burst", p["burst"], "latency", p["latency"]])
+        self.intra_rates[node] = mbit
+        if self.keep:
+            _state_file(self.prefix).write_text(json.dumps(self.describe()))
+
     def popen(self, node: int, argv: list[str], env: dict | None = None, **kwargs) -> subprocess.Popen:
         """Start `argv` inside node's namespace (in its own process group, so it can be stopped
         with everything it spawned). `env` is the full environment, as for subprocess.Popen."""
@@ -224,6 +247,7 @@ class EmulatedCluster:
     def describe(self) -> dict:
         return {"prefix": self.prefix, "nodes": self.nodes, "ranks_per_node": self.ranks_per_node,
                 "subnet": self.subnet, "ifname": NS_IFNAME, "rates_mbit": self.rates,
+                "intra_rates_mbit": self.intra_rates,
                 "namespaces": [self.ns(i) for i in range(self.nodes)],
                 "ips": [self.node_ip(i) for i in range(self.nodes)]}
 
@@ -237,6 +261,7 @@ class EmulatedCluster:
         d = json.loads(path.read_text())
         c = cls(d["nodes"], d["ranks_per_node"], d["rates_mbit"], prefix=prefix, subnet=d["subnet"],
                 keep=True)
+        c.intra_rates = list(d.get("intra_rates_mbit") or [None] * c.nodes)
         c._up = True
         return c
 
