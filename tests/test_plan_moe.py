@@ -199,3 +199,39 @@ def test_the_priced_gemms_are_the_familys_flops(ep):
             flops = sum(2 * m * k * n for m, k, n in mlp_gemms(spec, i, layout, job, fused))
             want = M.layer_flops_per_token(spec, 128, i) - M.attention_flops_per_token(spec, 128)
             assert flops / tokens == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_tp_splits_every_expert_and_leaves_the_all_to_all(tp):
+    """Expert tensor parallelism (commpipe.parallel.tensor_moe): each TP rank runs its f/tp
+    columns of every routed and shared expert and of the dense MLP, the router whole; so the
+    priced MLP GEMMs carry the family's FLOPs over tp (the router's whole), expert and shared
+    weights are divided by tp (and routed ones by ep), the routed copies keep h-wide inputs and
+    outputs and f/tp-wide intermediates, and the all-to-all moves what it moved at tp 1."""
+    from commpipe.plan.moe import expert_params, mlp_activation_bytes, replicated_mlp_params
+    from commpipe.plan.moe_costs import a2a_bytes, mlp_gemms
+
+    spec = resolve(SMALL + ",shared_experts=2,dense_layers=1,dense_ffn=1024")
+    ep, seq, mbs = 2, 128, 2
+    layout = Layout(tp=tp, dp=8, micro_batch_size=mbs, ep=ep)
+    job = Job(global_batch=16, seq_len=seq, expert_imbalance=1.0)
+    tokens = mbs * seq
+    router = 2 * H * E                                  # forward FLOPs per token
+    for i in range(spec.layers):
+        flops = sum(2 * m * k * n for m, k, n in mlp_gemms(spec, i, layout, job, fused=True))
+        mlp = M.layer_flops_per_token(spec, seq, i) - M.attention_flops_per_token(spec, seq)
+        want = mlp / tp if i == 0 else router + (mlp - router) / tp
+        assert flops / tokens == pytest.approx(want, rel=1e-12), i
+    # parameters on one rank, by hand: layer 1's 8/ep routed experts and 2 shared experts of
+    # width F, each 3 H F, split over tp; its router H x E whole; layer 0's dense MLP over tp
+    assert expert_params(spec, layout, 0) == pytest.approx(E / ep * 3 * H * F / tp, rel=1e-12)
+    assert replicated_mlp_params(spec, [0, 1], tp) == pytest.approx(
+        3 * H * 1024 / tp + H * E + 2 * 3 * H * F / tp, rel=1e-12)
+    # activations of layer 1 (no recompute, fused SwiGLU keeps gate, up and product): fp32
+    # router scores, each copy's input and output h wide and 3 f/tp, the shared experts' 3 S f/tp
+    a = job.activation_bytes
+    copies = tokens * K
+    assert mlp_activation_bytes(spec, 1, layout, job) == pytest.approx(
+        4 * tokens * E + copies * (2 * H + 3 * F / tp) * a + tokens * 2 * F * 3 / tp * a,
+        rel=1e-12)
+    assert a2a_bytes(spec, layout, job) == pytest.approx(copies * H * a, rel=1e-12)

@@ -10,22 +10,24 @@ like LLaMA's), else the router (h x E), `shared_experts` SwiGLUs that see every 
 routed experts. Parameter counts come from the family's own definitions (moe_spec.py).
 
 Expert parallelism (commpipe.parallel.expert): `ep` consecutive ranks of the dp*cp group hold
-E/ep experts each; attention, router, shared experts and dense MLPs stay replicated. So
+E/ep experts each; attention, router, shared experts and dense MLPs stay replicated over ep. So
     replicated parameters   gradients reduced over dp*cp, optimizer states sharded over it
-    expert parameters       E/ep per MoE layer on a rank; gradients reduced over
-                            edp = dp*cp/ep (the ranks holding the same experts), optimizer
-                            states sharded over edp (Megatron's distributed optimizer does)
-The routed experts are not split by TP (commpipe's runtime replicates them over TP ranks,
-docs/moe.md; Megatron's expert tensor parallelism is not priced), so with tp > 1 every TP rank
-runs the whole MoE layer on its micro-batch's tokens.
+    expert parameters       E/ep per MoE layer on a rank, 1/tp of each; gradients reduced
+                            over edp = dp*cp/ep (the ranks holding the same experts),
+                            optimizer states sharded over edp (Megatron's distributed
+                            optimizer does)
+Tensor parallelism splits every expert (routed and shared) and dense MLP by its width, as
+Megatron-Core's expert tensor parallelism at its default size (tp) and commpipe's runtime
+(commpipe.parallel.tensor_moe) do; only the router is whole on every TP rank. Each TP rank
+still runs all of its micro-batch's token copies, through its f/tp columns of each expert.
 
 Activations kept per MoE layer and micro-batch, T = b*s/cp tokens, R = T*top_k*imbalance token
 copies on the busiest rank (the one the step waits for), a bytes per activation element:
     router scores (fp32)                  4*T*E
-    routed experts                        R*(h [dispatched input] + 2 f [gate, up] + f [product]
-                                          (+ f [SiLU output] unfused) + h [expert output, for
-                                          the combine's weight gradient]) * a
-    shared experts                        T*S*f*(2 + 1 (+1)) * a
+    routed experts                        R*(h [dispatched input] + (2 f [gate, up] + f
+                                          [product] (+ f [SiLU output] unfused)) / tp + h
+                                          [expert output, for the combine's weight gradient]) * a
+    shared experts                        T*S*f*(2 + 1 (+1)) * a / tp
     dense MLP layers                      T*F*(2 + 1 (+1)) * a / tp
 selective recompute keeps only gate and up (SiLU and the product are recomputed, as memory.py
 prices LLaMA's MLP); full recompute keeps only the layer input, which the layer machinery counts.
@@ -105,6 +107,8 @@ def layout_problem(spec, layout, zero: int) -> str | None:
                "are carved from the data-parallel ranks)" if layout.ep < 1 or group % layout.ep
                else f"does not divide the model's {moe.experts} experts")
         return f"--ep {layout.ep} {why}; use --ep in {ok}"
+    if layout.tp > 1 and M.tp_problem(moe, layout.tp):
+        return M.tp_problem(moe, layout.tp)
     if zero > 1:
         return (f"--zero {zero} with routed experts is not priced (expert states shard over edp); "
                 "use --zero 0 or 1")
@@ -123,25 +127,29 @@ def rank_layer_ids(layers: int, schedule: str, pp: int, vpp: int) -> tuple[tuple
 
 def replicated_mlp_params(moe, layer_ids, tp: int) -> float:
     """Parameters of the MLPs of `layer_ids` that every EP rank holds, on one TP rank: dense MLPs
-    (split by TP), routers and shared experts (replicated over TP)."""
+    and shared experts (split by TP), routers (replicated over TP)."""
     total = 0.0
+    shared = M.swiglu_params(moe.hidden, moe.shared_experts * moe.expert_ffn)
     for i in layer_ids:
         mlp = M.layer_param_count(moe, i) - M.attention_param_count(moe) - 2 * moe.hidden
         if moe.is_moe_layer(i):
-            total += mlp - moe.experts * M.swiglu_params(moe.hidden, moe.expert_ffn)
+            router = mlp - moe.experts * M.swiglu_params(moe.hidden, moe.expert_ffn) - shared
+            total += router + shared / tp
         else:
             total += mlp / tp
     return total
 
 
 def expert_params(spec, layout, rank: int) -> float:
-    """Routed-expert parameters pipeline rank `rank` holds: E/ep experts per MoE layer."""
+    """Routed-expert parameters pipeline rank `rank` holds: E/ep experts per MoE layer, 1/tp of
+    each."""
     moe = routed_spec(spec)
     if moe is None:
         return 0.0
     ids = rank_layer_ids(moe.layers, layout.schedule, layout.pp, layout.vpp)[rank]
     moe_layers = sum(1 for i in ids if moe.is_moe_layer(i))
-    return moe_layers * moe.experts / layout.ep * M.swiglu_params(moe.hidden, moe.expert_ffn)
+    return (moe_layers * moe.experts / layout.ep
+            * M.swiglu_params(moe.hidden, moe.expert_ffn) / layout.tp)
 
 
 def edp_size(layout) -> int:
@@ -181,8 +189,9 @@ def mlp_activation_bytes(moe, i: int, layout, job, recompute: str | None = None)
     if not moe.is_moe_layer(i):
         return tokens * moe.dense_ffn * per_f * a / layout.tp
     rows = routed_rows(layout, job, moe)
-    routed = rows * (2 * moe.hidden + per_f * moe.expert_ffn) * a
-    shared = tokens * moe.shared_experts * moe.expert_ffn * per_f * a
+    f = moe.expert_ffn / layout.tp                        # this TP rank's columns of an expert
+    routed = rows * (2 * moe.hidden + per_f * f) * a
+    shared = tokens * moe.shared_experts * f * per_f * a
     return 4 * tokens * moe.experts + routed + shared
 
 

@@ -4,11 +4,14 @@ the data-parallel reduction. What a rank holds: commpipe.plan.moe.
 
 Compute, per MoE layer and micro-batch on the busiest rank (T = b*s/cp tokens, k = top_k,
 imb = Job.expert_imbalance, L = E/ep local experts), every GEMM on timing.py's efficiency curve:
-    router          (T, h, E)
-    shared experts  (T, h, 2 S f), (T, S f, h)       a dense SwiGLU over every token
-    routed experts  L times (M, h, 2 f), (M, f, h)    M = T k imb / L = T k imb ep / E rows per
-                                                      expert: a grouped GEMM priced per expert,
-                                                      so small per-expert M loses efficiency
+    router          (T, h, E)                              replicated over TP
+    shared experts  (T, h, 2 S f/tp), (T, S f/tp, h)       a dense SwiGLU over every token
+    routed experts  L times (M, h, 2 f/tp), (M, f/tp, h)   M = T k imb / L = T k imb ep / E rows
+                                                           per expert: a grouped GEMM priced
+                                                           per expert, so small per-expert M
+                                                           loses efficiency
+Every expert is split over TP (commpipe.parallel.tensor_moe, Megatron-Core's expert tensor
+parallelism at its default size, tp): each TP rank runs the same M rows through its f/tp columns.
 Dense-MLP layers: (T, h, 2 F/tp), (T, F/tp, h), as LLaMA's MLP. Gate and up run as one GEMM
 (Megatron's GroupedMLP fc1, TE's fused layers), as separate GEMMs under per-matrix runtimes
 (timing.fused_gemms). Backward: an input- and a weight-gradient GEMM of each forward shape.
@@ -20,13 +23,18 @@ HBM-bound product per row) is not charged.
 Communication, per MoE layer and micro-batch: dispatch and combine all-to-alls in the forward,
 their transposes in the backward (commpipe.parallel.expert._AllToAll), two more under full
 recompute (the forward replayed). Each moves, per rank, its T k token copies of h activations,
-(ep-1)/ep of them to other ranks; the busiest rank receives imb times its share, so
+(ep-1)/ep of them to other ranks; the busiest rank receives imb times its share; TP inside the
+experts leaves this as it was (every TP rank exchanges all T k copies with the ranks of its own
+EP group, which hold the same TP slice of other experts), so
     bytes = T * k * h * activation_bytes * imb
     time  = (ep-1)/ep * bytes / NVLink   + one latency step      EP group inside a node
             max(peers on the node's share over NVLink, the other nodes' share over the NIC)
             + one latency step                                   EP group across nodes
 The EP group is `ep` consecutive ranks of the dp*cp group (stride tp in commpipe's rank grid),
-placed by Cluster.placement. Priced exposed in the stage's forward and backward (as TP
+placed by Cluster.placement. The MoE layer's TP all-reduce (the routed and shared experts'
+partial sums reduced together) is the layer's second TP collective, which the layer machinery
+charges as for LLaMA's MLP; the gate weights' gradient all-reduce TP inside experts adds (T k
+values, k/h of that one) is not priced. Priced exposed in the stage's forward and backward (as TP
 collectives without overlap) under every schedule but the braided ones (dualpipev, stp), which
 run MoE stages unit by unit with the all-to-alls in flight behind the other pass (docs/moe.md):
 there they go to the simulator's EP stream (`estimate.braided_ep`, commpipe/sim/units.py), and
@@ -85,11 +93,12 @@ def mlp_gemms(moe, i: int, layout, job, fused: bool) -> list[tuple]:
         return swiglu(tokens, moe.dense_ffn / layout.tp)
     local = moe.experts // layout.ep
     rows = routed_rows(layout, job, moe) / local          # per local expert
+    f = moe.expert_ffn / layout.tp                        # this TP rank's columns of an expert
     out = [(tokens, h, moe.experts)]
     if moe.shared_experts:
-        out += swiglu(tokens, moe.shared_experts * moe.expert_ffn)
+        out += swiglu(tokens, moe.shared_experts * f)
     # the grouped GEMM's fc1 is gate and up together whatever the runtime (one weight [2f, h])
-    return out + local * [(rows, h, 2 * moe.expert_ffn), (rows, moe.expert_ffn, h)]
+    return out + local * [(rows, h, 2 * f), (rows, f, h)]
 
 
 def add_routed_costs(spec, layout, job, cluster: Cluster, eff, costs, fused: bool) -> None:
