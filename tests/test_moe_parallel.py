@@ -32,9 +32,9 @@ from tests.dist_harness import assemble, spawn, train_jobs
 from tests.reference import reference_loop
 from tests.test_equivalence import check_against, check_grads, check_losses, make_cfg
 
-# 4 layers: pp2 under zbv and dualpipev has 4 stages
+# 4 layers: pp2 under zbv and dualpipev has 4 stages; the first a dense MLP (DeepSeek-style)
 MODEL = ("arch=moe,layers=4,hidden=32,heads=4,kv_heads=2,vocab=128,experts=4,top_k=2,"
-         "expert_ffn=16,shared_experts=1,rope_theta=10000")
+         "expert_ffn=16,shared_experts=1,dense_layers=1,dense_ffn=32,rope_theta=10000")
 
 
 def moe_cfg(dims: ParallelDims, schedule: str = "1f1b", ep: int = 1, **kw) -> TrainConfig:
@@ -368,6 +368,13 @@ def test_uneven_dp_inside_an_ep_group_is_refused():
 def test_bad_ep_fails_before_launch(ep, dp, why):
     with pytest.raises(ValueError, match=why):
         moe_cfg(ParallelDims(dp=dp), ep=ep).resolve(dp)
+
+
+def test_tp_that_does_not_divide_an_experts_width_is_refused():
+    odd = MODEL.replace("expert_ffn=16", "expert_ffn=15")
+    with pytest.raises(ValueError, match="--tp 2 does not divide expert_ffn = 15 .*use --tp in "
+                       "\\[1\\]"):
+        make_cfg(ParallelDims(tp=2, dp=2), "1f1b", model=odd, ep=2).resolve(4)
 
 
 def test_ep_on_a_dense_model_says_what_to_change():
