@@ -2,17 +2,22 @@
 steps, the last step's pre-clip gradients and the final parameters, against a plain loop over
 the whole MoETransformer (fp32, CPU, gloo), with the tolerances of tests/test_equivalence.py.
 
-Layouts, in one launch of 4 processes (and one of 8): experts replicated (ep 1) under tp2 x pp2;
-expert parallelism ep2 x dp4 (expert gradients summed over the 2 ranks holding
-the same experts), ep2 x pp2 under 1f1b, zbv, dualpipev and stp, ep2 x tp2, ep2 x dp4 with
-ZeRO-1 (expert states sharded over those 2 ranks, dense ones over dp4), ep2 x dp4 with uneven
-micro-batches across the two EP groups (3,3,1,1), and ep4 x dp8 on 8 ranks. Under the braided
-schedules (dualpipev, stp) the stages run unit by unit, the EP all-to-alls on the edges between
-units (commpipe.runtime.units_moe); a probe checks that path is taken. Planted bugs must fail
-the comparison: expert gradients summed over the EP group, which holds *different* experts,
-instead of over the ranks replicating them; unit by unit, the dispatch all-to-all's adjoint
-dropped; ZeRO-1 sharding the experts' states over the whole DP group; and uneven replicas
-weighted equally instead of by their sample counts.
+The model's first layer is a dense MLP, the other three MoE layers. Under tp2 every MLP is split
+over TP, each routed expert's width too (commpipe.parallel.tensor_moe; a probe checks the
+shapes and placements). Layouts, in one launch of 4 processes (and one of 8): experts whole over
+ep (ep 1) under tp2 x pp2, with 1f1b and unit by unit under dualpipev; expert parallelism
+ep2 x dp4 (expert gradients summed over the 2 ranks holding the same experts), ep2 x pp2 under
+1f1b, zbv, dualpipev and stp, ep2 x tp2, ep2 x dp4 with ZeRO-1 (expert states sharded over
+those 2 ranks, dense ones over dp4), ep2 x dp4 with uneven micro-batches across the two EP
+groups (3,3,1,1), and ep4 x dp8 on 8 ranks. Under the braided schedules (dualpipev, stp) the
+stages run unit by unit, the EP all-to-alls on the edges between units
+(commpipe.runtime.units_moe); a probe checks that path is taken. Planted bugs must fail the
+comparison: expert gradients summed over the EP group, which holds *different* experts, instead
+of over the ranks replicating them; unit by unit, the dispatch all-to-all's adjoint dropped;
+ZeRO-1 sharding the experts' states over the whole DP group; uneven replicas weighted equally
+instead of by their sample counts; and under ep2 x tp2 the routed experts' partial sums left out
+of the TP all-reduce, the gate weights' gradient not summed over TP, and the down projection's
+placement naming the wrong dimension.
 """
 
 from __future__ import annotations
