@@ -165,6 +165,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(spec) for i in layer_ids})
         self.norm = RMSNorm(spec.hidden, spec.norm_eps) if has_head else None
         self.output = nn.Linear(spec.hidden, spec.vocab, bias=False) if has_head else None
+        # the stage's tensor parallelism (commpipe.parallel.tensor.TPStage) once apply_tp has
+        # sharded it; None: whole on this rank
+        self.tp = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """x: tokens [b, s] (with embedding) or hidden states [b, s, h]; returns logits

@@ -22,9 +22,15 @@ Linear (a `DeferrableLinear`, commpipe.parallel.weight_grad) then returns the ou
 for it (its `ready`).
 Sharded parameters' placement (commpipe.parallel.placement) names `tp_dim`, the dimension split
 across TP ranks, which checkpoints and the equivalence tests use to reassemble full tensors.
+
+The stage's `tp` (a `TPStage`) is what the hooks and a unit-by-unit runtime (commpipe.runtime.units)
+share: the group, each layer's overlap regions, and `by_units`, whether the hooks issue the
+collectives or that runtime does, between its units.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -66,13 +72,15 @@ class VocabParallelEmbedding(nn.Module):
         self.end = self.start + per_rank
         self.weight = nn.Parameter(full.weight.detach()[self.start:self.end].clone())
         place(self.weight, tp_dim=0)
-        self._tp_by_units = False       # the unit-by-unit runtime sums the partials itself
+        # True: the partial lookups are returned unsummed, a unit-by-unit runtime sums them on
+        # its edge (set with the stage's TPStage.use_units)
+        self.by_units = False
 
     def forward(self, tokens):
         outside = (tokens < self.start) | (tokens >= self.end)
         local = (tokens - self.start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside[..., None], 0.0)
-        if self._tp_by_units:
+        if self.by_units:
             return out
         if self.sequence_parallel:
             return scatter_seq(out, self.comm, "tp")          # [b, s/tp, h]
@@ -148,27 +156,44 @@ def make_loss_fn(comm: Comm, head: nn.Linear | None):
     return loss_fn
 
 
+@dataclass(eq=False)
 class TPLayer:
-    """What a unit-by-unit runtime needs to know of a TP-sharded layer: its group and whether
-    sequence parallelism is on. `by_units(block, True)` hands the layer's four collectives
-    (f or all-gather before attention and MLP, g or reduce-scatter after them) from the module
-    hooks to that runtime, which issues them asynchronously between units."""
+    """A sharded layer's two TP regions, attention (wq, wk, wv -> wo) and MLP (w1, w3 -> w2): the
+    `TPRegion` each region's column-parallel Linears stash their weight-gradient GEMMs in, to
+    run beside the region's input-gradient collective (None: overlap off)."""
 
-    def __init__(self, comm: Comm, sequence_parallel: bool):
-        self.comm, self.sequence_parallel = comm, sequence_parallel
+    attn_region: TPRegion | None = None
+    mlp_region: TPRegion | None = None
 
-    @staticmethod
-    def by_units(block: nn.Module, on: bool) -> None:
-        for m in (block.attention, block.feed_forward, block.attention.wo, block.feed_forward.w2):
-            m._tp_by_units = on
 
-    @staticmethod
-    def ends_by_units(model: nn.Module, on: bool) -> None:
-        """The same for a stage's vocabulary-parallel embedding (the sum of its partial
-        lookups) and head (f or all-gather on its input), where the stage has them."""
-        for m in (model.tok_embeddings, model.output):
-            if m is not None and hasattr(m, "_tp_by_units"):
-                m._tp_by_units = on
+@dataclass(eq=False)
+class TPStage:
+    """A stage's tensor parallelism as its module hooks and a unit-by-unit runtime
+    (commpipe.runtime.units) read it; `apply_tp` sets it as the stage's `tp`.
+
+      comm, sequence_parallel  the TP group, and whether sequence parallelism is on
+      layers      per block name, its `TPLayer` (overlap regions)
+      head_region the column-parallel head's overlap region (None: no head, or overlap off)
+      embedding   the stage's `VocabParallelEmbedding`, or None
+      by_units    False: the module hooks issue the stage's TP collectives (f or the all-gather
+                  before attention, MLP and head; g or the reduce-scatter after wo and w2; the
+                  embedding's sum). True: a unit-by-unit runtime issues them asynchronously on
+                  the edges between its units and the hooks step aside. Set with `use_units`.
+    """
+
+    comm: Comm
+    sequence_parallel: bool
+    layers: dict[str, TPLayer] = field(default_factory=dict)
+    head_region: TPRegion | None = None
+    embedding: VocabParallelEmbedding | None = None
+    by_units: bool = False
+
+    def use_units(self, on: bool) -> None:
+        """Hand every TP collective of the stage to a unit-by-unit runtime (on) or back to the
+        module hooks."""
+        self.by_units = on
+        if self.embedding is not None:
+            self.embedding.by_units = on
 
 
 def apply_tp(model: Transformer, comm: Comm, sequence_parallel: bool = False,
@@ -178,10 +203,11 @@ def apply_tp(model: Transformer, comm: Comm, sequence_parallel: bool = False,
     (with sequence parallelism): the forward all-gathers beside the GEMMs over own rows."""
     if comm.size("tp") == 1:
         return model
+    stage = TPStage(comm, sequence_parallel)
 
-    def entry(module: nn.Module, columns: list[nn.Linear]):
+    def entry(module: nn.Module, columns: list[nn.Linear]) -> TPRegion | None:
         """`f` (or the SP all-gather) on the module's input; with overlap, the region its
-        column-parallel Linears stash their weight-gradient GEMMs in."""
+        column-parallel Linears stash their weight-gradient GEMMs in (returned)."""
         region = TPRegion() if overlap else None
         for linear in columns:
             route_linear(linear).wg_region = region
@@ -189,7 +215,7 @@ def apply_tp(model: Transformer, comm: Comm, sequence_parallel: bool = False,
         chunked = sequence_parallel and forward_overlap
 
         def pre(mod, args):
-            if mod._tp_by_units:     # the unit-by-unit runtime issues it (runtime/units.py)
+            if stage.by_units:       # the unit-by-unit runtime issues it (runtime/units.py)
                 return None
             if chunked:              # gathered input, and the column outputs computed beside it
                 x, outs = gather_seq_columns(args[0], comm, "tp", region, columns)
@@ -198,35 +224,34 @@ def apply_tp(model: Transformer, comm: Comm, sequence_parallel: bool = False,
                 return (x, *args[1:])
             return (enter(args[0], comm, "tp", region), *args[1:])
 
-        module._tp_by_units = False
-        module._tp_region = region
-
         module.register_forward_pre_hook(pre)
+        return region
 
     def post_g(module, args, out):
-        if module._tp_by_units:
+        if stage.by_units:
             return None
         return (scatter_seq if sequence_parallel else reduce_from)(out, comm, "tp")
 
-    for block in model.layers.values():
+    for name, block in model.layers.items():
         for parent in (block.attention, block.feed_forward):
-            for name in COLUMN + ROW:
-                if hasattr(parent, name):
-                    _shard_(getattr(parent, name), 0 if name in COLUMN else 1, comm)
+            for linear in COLUMN + ROW:
+                if hasattr(parent, linear):
+                    _shard_(getattr(parent, linear), 0 if linear in COLUMN else 1, comm)
+        stage.layers[name] = TPLayer(*(
             entry(parent, [getattr(parent, n) for n in COLUMN if hasattr(parent, n)])
+            for parent in (block.attention, block.feed_forward)))
         for row in (block.attention.wo, block.feed_forward.w2):
-            row._tp_by_units = False
             row.register_forward_hook(post_g)
-        block.tp = TPLayer(comm, sequence_parallel)
         if sequence_parallel:
             place(block.attention_norm.weight, sp_partial=True)
             place(block.ffn_norm.weight, sp_partial=True)
     if model.tok_embeddings is not None:
-        model.tok_embeddings = VocabParallelEmbedding(model.tok_embeddings, comm,
-                                                      sequence_parallel)
+        model.tok_embeddings = stage.embedding = VocabParallelEmbedding(
+            model.tok_embeddings, comm, sequence_parallel)
     if model.output is not None:
         _shard_(model.output, 0, comm)
-        entry(model.output, [model.output])
+        stage.head_region = entry(model.output, [model.output])
         if sequence_parallel:
             place(model.norm.weight, sp_partial=True)
+    model.tp = stage
     return model

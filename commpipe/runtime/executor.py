@@ -37,7 +37,7 @@ from commpipe.models.boundary import StageIO
 from commpipe.parallel.comm import Comm
 from commpipe.runtime.messages import as_stage_io, pack, unpack
 from commpipe.runtime.stage import RuntimeStage, format_program, grad_of
-from commpipe.runtime.units import UnitPass, supports_units, use_unit_collectives
+from commpipe.runtime.units import UnitPass, stage_tp, supports_units, use_unit_collectives
 from commpipe.runtime.weight_grad import WeightGradStore, enable_weight_grad_split
 from commpipe.schedules.actions import Action, Program, lower
 from commpipe.schedules.order import posting_order
@@ -95,9 +95,8 @@ class PipelineRuntime:
         # follows the training runner). Other stages run a braid's passes one after the other.
         braided = any(a.is_braid for acts in self.program.actions for a in acts)
         if units is None:
-            units = braided or any(getattr(b.attention, "_tp_by_units", False)
-                                   for m in stages.values() if supports_units(m)
-                                   for b in m.layers.values())
+            tps = [stage_tp(m) for m in stages.values() if supports_units(m)]
+            units = braided or any(tp is not None and tp.by_units for tp in tps)
         self.units = units and all(supports_units(m) for m in stages.values())
         for module in stages.values():
             if supports_units(module):

@@ -8,8 +8,9 @@ reverse. `forward_steps` and `backward_steps` are generators that yield after ea
 executor alternates two of them for a braid.
 
 With tensor parallelism the layer's four collectives sit on the edges between steps instead of
-inside the modules (`TPLayer.by_units`), and so do the vocabulary-parallel embedding's sum (an
-exit edge) and the head's input (an enter edge, `TPLayer.ends_by_units`): an edge's forward
+inside the modules, and so do the vocabulary-parallel embedding's sum (an exit edge) and the
+head's input (an enter edge): the stage's `TPStage.use_units` (commpipe.parallel.tensor) moves
+them out of the module hooks. An edge's forward
 collective is issued asynchronously when its producer finishes and waited by its consumer, and
 its adjoint is issued when the consumer's backward finishes and waited by the producer's
 backward. Between the two, the executor runs a step of the other pass of the braid:
@@ -30,7 +31,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from commpipe.models.llama import PreNormUnits, Transformer
+from commpipe.models.moe import MoEBlock
 from commpipe.parallel.functional import all_gather_seq, reduce_scatter_seq
+from commpipe.parallel.tensor import TPStage
 
 ENTER, EXIT = "enter", "exit"
 
@@ -86,41 +90,40 @@ class _Step:
     outs: tuple                    # edge names written
     kinds: tuple                   # per output: None, ENTER, EXIT (its edge's collective) or an
                                    # edge object with issue(t, backward)
-    tp: object = None              # the layer's TPLayer (None: tp=1, edges move nothing)
+    tp: TPStage | None = None      # the stage's TP (None: tp=1, edges move nothing)
     region: object = None          # TPRegion to flush while the input's adjoint travels
     leaves: list = field(default_factory=list)
     results: tuple = ()
 
 
 def supports_units(module) -> bool:
-    """A LLaMA stage (layers of `Block`) or a MoE stage (layers of `MoEBlock`) runs unit by
-    unit; other stages run whole."""
+    """A LLaMA stage (layers of `Block`) or a MoE stage (layers of `MoEBlock`), whose blocks
+    are cut into units (`PreNormUnits`), runs unit by unit; other stages run whole."""
     layers = getattr(module, "layers", None)
     return layers is not None and len(layers) > 0 and \
-        all(hasattr(b, "unit_attn") for b in layers.values())
+        all(isinstance(b, PreNormUnits) for b in layers.values())
 
 
-def _stage_tp(module):
-    """The TPLayer of a stage's layers (they share group and sequence parallelism), or None."""
-    return next((b.tp for b in module.layers.values() if getattr(b, "tp", None) is not None), None)
+def stage_tp(module) -> TPStage | None:
+    """The TP whose collectives a unit-by-unit LLaMA stage moves onto its edges (None: tp=1).
+    A MoE stage keeps its TP collectives inside its modules (commpipe.parallel.tensor_moe)."""
+    return module.tp if isinstance(module, Transformer) else None
 
 
 def use_unit_collectives(module, on: bool = True) -> None:
     """Move the TP collectives of `module`'s layers, embedding and head onto the unit edges
     (or back)."""
-    for block in module.layers.values():
-        if getattr(block, "tp", None) is not None:
-            block.tp.by_units(block, on)
-    tp = _stage_tp(module)
+    tp = stage_tp(module)
     if tp is not None:
-        tp.ends_by_units(module, on)
+        tp.use_units(on)
 
 
-def _layer_steps(i: str, block, positions, h: str, m: str | None) -> list[_Step]:
+def _layer_steps(i: str, block, tp: TPStage | None, positions, h: str,
+                 m: str | None) -> list[_Step]:
     """Block i's four units; (h, m) name the previous layer's residual and MLP output (m None:
     the stage input, nothing to add)."""
-    tp = getattr(block, "tp", None)
     enter, exit_ = (ENTER, EXIT) if tp is not None else (None, None)
+    regions = tp.layers[i] if tp is not None else None
 
     def pre_attn(*hm):
         x = hm[0] if len(hm) == 1 else block.residual(*hm)
@@ -130,11 +133,11 @@ def _layer_steps(i: str, block, positions, h: str, m: str | None) -> list[_Step]
         _Step("pre_attn", pre_attn, (h,) if m is None else (h, m), (f"{i}.x", f"{i}.n"),
               (None, enter), tp),
         _Step("attn", lambda n: (block.unit_attn(n, positions),), (f"{i}.n",), (f"{i}.a",),
-              (exit_,), tp, getattr(block.attention, "_tp_region", None)),
+              (exit_,), tp, regions.attn_region if regions else None),
         _Step("pre_mlp", block.unit_pre_mlp, (f"{i}.x", f"{i}.a"), (f"{i}.h", f"{i}.n2"),
               (None, enter), tp),
         _Step("mlp", lambda n: (block.unit_mlp(n),), (f"{i}.n2",), (f"{i}.m",), (exit_,), tp,
-              getattr(block.feed_forward, "_tp_region", None)),
+              regions.mlp_region if regions else None),
     ]
 
 
@@ -164,7 +167,7 @@ class UnitPass:
         # whole run of units up to its own next exchange (DualPipe pairs attention and MLP
         # compute with the other pass's dispatch and combine the same way); a LLaMA pass yields
         # after every unit.
-        self.at_edges = any(hasattr(b, "is_moe") for b in module.layers.values())
+        self.at_edges = any(isinstance(b, MoEBlock) for b in module.layers.values())
         if self.at_edges:
             from commpipe.runtime.units_moe import moe_plan
 
@@ -181,7 +184,7 @@ class UnitPass:
 
     @staticmethod
     def _plan(mod, positions) -> list[_Step]:
-        tp = _stage_tp(mod)
+        tp = stage_tp(mod)
         enter, exit_ = (ENTER, EXIT) if tp is not None else (None, None)
         steps, h, m = [], "in", None
         if mod.tok_embeddings is not None:      # vocabulary-parallel: partial lookups summed
@@ -189,7 +192,7 @@ class UnitPass:
                                (exit_,), tp))
             h = "e"
         for i, block in mod.layers.items():
-            steps += _layer_steps(i, block, positions, h, m)
+            steps += _layer_steps(i, block, tp, positions, h, m)
             h, m = f"{i}.h", f"{i}.m"
         if mod.output is None:
             steps.append(_Step("end", lambda h, m: (block.residual(h, m),), (h, m), ("out",), (None,)))
@@ -198,7 +201,7 @@ class UnitPass:
         steps.append(_Step("end", lambda h, m: (mod.norm(block.residual(h, m)),), (h, m), ("n",),
                            (enter,), tp))
         steps.append(_Step("head", lambda n: (mod.output(n),), ("n",), ("out",), (None,), tp,
-                           getattr(mod.output, "_tp_region", None)))
+                           tp.head_region if tp else None))
         return steps
 
     def forward_steps(self):
