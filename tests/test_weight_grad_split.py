@@ -21,7 +21,12 @@ from torch import nn
 
 from commpipe.parallel.comm import Comm
 from commpipe.parallel.dims import ParallelDims
-from commpipe.parallel.weight_grad import WeightGradStore, enable_weight_grad_split, route_linear
+from commpipe.parallel.weight_grad import (
+    WeightGradStore,
+    enable_weight_grad_split,
+    route_linear,
+    watch_grad,
+)
 from commpipe.train.loop import Trainer
 from tests.reference import assert_close_to
 from tests.test_equivalence import make_cfg
@@ -70,6 +75,37 @@ def test_deferred_weight_and_bias_grads_equal_autograd(dtype, row_style):
             else:
                 torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0,
                                            msg=lambda m, n=f"{name} after micro-batch {mb}": f"{n}: {m}")
+
+
+def test_watch_grad_tells_once_per_added_gradient_deferred_or_not():
+    """A watcher (the DP reducer's bucket counting) is told once per micro-batch for every
+    parameter, whether autograd or a flush added the gradient, and only once that gradient is
+    in `.grad`: what it sees then equals plain autograd's gradient so far."""
+    split, plain = _pair(row_style=True)
+    store = WeightGradStore()
+    enable_weight_grad_split(split, store)
+    seen = {name: [] for name, _ in split.named_parameters()}
+    names = {id(p): name for name, p in split.named_parameters()}
+    def told(p):
+        seen[names[id(p)]].append(None if p.grad is None else p.grad.clone())
+
+    handles = [watch_grad(p, told) for p in split.parameters()]
+    for mb, defer in enumerate((True, False, True)):   # W flushed, then autograd, then W again
+        x = torch.randn(3, 5, 8, generator=torch.Generator().manual_seed(mb))
+        plain(x).square().sum().backward()
+        store.deferring = defer
+        split(x).square().sum().backward()
+        store.deferring = False
+        WeightGradStore.flush(store.take())
+        for (name, _), ref in zip(split.named_parameters(), plain.parameters()):
+            told_n = len(seen[name])
+            assert told_n == mb + 1, f"{name}: told {told_n} times after {mb + 1} micro-batches"
+            assert_close_to(seen[name][-1], ref.grad, rtol=0, eps_factor=WGRAD_EPS_FACTOR,
+                            label=f"{name} as told after micro-batch {mb}")
+    for h in handles:
+        h.remove()
+    split(x).sum().backward()
+    assert all(len(v) == 3 for v in seen.values())    # removed: no further calls
 
 
 def _blip(schedule: str):

@@ -13,8 +13,8 @@ batch, so gradients are summed (not averaged) across data-parallel and context-p
 the sum over DP ranks, CP chunks and micro-batches is then exactly the gradient of the global
 mean loss that one device computes.
 
-Overlap: every parameter counts its gradient accumulations (a post-accumulate-grad hook, and a
-call from the deferred weight-gradient GEMMs of commpipe.runtime.weight_grad). Each micro-batch
+Overlap: every parameter counts its gradient accumulations (`watch_grad` of
+commpipe.parallel.weight_grad: autograd's, and the deferred weight-gradient GEMMs'). Each micro-batch
 adds exactly one, so a parameter is final after `microbatches` of them: on a pipeline stage that
 is its last micro-batch's backward (or W). A bucket is issued as a handle once all its
 parameters are final, while the rest of the backward runs; buckets go out in index order (the
@@ -33,6 +33,7 @@ from torch import nn
 
 from commpipe.parallel.comm import Comm
 from commpipe.parallel.placement import placement
+from commpipe.parallel.weight_grad import watch_grad
 
 
 class Bucket:
@@ -113,16 +114,8 @@ class GradReducer:
         # discarded Trainer (a layout switch, a restart in the same process) would keep all its
         # parameters and gradients alive (on a GPU, gigabytes per discarded layout)
         me = weakref.ref(self)
-        handles = []
-        for p in params:
-            handles.append(p.register_post_accumulate_grad_hook(partial(_call, me, "_autograd_accumulated")))
-            p._grad_ready_hook = partial(_call, me, "_accumulated")  # deferred weight-grad GEMMs
+        handles = [watch_grad(p, partial(_call, me, "_accumulated")) for p in params]
         weakref.finalize(self, _remove_hooks, handles)
-
-    def _autograd_accumulated(self, p: nn.Parameter) -> None:
-        if p.__dict__.pop("_grad_deferred", False):   # nothing added: see weight_grad._Linear
-            return
-        self._accumulated(p)
 
     def _bucket(self, params: list[nn.Parameter], dim: str) -> Bucket:
         # ZeRO-1 shards a bucket over the ranks replicating it: dp (the CP replicas hold the

@@ -16,13 +16,20 @@ backward and the normalized input kept alive until W, for no bubble worth fillin
 for embeddings, [CLS]/position parameters and BLIP's patch-projection Conv2d (one small GEMM per
 image). Either way the numbers are identical: the split only moves where each gradient is
 computed, and the deferred GEMMs and sums are the ones autograd would run.
+
+Whoever waits for a parameter's gradient (the DP reducer, commpipe.parallel.data) watches it
+with `watch_grad`, which tells it each time a gradient was added, by autograd or by a flush.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary, WeakIdRef
 
 
 class WeightGradStore:
@@ -60,12 +67,56 @@ class WeightGradStore:
                 _ready(bias)
 
 
+@dataclass(eq=False)
+class _Watch:
+    """One watched parameter (`watch_grad`)."""
+
+    on_added: Callable[[nn.Parameter], None]
+    # the running backward stashed this parameter's gradient GEMM (or bias sum): autograd's
+    # accumulation call for it adds nothing, and the flush will tell instead
+    deferred: bool = False
+
+
+# parameter -> its _Watch; weakly keyed by identity, so a parameter carries nothing and is freed
+# as if unwatched (tensors compare elementwise, hence torch's id-keyed dictionary)
+_watches = WeakIdKeyDictionary()
+
+
+class GradWatch:
+    """The handle `watch_grad` returns: `remove()` stops the calls."""
+
+    def __init__(self, p: nn.Parameter, watch: _Watch, hook):
+        self._param, self._watch, self._hook = WeakIdRef(p), watch, hook
+
+    def remove(self) -> None:
+        self._hook.remove()
+        p = self._param()
+        if p is not None and _watches.get(p) is self._watch:
+            del _watches[p]
+
+
+def watch_grad(p: nn.Parameter, on_added: Callable[[nn.Parameter], None]) -> GradWatch:
+    """Call `on_added(p)` each time a gradient is added to `p.grad`: after autograd
+    accumulated it (a post-accumulate-grad hook) or, where a `DeferrableLinear` stashed the
+    GEMM, after the flush that wrote it. Autograd still runs the hook when the stash left it
+    nothing to add; that call is skipped. One watcher per parameter: a later one replaces it."""
+    watch = _Watch(on_added)
+    _watches[p] = watch
+
+    def accumulated(p: nn.Parameter) -> None:
+        if watch.deferred:      # nothing added: the flush calls on_added
+            watch.deferred = False
+            return
+        watch.on_added(p)
+
+    return GradWatch(p, watch, p.register_post_accumulate_grad_hook(accumulated))
+
+
 def _ready(p: nn.Parameter) -> None:
-    """Gradients written by a flush do not pass AccumulateGrad: tell the DP reducer
-    (parallel/data.py) that `p`'s gradient is final."""
-    ready = getattr(p, "_grad_ready_hook", None)
-    if ready is not None:
-        ready(p)
+    """Gradients written by a flush do not pass AccumulateGrad: tell p's watcher."""
+    watch = _watches.get(p)
+    if watch is not None:
+        watch.on_added(p)
 
 
 def _stash_of(owner: DeferrableLinear) -> list | None:
@@ -80,10 +131,11 @@ def _stash_of(owner: DeferrableLinear) -> list | None:
 
 def _mark_deferred(*params) -> None:
     # autograd still runs the parameters' post-accumulate-grad hooks, with no gradient added:
-    # the DP reducer skips that call (the gradient arrives with the flush)
+    # their watchers skip that call (the gradient arrives with the flush)
     for p in params:
-        if p is not None:
-            p._grad_deferred = True
+        watch = _watches.get(p) if p is not None else None
+        if watch is not None:
+            watch.deferred = True
 
 
 class _Linear(torch.autograd.Function):
