@@ -11,7 +11,10 @@ the mechanisms commpipe already has: a link changes rate while the run trains
 (`EmulatedCluster.set_rate` at step boundaries, commpipe.adapt.demo.RateDriver) and a rank's
 compute is stretched by the `--slow-rank RANK:FACTOR@STEP` drill. The degraded link rates are
 aimed at a static dp2 step of ~1.3x, ~2x and ~5x the healthy one from a 12-step healthy run on
-this host first (`aimed_rates`; `--fixed-rates` keeps 80, 40 and 12 Mbit/s). Each scenario runs
+this host first (`aimed_rates`; `--fixed-rates` keeps 80, 40 and 12 Mbit/s). The intra-node
+scenario runs its two ranks on one emulated node and slows the link between them
+(`EmulatedCluster.set_intra_rate`, the node's loopback) to twice the ~2x rate, as both
+directions share that link. Each scenario runs
 
     adaptive   the scenario with --adapt
     static     the same scenario, controller off (same seed: same losses)
@@ -91,6 +94,7 @@ class Case:
     static_each_repeat: bool = True
     steps: int = STEPS
     skip: str = ""                              # why the scenario cannot be run here
+    intra: bool = False                         # the link between two ranks of one node
 
 
 def cases(rates: dict[float, float] = FIXED_RATES) -> list[Case]:
@@ -124,9 +128,9 @@ def cases(rates: dict[float, float] = FIXED_RATES) -> list[Case]:
         Case("two-faults", f"dp2, link at {RATE_2:g} Mbit/s and rank 1 compute 1.5x", DP2,
              [(ONSET, RATE_2)], slow_rank=f"1:1.5@{ONSET}", lasting=lasting,
              best={"mbit": RATE_2, "slow_rank": "1:1.5@0", "extra": ("splits", "dp")}),
-        Case("link-intra", "an intra-node link slowed", DP2,
-             skip="the emulated cluster cannot slow it: same-node peers talk over loopback, "
-                  "which no qdisc shapes (commpipe.cluster.netns), and netem does not work here"),
+        Case("link-intra", f"dp2 on one node, the link between its ranks at {2 * RATE_2:g} "
+             "Mbit/s (shared by both directions)", DP2, [(ONSET, 2 * RATE_2)], lasting=lasting,
+             best={"mbit": 2 * RATE_2, "extra": ()}, intra=True),
     ]
 
 
@@ -134,17 +138,19 @@ def cases(rates: dict[float, float] = FIXED_RATES) -> list[Case]:
 class StepClock(RateDriver):
     """RateDriver that also notes when each step's record reaches metrics.jsonl."""
 
-    def __init__(self, cluster, run_dir: Path, node: int, changes):
+    def __init__(self, cluster, run_dir: Path, node: int, changes, set_rate):
         super().__init__(cluster, run_dir, node, changes)
         self.seen: dict[int, float] = {}
+        self.set_rate = set_rate    # (node, Mbit/s): the node's NIC or its internal link
 
     def run(self) -> None:
         pending = sorted(self.changes)
         while not self.stop.is_set():
             done = self.note()
             while pending and done + 1 >= pending[0][0]:
-                self.cluster.set_rate(self.node, pending.pop(0)[1])
-                self.applied.append((self.note() + 1, self.cluster.rates[self.node]))
+                mbit = pending.pop(0)[1]
+                self.set_rate(self.node, mbit)
+                self.applied.append((self.note() + 1, mbit))
             time.sleep(0.01)
 
     def note(self) -> int:
@@ -166,6 +172,20 @@ class Bench:
     def __init__(self, cluster, out: Path):
         self.cluster, self.out, self.port = cluster, out, 29800
         self.best_cache: dict[str, dict] = {}
+        self.one_node = None        # the intra-node scenario's cluster: one node of two ranks
+
+    def site(self, case: Case):
+        """(cluster, node, set_rate(node, Mbit/s)) of the case's link faults: node 1's NIC on
+        the two-node cluster, or the link between the two ranks of a one-node cluster (FAST
+        there means unshaped)."""
+        if not case.intra:
+            return self.cluster, NODE, self.cluster.set_rate
+        if self.one_node is None:
+            from commpipe.cluster.netns import EmulatedCluster
+
+            self.one_node = EmulatedCluster(nodes=1, ranks_per_node=2, prefix="cpsintra").up()
+        c = self.one_node
+        return c, 0, lambda node, mbit: c.set_intra_rate(node, None if mbit == FAST else mbit)
 
     def next_port(self) -> int:
         self.port += 1
@@ -175,22 +195,23 @@ class Bench:
         from commpipe.cluster.grids import Layout
         from commpipe.cluster.launch import plan_commands, run_commands
 
-        self.cluster.set_rate(NODE, FAST)
+        cluster, node, set_rate = self.site(case)
+        set_rate(node, FAST)
         train = dict(TRAIN, steps=case.steps, overwrite=True, adapt=adapt or None,
                      slow_rank=case.slow_rank)
         cmds = plan_commands(Layout(**case.start), train, run_dir.resolve(),
-                             nodes=self.cluster.nodes, ranks_per_node=self.cluster.ranks_per_node,
-                             master_addr=self.cluster.node_ip(0), master_port=self.next_port(),
-                             ifname=self.cluster.ifname)
-        clock = StepClock(self.cluster, run_dir, NODE, case.link)
+                             nodes=cluster.nodes, ranks_per_node=cluster.ranks_per_node,
+                             master_addr=cluster.node_ip(0), master_port=self.next_port(),
+                             ifname=cluster.ifname)
+        clock = StepClock(cluster, run_dir, node, case.link, set_rate)
         load = os.getloadavg()[0]
         clock.start()
         try:
-            result = run_commands(cmds, run_dir, cluster=self.cluster, timeout_s=400)
+            result = run_commands(cmds, run_dir, cluster=cluster, timeout_s=400)
         finally:
             clock.stop.set()
             clock.join()
-            self.cluster.set_rate(NODE, FAST)
+            set_rate(node, FAST)
         if not result.ok:
             raise RuntimeError(f"{run_dir}: {result.status}: {result.reason}")
         (run_dir / "wall.json").write_text(json.dumps({"seen": clock.seen,
@@ -203,18 +224,19 @@ class Bench:
         from commpipe.adapt.oracle import run_oracle
 
         b = case.best
-        key = json.dumps(b, sort_keys=True)
+        key = json.dumps(dict(b, intra=case.intra), sort_keys=True)
         if key not in self.best_cache:
             train = dict(TRAIN, steps=case.steps, slow_rank=b.get("slow_rank"))
             train = {k: v for k, v in train.items() if v is not None}
-            self.cluster.set_rate(NODE, b["mbit"])
+            cluster, node, set_rate = self.site(case)
+            set_rate(node, b["mbit"])
             try:
                 self.best_cache[key] = run_oracle(
-                    self.cluster, train, self.out / f"best-{len(self.best_cache)}",
+                    cluster, train, self.out / f"best-{len(self.best_cache)}",
                     self.next_port(), steps=8, repeat_best=1, log=lambda *_: None,
                     extra=extra_candidates(train, b["extra"]))
             finally:
-                self.cluster.set_rate(NODE, FAST)
+                set_rate(node, FAST)
         return self.best_cache[key]
 
 
@@ -326,6 +348,8 @@ def main(argv=None) -> int:
             results += run_case(bench, case, log=lambda r: print("  ".join(r), flush=True))
             if args.json:       # after every scenario: an interrupted suite keeps what it ran
                 write_json(args.json, start, t0, results, [all_cases[n] for n in names])
+        if bench.one_node is not None:
+            bench.one_node.teardown()
     machine = write_json(args.json, start, t0, results, [all_cases[n] for n in names])
     print()
     print(table(results))
