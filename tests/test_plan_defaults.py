@@ -1,4 +1,5 @@
-"""The planner's default efficiency: measured constants on GPUs, the untuned ones on a CPU."""
+"""The planner's default efficiency: measured constants on GPUs, the untuned ones on a CPU with
+its host terms measured."""
 
 import pytest
 
@@ -26,9 +27,13 @@ def test_gpu_estimates_and_searches_default_to_the_measured_constants():
     assert [e.step_time_s for e in found["default"]] == [e.step_time_s for e in found["measured"]]
 
 
-def test_a_cpu_keeps_the_untuned_constants():
+def test_a_cpu_keeps_the_untuned_constants_with_measured_host_terms():
+    from commpipe.plan.cpu import host_op_seconds
+
     cpu = resolve_gpu("name=cpu,tflops=0.1,mem_gb=64")
-    assert default_efficiency(cpu) == Efficiency()
+    # the 20 us per layer pass gives way to each pass's ops at this host's time per op
+    assert default_efficiency(cpu) == Efficiency(overhead_s=0.0, op_s=host_op_seconds())
+    assert 0 < host_op_seconds() < 1e-3
     assert default_efficiency(H100) is MEASURED_GPU
     assert default_efficiency(resolve_gpu("a100-80gb")) is MEASURED_GPU
 

@@ -103,3 +103,105 @@ def test_estimate_prices_bf16_saved_tensors(recompute, schedule):
         capture_output=True, text=True, check=True)
     predicted = json.loads(out.stdout)["activation_gb_per_gpu"] * 1024      # GiB -> MiB
     assert abs(predicted - measured) <= 0.05 * measured, (predicted, measured)
+
+
+# -- ops the host dispatches (commpipe/plan/runtime_ops.py) -----------------------------------------
+class _Ops(TorchDispatchMode):
+    """Every aten call, by phase: inside autograd's backward, with grad enabled (the forward, and
+    the clip's norm), or without (the optimizer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {"forward": 0, "backward": 0, "no_grad": 0}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch._C._current_graph_task_id() != -1:
+            self.counts["backward"] += 1
+        else:
+            self.counts["forward" if torch.is_grad_enabled() else "no_grad"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _step_ops(layers: int, microbatches: int, precision: str) -> dict:
+    # a shape the counts were not taken on (they were on hidden 16, 4 tokens, one sequence)
+    model = f"arch=llama,layers={layers},hidden=32,heads=4,kv_heads=2,ffn_hidden=48,vocab=40"
+    cfg = TrainConfig(model=model, seq_len=8, global_batch=2 * microbatches, micro_batch_size=2,
+                      steps=3, device="cpu", seed=0, precision=precision)
+    cfg.resolve(1)
+    trainer = Trainer.build(cfg, Comm(ParallelDims(), 0, device=torch.device("cpu")))
+    trainer.train_step()                         # optimizer state exists from here on
+    mode = _Ops()
+    with mode:
+        trainer.train_step()
+    return mode.counts
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_op_counts_match_a_training_step(precision):
+    from commpipe.plan.runtime_ops import layer_ops, total_step_ops
+
+    ops = {(n, m): _step_ops(n, m, precision) for n, m in ((1, 1), (2, 1), (1, 2), (2, 2), (3, 3))}
+    # per layer and micro-batch: what grows with both (the second difference), per pass
+    for i, phase in enumerate(("forward", "backward")):
+        per_pass = (ops[2, 2][phase] - ops[1, 2][phase] - ops[2, 1][phase] + ops[1, 1][phase])
+        assert per_pass == layer_ops(precision)[i], phase
+    # the whole step of a model and batch outside the differences, to 1%
+    spec = resolve_model("arch=llama,layers=3,hidden=32,heads=4,kv_heads=2,ffn_hidden=48,vocab=40")
+    assert sum(ops[3, 3].values()) == pytest.approx(total_step_ops(spec, 3, precision), rel=0.01)
+
+
+def test_the_op_time_measurement_divides_by_the_ops_it_runs():
+    from commpipe.plan.cpu import OP_STEP_OPS, op_step
+
+    step = op_step("cpu")
+    step()
+    mode = _Ops()
+    with mode:
+        step()
+    assert sum(mode.counts.values()) == OP_STEP_OPS
+
+
+def test_host_and_device_compose_as_max_on_a_gpu_and_add_on_a_cpu():
+    """Hand-derived: at a host time per op far above any kernel, one GPU's step is its ops times
+    that time plus the optimizer's device time; at a negligible one it is the device time alone,
+    without the per-layer overhead fitted on Megatron (which the counted ops replace)."""
+    from dataclasses import replace
+
+    from commpipe.plan.cluster import default_cluster
+    from commpipe.plan.estimate import estimate
+    from commpipe.plan.gpus import resolve_gpu
+    from commpipe.plan.layout import Job, Layout
+    from commpipe.plan.runtime_ops import HostOps
+    from commpipe.plan.timing import MEASURED_GPU, stage_costs
+
+    spec = resolve_model("arch=llama,layers=4,hidden=256,heads=4,kv_heads=2,ffn_hidden=512,vocab=512")
+    cluster = default_cluster(resolve_gpu("h100"), 1, 1)
+    job, lay = Job(4, 256, runtime="commpipe"), Layout(micro_batch_size=1)
+    device = stage_costs(spec, lay, job, cluster, replace(MEASURED_GPU, overhead_s=0.0))
+    slow = replace(MEASURED_GPU, op_s=1e-3)            # 1 ms an op: host-bound everywhere
+    host = stage_costs(spec, lay, job, cluster, slow)
+    # forward: 4 layers of 113 ops + the head, loss and embedding's 23; backward 199 and 45
+    assert host.f[0] == pytest.approx((4 * 113 + 23) * 1e-3, rel=1e-12)
+    assert host.b[0] == pytest.approx((4 * 199 + 45) * 1e-3, rel=1e-12)
+    assert host.w == device.w                         # the host's share is priced in I
+    est = estimate(spec, lay, job, cluster, slow, detail=False)
+    assert est.step_time_s == pytest.approx(4 * (4 * 312 + 68) * 1e-3 + device.optimizer[0], rel=1e-9)
+    fast = stage_costs(spec, lay, job, cluster, replace(MEASURED_GPU, op_s=1e-12))
+    assert fast.f[0] == pytest.approx(device.f[0], rel=1e-6)
+    assert fast.b[0] == pytest.approx(device.b[0], rel=1e-6)
+    # between the two: each pass takes the larger of its device and host times
+    ops = HostOps(job, cluster.gpu, replace(MEASURED_GPU, op_s=1e-5))
+    assert ops.forward(2e-3) == 2e-3 and ops.forward(1e-4) == pytest.approx(113e-5)
+    assert ops.backward(3e-4, 1e-4) + 1e-4 == pytest.approx(199e-5)
+    assert ops.backward(3e-3, 1e-3) == 3e-3
+    # a CPU's one thread issues and computes: the sum, fp32 counts
+    cpu = resolve_gpu("name=cpu,tflops=0.1,mem_gb=64")
+    on_cpu = HostOps(Job(4, 256, precision="fp32", runtime="commpipe"), cpu,
+                     replace(MEASURED_GPU, op_s=1e-5, overhead_s=0.0))
+    assert on_cpu.forward(2e-3) == pytest.approx(2e-3 + 102e-5)
+    assert on_cpu.backward(3e-4, 1e-4) == pytest.approx(3e-4 + 179e-5)
+    # planned for a GPU from a host without one: no op time to measure, the fitted overhead stays
+    if not torch.cuda.is_available():
+        from commpipe.plan.runtime_ops import with_host_ops
+
+        assert with_host_ops(MEASURED_GPU, job, cluster.gpu) is MEASURED_GPU

@@ -21,6 +21,7 @@ from commpipe.plan.cluster import apply_links, apply_probe, default_cluster, ove
 from commpipe.plan.frameworks import FRAMEWORKS, default_framework, framework_job_fields
 from commpipe.plan.gpus import resolve_gpu
 from commpipe.plan.layout import PRECISIONS, RECOMPUTE, SCHEDULES, ZERO_STAGES, Job, runtime_job
+from commpipe.plan.runtime_ops import with_host_ops
 from commpipe.plan.timing import default_efficiency
 
 FIXABLE = ("tp", "cp", "pp", "dp", "vpp", "micro_batch_size", "schedule", "recompute", "zero", "dp_shard",
@@ -301,6 +302,7 @@ def _plan_layers(args) -> int:
     check_framework_flags(args, spec, fixed.get("zero"))
     cluster, eff = cluster_from_args(args, profile_path=args.profile)
     job = for_cluster(job_from_args(args), cluster, framework_from_args(args))
+    eff = with_host_ops(eff, job, cluster.gpu)
     check_experts(spec, job, fixed.get("ep"))
     try:
         result = search(spec, job, cluster, eff, fixed, top=args.top)

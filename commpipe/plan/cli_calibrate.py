@@ -27,12 +27,17 @@ from commpipe.plan.calibrate import (
 )
 from commpipe.plan.cli import cluster_from_args
 from commpipe.plan.gpus import resolve_gpu
+from commpipe.plan.timing import Efficiency
 
 
 def run_calibration(args) -> int:
     n = args.gpus or args.gpus_per_node
     cluster, eff = cluster_from_args(args, num_gpus=n)
     cluster = replace(cluster, gpu=resolve_gpu(args.gpu))
+    if eff.overhead_s <= 0:
+        # a CPU prices its passes' ops (runtime_ops.py) and no per-pass overhead; the fit works
+        # in log space, so what the runs add to it starts from the untuned 20 us
+        eff = replace(eff, overhead_s=Efficiency().overhead_s)
     points, cluster, sources = load_sources(args.calibrate, job_defaults(args), cluster)
     fixed_links = args.cluster is not None or any(
         getattr(args, k) is not None for k in ("intra_node_gbps", "inter_node_gbps"))

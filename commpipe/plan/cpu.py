@@ -11,6 +11,13 @@ entry describes one rank's share of the machine when every rank has its own core
 than cores are `Cluster.host_cores`'s business (commpipe.plan.host). Links come from
 `commpipe probe`, not from here: nvlink_gbps and nic_gbps are placeholders (the copy rate, and
 1 GB/s) for a cluster built without a probe.
+
+The host's third number is what one eager op costs it (`measure_op_seconds`, `Efficiency.op_s`):
+commpipe's layers dispatch ~300 ops a layer per micro-batch (commpipe.plan.runtime_ops), and at
+the shapes a CPU trains each costs more to issue than to compute. Measured like the layer runs
+them: a few of commpipe's own LLaMA layers (commpipe.models.llama.Block) on tiny tensors, forward
+and backward for two micro-batches, the gradient-norm clip's per-tensor ops and an AdamW step,
+timed (best of a few) and divided by the ops that step dispatches (OP_STEP_OPS); ~0.05 s.
 """
 
 from __future__ import annotations
@@ -62,5 +69,103 @@ def this_cpu() -> GPU:
     return measure_cpu()
 
 
+# ops one `op_step` dispatches (2 layers, 2 micro-batches): per layer and micro-batch 281 (forward
+# 102, backward 179 under the meter's hooks, as commpipe.plan.runtime_ops counts them in the
+# trainer), 16 per parameter tensor (clip 6, AdamW 10; 18 tensors), the loss and the step's own;
+# recounted by tests/test_plan_runtime_kernels.py with a TorchDispatchMode (counting with one
+# here would import torch._dynamo, ~3 s)
+OP_STEP_OPS = 1423
+
+
+def op_step(device: str = "cpu"):
+    """A training step of two of commpipe's LLaMA layers (commpipe.models.llama.Block) on tiny
+    tensors (hidden 16, 4 tokens) on `device`, fp32: two micro-batches forward and backward under
+    the trainer's activation meter (on a CPU its saved-tensor hooks run for every tensor saved for
+    backward, ~40 a layer pass), the gradient-norm clip's per-tensor ops and AdamW's; the time it
+    takes is dispatch and the runtime's hooks, not arithmetic.
+    On CUDA the step ends in a synchronisation, which tiny kernels reach long before the host has
+    issued them. Returns the step as a function of nothing."""
+    import torch
+
+    from commpipe.models.llama import Block
+    from commpipe.models.spec import resolve_model
+    from commpipe.runtime.recompute import ActivationMeter
+
+    dev = torch.device(device)
+    spec = resolve_model("arch=llama,layers=1,hidden=16,heads=2,kv_heads=1,ffn_hidden=16,vocab=8")
+    gen = torch.Generator().manual_seed(0)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        blocks = torch.nn.ModuleList(Block(spec) for _ in range(2)).to(dev)
+    params = list(blocks.parameters())
+    # the step count on the host, as torch.optim keeps it (capturable=False): no sync to read it
+    moments = [(torch.zeros_like(p), torch.zeros_like(p), torch.zeros(())) for p in params]
+    x = torch.randn(1, 4, spec.hidden, generator=gen).to(dev).requires_grad_()
+    positions = torch.arange(4, device=dev)
+
+    meter = ActivationMeter(params, dev)
+
+    def step():
+        with meter:         # as the trainer's step runs: on a CPU a saved-tensor hook per save
+            for _ in range(2):
+                h = x
+                for block in blocks:
+                    h = block(h, positions)
+                h.sum().backward()
+        with torch.no_grad():      # commpipe.parallel.data.clip_grad_norm_'s per-tensor ops
+            sq = torch.zeros((), dtype=torch.float64, device=dev)
+            for p in params:
+                sq.add_(p.grad.detach().double().pow(2).sum())
+            scale = 1.0 / (1.0 + float(sq.sqrt()))
+            for p in params:
+                p.grad.mul_(scale)
+        _adamw(params, moments)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    return step
+
+
+def measure_op_seconds(device: str = "cpu", repeats: int = 7) -> float:
+    """Host seconds per eager op on this host driving `device`, with one thread: the best of
+    `repeats` runs of `op_step` over its OP_STEP_OPS ops (~0.05 s on a CPU)."""
+    import torch
+
+    if repeats < 1:
+        raise ValueError("measure_op_seconds needs repeats >= 1")
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        seconds = _best_seconds(op_step(device), repeats)
+    finally:
+        torch.set_num_threads(previous)
+    return seconds / OP_STEP_OPS
+
+
+def _adamw(params, moments, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e-8,
+           decay: float = 0.1) -> None:
+    """The ops torch.optim.AdamW's per-tensor loop (foreach off, as on a CPU) dispatches for
+    each parameter, written out: the same 10 per tensor (commpipe.plan.runtime_ops), without
+    torch.optim's first use, which imports for ~2 s."""
+    import torch
+
+    with torch.no_grad():
+        for p, (m, v, step) in zip(params, moments):
+            step += 1
+            p.mul_(1 - lr * decay)
+            m.lerp_(p.grad, 1 - betas[0])
+            v.mul_(betas[1]).addcmul_(p.grad, p.grad, value=1 - betas[1])
+            n = step.item()
+            c1, c2 = 1 - betas[0] ** n, 1 - betas[1] ** n
+            denom = (v.sqrt() / c2 ** 0.5).add_(eps)
+            p.addcdiv_(m, denom, value=-lr / c1)
+
+
+@lru_cache(maxsize=2)
+def host_op_seconds(device: str = "cpu") -> float:
+    """`measure_op_seconds` once per process and device."""
+    return measure_op_seconds(device)
+
+
 if __name__ == "__main__":
-    print(json.dumps(this_cpu().to_dict(), indent=2))
+    print(json.dumps(this_cpu().to_dict() | {"op_us": host_op_seconds() * 1e6}, indent=2))

@@ -78,5 +78,5 @@ def contended(cluster: Cluster, eff: Efficiency, kappa: float,
     intra = replace(cluster.intra, latency_s=cluster.intra.latency_s + wait)
     inter = replace(cluster.inter, latency_s=cluster.inter.latency_s + wait)
     eff = replace(eff, overhead_s=eff.overhead_s * kappa, coll_overhead_s=eff.coll_overhead_s * kappa,
-                  optimizer_overhead_s=eff.optimizer_overhead_s * kappa)
+                  optimizer_overhead_s=eff.optimizer_overhead_s * kappa, op_s=eff.op_s * kappa)
     return replace(cluster, gpu=gpu, intra=intra, inter=inter), eff

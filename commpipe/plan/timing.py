@@ -35,8 +35,11 @@ Communication (priced by `cluster.Cluster`, groups placed by rank order tp, cp, 
 - Optimizer: HBM-bound Adam, 28 bytes touched per (sharded) parameter in bf16 mixed
   precision (read+write fp32 master, m, v; read grad; write bf16 weight), 24 in fp32.
 
-Host terms, zero by default (GPU kernels are launched asynchronously and hide them), fitted for
-a CPU or a launch-bound runtime: `coll_overhead_s` per collective call (gloo hands every call
+Host terms, zero by default (GPU kernels are launched asynchronously and hide them), measured or
+fitted for a CPU or a launch-bound runtime: `op_s` per eager op commpipe's own runtime dispatches
+(counted per pass and per optimizer step in runtime_ops.py, the time per op measured on the
+planning host by plan.cpu; on a CPU added to the pass, on a GPU the pass takes the larger of its
+device and host times, in place of `overhead_s`), `coll_overhead_s` per collective call (gloo hands every call
 to a worker thread), `optimizer_overhead_s` per layer a rank holds, per step (an unfused
 optimizer loops over tensors), `wake_s` per blocking wait and per busy rank beyond the cores
 (commpipe.plan.host). Activations travel as bf16 under mixed precision and fp32 otherwise.
@@ -79,6 +82,7 @@ from commpipe.plan.memory import (
 )
 from commpipe.plan.moe_costs import add_routed_costs, expert_optimizer_seconds, expert_reduction
 from commpipe.plan.runtime_kernels import commpipe_elementwise_bytes
+from commpipe.plan.runtime_ops import HostOps
 from commpipe.plan.zero_costs import dp_cost, fsdp_copies, zero_exposed
 from commpipe.schedules.registry import info as schedule_info
 
@@ -100,6 +104,8 @@ class Efficiency:
     optimizer_overhead_s: float = 0.0   # host time per layer held, per optimizer step
     wake_s: float = 0.0           # per blocking wait per unit of host contention (plan.host)
     fp8_rel: float = 1.0          # FP8 GEMM efficiency relative to e_max (see FP8 below)
+    op_s: float = 0.0             # host seconds per eager op of commpipe's own runtime, measured
+                                  # (plan.cpu.measure_op_seconds; runtime_ops.py); 0: not priced
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -123,9 +129,14 @@ MEASURED_GPU = Efficiency(e_max=0.9912, ai_half_ridge=2.742, elementwise=1.160, 
 
 
 def default_efficiency(gpu) -> Efficiency:
-    """The Efficiency `plan` and `estimate` use without a --profile: MEASURED_GPU on GPUs, the
-    untuned Efficiency() on a CPU."""
-    return Efficiency() if gpu.name == "cpu" else MEASURED_GPU
+    """The Efficiency `plan` and `estimate` use without a --profile: MEASURED_GPU on GPUs; on a
+    CPU the untuned Efficiency() with its host terms measured instead of the 20 us per layer
+    pass: each pass's eager ops at this host's measured time per op (runtime_ops.py)."""
+    if gpu.name != "cpu":
+        return MEASURED_GPU
+    from commpipe.plan.cpu import host_op_seconds
+
+    return Efficiency(overhead_s=0.0, op_s=host_op_seconds())
 
 
 @dataclass
@@ -284,7 +295,8 @@ def stage_costs(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
     tokens = layout.micro_batch_size * s / layout.cp
     act_bytes = job.activation_bytes * tokens * h                   # [b, s/cp, h]
     lc = layer_compute(spec, layout, job, cluster, eff)
-    comp_f = lc["gemm_f"] + lc["attn"] + lc["elem"] + lc["copy_f"] + eff.overhead_s
+    host = HostOps(job, cluster.gpu, eff)
+    comp_f = host.forward(lc["gemm_f"] + lc["attn"] + lc["elem"] + lc["copy_f"] + host.fixed)
     tp_size = groups["tp"][0]
     call = eff.coll_overhead_s
     # TP: AR per collective (RS+AG with SP has the same bus traffic)
@@ -343,8 +355,8 @@ def stage_costs(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
     # flash attention's backward recomputes the scores and runs 5 matmuls to the forward's 2
     # (Dao 2023, FlashAttention-2, Algorithm 2): 2.5 forwards; materialised scores: 2
     attn_b = FLASH_BWD_RATIO if job.uses_flash(spec) else 2.0
-    layer_i = (lc["gemm"] + attn_b * lc["attn"] + lc["elem_b"] + lc["copy_b"] + merge_b + eff.overhead_s
-               + re_comp)
+    layer_i = host.backward(lc["gemm"] + attn_b * lc["attn"] + lc["elem_b"] + lc["copy_b"] + merge_b
+                            + host.fixed + re_comp, lc["gemm"])
     head_gemm, loss, loss_b = head_compute(spec, layout, job, cluster, eff)
     head_f, head_b, embed_tp = _head_and_embedding_tp(spec, layout, job, cluster, act_bytes, call)
     # collective calls per layer and pass (host CPU time = calls * coll_overhead_s)
@@ -363,8 +375,9 @@ def stage_costs(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
             tf += embed_tp
             hf += call if tp_size > 1 else 0.0
         if st == stages - 1:
-            cf += head_gemm + loss + eff.overhead_s
-            ci += head_gemm + loss_b + eff.overhead_s   # input-gradient GEMM + loss backward
+            # the head, its loss and (in the count of ops) the embedding's: runtime_ops.py
+            cf += host.forward(head_gemm + loss + host.fixed, outer=True)
+            ci += host.backward(head_gemm + loss_b + host.fixed, head_gemm, outer=True)
             cw += head_gemm
             tf += head_f
             tb += head_b
@@ -431,6 +444,7 @@ def _dp_and_optimizer(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluste
         # the embedding and the head (with the final norm) count as one layer each
         held = layers + (0 in chunks[rank]) + (stages - 1 in chunks[rank])
         opt = params / shard * bytes_per_param_opt / hbm + held * eff.optimizer_overhead_s
+        opt += HostOps(job, cluster.gpu, eff).step(layers, 0 in chunks[rank], stages - 1 in chunks[rank])
         if job.precision == "fp8":
             # the new weights cast to FP8 and transposed once per step (read 2, write 1 + 1)
             opt += layers * lin / shard * FP8_CAST_BYTES / hbm
