@@ -44,7 +44,6 @@ def _imports(path: Path, module: str) -> set[str]:
 # shrinks.
 REMAINING = {
     ("train/cli.py", "adapt"),        # the train verb adds --adapt-* flags, resumes a plan
-    ("parallel/comm.py", "elastic"),  # elastic.restart.attempt_store
 }
 
 

@@ -46,8 +46,8 @@ FIRST_STEP = "first step"
 
 def store_prefix(world: int) -> str:
     """Keys of this attempt: torchrun keeps one store across restarts and membership changes
-    (commpipe.elastic.restart.attempt_prefix)."""
-    from commpipe.elastic.restart import current_prefix
+    (commpipe.parallel.attempt.attempt_prefix)."""
+    from commpipe.parallel.attempt import current_prefix
 
     return f"{current_prefix()}watchdog/{world}/"
 

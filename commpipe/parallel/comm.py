@@ -395,7 +395,7 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> tu
         # serialized with every collective, instead of one stream per rank pair
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     # under torchrun the agent's store outlives a restart: this attempt's keys are kept apart
-    from commpipe.elastic.restart import attempt_store
+    from commpipe.parallel.attempt import attempt_store
 
     store = attempt_store(world, timeout_s)
     where = {} if store is None else {"store": store, "rank": int(os.environ["RANK"]),
