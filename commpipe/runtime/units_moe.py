@@ -34,6 +34,7 @@ import dataclasses
 
 import torch
 
+from commpipe.parallel.expert import ExpertParallelExperts
 from commpipe.runtime.units import _Step
 
 
@@ -87,7 +88,7 @@ def _layer_steps(mod, i: str, block, positions, shape, h: str, m: str | None) ->
         ]
     ff = block.feed_forward
     # expert parallelism's all-to-alls for this micro-batch (None: ep = 1, nothing moves)
-    edges = ff.experts.unit_edges() if hasattr(ff.experts, "unit_edges") else None
+    edges = ff.experts.unit_edges() if isinstance(ff.experts, ExpertParallelExperts) else None
     routing = {}
 
     def pre_mlp(x, a):
