@@ -14,7 +14,9 @@ is done, so its wall time per step holds everything between steps too.
 
 Prints the median over pairs of on/off time per step, with its interquartile range, the medians
 of each mode, and where an "on" step's extra time goes (inside the step, in the controller's
-turn). Healthy means nothing should switch: a switch here is reported and ends the run. No
+turn); and the same ratio of the CPU seconds a block cost, summed over the ranks (on a shared
+machine the wall clock also measures the other load; CPU seconds what the step cost).
+Healthy means nothing should switch: a switch here is reported and ends the run. No
 assertion; tests/test_adapt_*.py check the controller's behaviour.
 """
 
@@ -103,23 +105,29 @@ def rank_main(args) -> None:
     for _ in range(args.warmup_steps):
         step(False)
     times = {"on": [], "off": []}
+    cpu = {"on": [], "off": []}
     for block in range(args.blocks):
         pair, second = divmod(block, 2)
         mode = ("on", "off")[(pair + second) % 2]    # on-off, off-on, on-off, ...
         modes.set(mode)
         comm.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(args.steps_per_block):
             step(True)
             if switched is not None:
                 break
+        cpu[mode].append((time.process_time() - c0) / args.steps_per_block)
         times[mode].append((time.perf_counter() - t0) / args.steps_per_block)
         if switched is not None:
             break
     controller.close()
-    everyone = comm.gather_objects((times, inside, turn, switched), "world")
+    everyone = comm.gather_objects((times, inside, turn, switched, cpu), "world")
     if comm.rank == 0:
         report(args, comm.dims.world_size, everyone)
+        for d in controller.decisions:    # what the controller saw, if it acted at all
+            found = "; ".join(f"{x['kind']} {x['key']} {x['shift']:+.0%}"
+                              for x in d.get("detections") or ())
+            print(f"  step {d.get('step')}: {d.get('action')} ({found}) {d.get('reason', '')}")
     comm.barrier()
     import torch.distributed as dist
 
@@ -149,13 +157,21 @@ def report(args, world, everyone) -> None:
     print(f"  controller's turn after a step: median {statistics.median(turns) * 1e3:.2f} ms "
           f"(all ranks; includes waiting for the slowest rank at its gather)")
     med = statistics.median(ratios)
-    print(f"  overhead (median of per-pair on/off - 1): {med - 1:+.1%}  "
+    print(f"  overhead, wall (median of per-pair on/off - 1): {med - 1:+.1%}  "
           f"IQR {_q(ratios, 0) - 1:+.1%} to {_q(ratios, 2) - 1:+.1%}")
+    cpu = {m: [sum(col) for col in zip(*(r[4][m] for r in everyone))] for m in ("on", "off")}
+    cr = [cpu["on"][i] / cpu["off"][i] for i in range(pairs)]
+    print(f"  overhead, CPU seconds summed over the ranks: {statistics.median(cr) - 1:+.1%}  "
+          f"IQR {_q(cr, 0) - 1:+.1%} to {_q(cr, 2) - 1:+.1%}  (on {statistics.median(cpu['on']) * 1e3:.1f}"
+          f" ms, off {statistics.median(cpu['off']) * 1e3:.1f} ms a step)")
 
 
 def _spawned(rank, world, port, argv) -> None:
+    import torch
+
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)    # as torchrun sets OMP_NUM_THREADS=1 (and `commpipe train` runs)
     rank_main(parse_args(argv))
 
 
