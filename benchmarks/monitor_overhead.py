@@ -144,8 +144,11 @@ def report(args, world, everyone, out) -> None:
 
 
 def _spawned(rank, world, port, argv) -> None:
+    import torch
+
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)    # as torchrun sets OMP_NUM_THREADS=1 (and `commpipe train` runs)
     rank_main(parse_args(argv))
 
 
