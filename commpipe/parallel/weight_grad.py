@@ -23,13 +23,13 @@ with `watch_grad`, which tells it each time a gradient was added, by autograd or
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary, WeakIdRef
 
 
 class WeightGradStore:
@@ -77,22 +77,26 @@ class _Watch:
     deferred: bool = False
 
 
-# parameter -> its _Watch; weakly keyed by identity, so a parameter carries nothing and is freed
-# as if unwatched (tensors compare elementwise, hence torch's id-keyed dictionary)
-_watches = WeakIdKeyDictionary()
+# id(parameter) -> its _Watch, so a parameter carries nothing from outside. An entry goes when
+# its parameter is freed (a finalizer), before the id can be reused; a plain dict because the
+# backward looks it up for every stashed GEMM (a weak id-keyed dictionary costs ~30x more)
+_watches: dict[int, _Watch] = {}
+
+
+def _forget(key: int, watch: _Watch) -> None:
+    if _watches.get(key) is watch:
+        del _watches[key]
 
 
 class GradWatch:
     """The handle `watch_grad` returns: `remove()` stops the calls."""
 
-    def __init__(self, p: nn.Parameter, watch: _Watch, hook):
-        self._param, self._watch, self._hook = WeakIdRef(p), watch, hook
+    def __init__(self, key: int, watch: _Watch, hook):
+        self._key, self._watch, self._hook = key, watch, hook
 
     def remove(self) -> None:
         self._hook.remove()
-        p = self._param()
-        if p is not None and _watches.get(p) is self._watch:
-            del _watches[p]
+        _forget(self._key, self._watch)
 
 
 def watch_grad(p: nn.Parameter, on_added: Callable[[nn.Parameter], None]) -> GradWatch:
@@ -101,7 +105,8 @@ def watch_grad(p: nn.Parameter, on_added: Callable[[nn.Parameter], None]) -> Gra
     GEMM, after the flush that wrote it. Autograd still runs the hook when the stash left it
     nothing to add; that call is skipped. One watcher per parameter: a later one replaces it."""
     watch = _Watch(on_added)
-    _watches[p] = watch
+    _watches[id(p)] = watch
+    weakref.finalize(p, _forget, id(p), watch)
 
     def accumulated(p: nn.Parameter) -> None:
         if watch.deferred:      # nothing added: the flush calls on_added
@@ -109,12 +114,12 @@ def watch_grad(p: nn.Parameter, on_added: Callable[[nn.Parameter], None]) -> Gra
             return
         watch.on_added(p)
 
-    return GradWatch(p, watch, p.register_post_accumulate_grad_hook(accumulated))
+    return GradWatch(id(p), watch, p.register_post_accumulate_grad_hook(accumulated))
 
 
 def _ready(p: nn.Parameter) -> None:
     """Gradients written by a flush do not pass AccumulateGrad: tell p's watcher."""
-    watch = _watches.get(p)
+    watch = _watches.get(id(p))
     if watch is not None:
         watch.on_added(p)
 
@@ -133,7 +138,7 @@ def _mark_deferred(*params) -> None:
     # autograd still runs the parameters' post-accumulate-grad hooks, with no gradient added:
     # their watchers skip that call (the gradient arrives with the flush)
     for p in params:
-        watch = _watches.get(p) if p is not None else None
+        watch = _watches.get(id(p)) if p is not None else None
         if watch is not None:
             watch.deferred = True
 
