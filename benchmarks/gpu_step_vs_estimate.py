@@ -9,8 +9,10 @@ Per micro-batch size: the median step time over --steps timed steps (after --war
 bracketed by CUDA synchronisation, its spread, the prediction with its 80% interval, the signed
 error (estimate / measured - 1), model TFLOP/s and MFU as measured, and the peak memory torch
 allocated against the planner's per-GPU memory without its allocator reserve (and the allocator's
-reserved peak against the planned total). --trace DIR writes a torch.profiler trace of one step
-at the largest micro-batch size and prints the share of the step the GPU ran kernels;
+reserved peak against the planned total). On CUDA it prints the host time per eager op that
+`estimate`, run on the same host, measures and prices the passes with (max of GPU and host
+time). --trace DIR writes a torch.profiler trace of one step at the largest micro-batch size and
+prints the share of the step the GPU ran kernels;
 --memory-at-peak lists what holds memory at the step's peak, by source line. Results on an H200
 are in docs/planner.md ("One GPU: measured against estimate").
 """
@@ -193,6 +195,12 @@ def main(argv=None) -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"{name} (planner entry {args.gpu}), torch {torch.__version__}, {args.precision}, "
           f"model {args.model}, seq {args.seq_len}, global batch {args.global_batch}")
+    if device.type == "cuda":
+        from commpipe.plan.cpu import host_op_seconds
+
+        # what `estimate`, run on this host, prices each of a pass's eager ops at
+        # (commpipe.plan.runtime_ops: a pass takes max(GPU time, ops x this))
+        print(f"host time per eager op on this GPU: {host_op_seconds('cuda') * 1e6:.1f} us")
     head = (f"{'mbs':>4} {'measured ms':>12} {'spread':>13} {'estimate ms':>12} {'80% interval':>15}"
             f" {'error':>7} {'TFLOP/s':>8} {'MFU':>6} {'alloc GB':>9} {'plan GB':>8}")
     print(head)

@@ -3,6 +3,7 @@
     python benchmarks/planner_rank.py                    # 23-27 min on 2 busy vCPUs (root: + emulated)
     python benchmarks/planner_rank.py --no-emulated      # local ranks only, ~10 min
     python benchmarks/planner_rank.py --reuse            # predict OUT's measurements again
+    python benchmarks/planner_rank.py --reuse --fit-host # ... with host terms fitted, not measured
     python benchmarks/planner_rank.py --reuse --write-interval   # + the controller's interval
 
 For every tp x cp x pp x dp layout of 4 and of 8 CPU ranks that the tiny LLaMA admits (the demo's
@@ -17,8 +18,9 @@ For every tp x cp x pp x dp layout of 4 and of 8 CPU ranks that the tiny LLaMA a
    ranks had (`--host-cores`: this machine's, less what other processes used while the layout
    ran, sampled from /proc), the scheduler's wake-up wait (half the kernel's default time
    slice), the host time of a gloo call (the probe's 2-rank all-reduce less its two link
-   latencies), and the per-layer host terms of `plan --calibrate` on the runs of 1 and 2 ranks
-   (their layouts are in neither set);
+   latencies), and each pass's eager ops at the host time per op `plan --gpu cpu` measures
+   (commpipe.plan.runtime_ops); with --fit-host instead the per-layer host terms of
+   `plan --calibrate` on the runs of 1 and 2 ranks (their layouts are in neither set);
 3. compare, per set: Spearman rank correlation of measured and predicted step times
    (scipy.stats.spearmanr), the measured time of the predicted best against the measured best,
    and the median |predicted / measured - 1|. Goals: >= 0.9, within 5%, <= 15%.
@@ -109,11 +111,14 @@ def measure_set(name: str, cluster, out: Path, args, port: int, with_probe: bool
 
 def measure(args, out: Path) -> list[str]:
     """Every set this machine can run; returns their names."""
-    from commpipe.plan.cpu import measure_cpu
+    from commpipe.plan.cpu import measure_cpu, measure_op_seconds
 
     cpu = out / "cpu.json"
     if not (args.reuse and cpu.exists()):
         cpu.write_text(json.dumps(measure_cpu().to_dict(), indent=2) + "\n")
+    ops = out / "host_ops.json"
+    if not (args.reuse and ops.exists()):
+        ops.write_text(json.dumps({"op_s": measure_op_seconds()}) + "\n")
     port = 29640
     for world in CALIB_WORLDS:
         measure_set(f"calib{world}", Host(world), out, args, port, with_probe=world > 1)
@@ -199,7 +204,7 @@ def on_spare_cores(cluster, eff, spare: float):
         return replace(cluster, host_cores=spare), eff
     gpu = replace(cluster.gpu, tflops=cluster.gpu.tflops * spare, hbm_gbps=cluster.gpu.hbm_gbps * spare)
     eff = replace(eff, overhead_s=eff.overhead_s / spare, coll_overhead_s=eff.coll_overhead_s / spare,
-                  optimizer_overhead_s=eff.optimizer_overhead_s / spare)
+                  optimizer_overhead_s=eff.optimizer_overhead_s / spare, op_s=eff.op_s / spare)
     return replace(cluster, gpu=gpu, host_cores=1), eff
 
 
@@ -224,14 +229,19 @@ def probe_call_s(path: Path) -> float:
     return max(0.0, ar - 2 * pair) / 1e3
 
 
-def host_terms(out: Path, cores: int, wake_s: float = 0.0):
-    """The host terms a user calibrates on small runs of their own machine (`plan --calibrate`:
-    trust-region least squares on log step time, calibrate.fit's method): the overheads per layer
-    pass and per layer held by the optimizer, from the runs of 1 and 2 ranks (none of them a
-    layout of 4 or 8 ranks), each priced on the cores it had to spare. The host time per
-    collective call is measured by the probe instead (probe_call_s): fitted, it also takes up
-    the wait for the partner rank to be scheduled, which the host model counts separately
-    (wake_s) and which is not CPU work. Returns (Efficiency, summary)."""
+def host_terms(out: Path, cores: int, wake_s: float = 0.0, fit: bool = False):
+    """The host terms. By default measured, nothing fitted: each pass's and each optimizer
+    step's eager ops at the host time per op that `plan --gpu cpu` measures (commpipe.plan.cpu,
+    stored in OUT/host_ops.json; commpipe.plan.runtime_ops), the host time per collective call
+    from the probe (probe_call_s), no per-pass or per-layer overhead beside them; the summary's
+    MAPE is then that of the runs of 1 and 2 ranks, predicted. With `fit` (--fit-host), as a
+    user calibrates on small runs of their own machine (`plan --calibrate`: trust-region least
+    squares on log step time, calibrate.fit's method): the overheads per layer pass and per layer
+    held by the optimizer, from the runs of 1 and 2 ranks (none of them a layout of 4 or 8
+    ranks), each priced on the cores it had to spare, without the counted ops. The per-call time
+    is the probe's either way: fitted, it also takes up the wait for the partner rank to be
+    scheduled, which the host model counts separately (wake_s) and which is not CPU work.
+    Returns (Efficiency, summary)."""
     import numpy as np
     from scipy.optimize import least_squares
 
@@ -243,10 +253,19 @@ def host_terms(out: Path, cores: int, wake_s: float = 0.0):
         spec, job, cluster = planner_inputs(out, f"calib{world}", world, cores)
         points += [(spec, plan_layout(c), job, cluster, c)
                    for c in measured_layouts(out / f"calib{world}", cores)]
-    names = ("overhead_s", "optimizer_overhead_s")
-    start = Efficiency(overhead_s=100e-6, coll_overhead_s=probe_call_s(out / "probe-calib2.json"),
-                       optimizer_overhead_s=100e-6, wake_s=wake_s)
+    call_s = probe_call_s(out / "probe-calib2.json")
     meas = np.array([c["median_ms"] / 1e3 for *_, c in points])
+    if not fit:
+        op_s = json.loads((out / "host_ops.json").read_text())["op_s"]
+        eff = Efficiency(overhead_s=0.0, coll_overhead_s=call_s, op_s=op_s, wake_s=wake_s)
+        pred = np.array([estimate(spec, lay, job, *on_spare_cores(cl, eff, c["spare_cores"]),
+                                  detail=False).step_time_s for spec, lay, job, cl, c in points])
+        return eff, {"runs": len(points), "params": {"coll_overhead_s": call_s, "op_s": op_s},
+                     "mape": float(np.mean(np.abs(pred / meas - 1))), "wake_s": wake_s,
+                     "fitted": False}
+    names = ("overhead_s", "optimizer_overhead_s")
+    start = Efficiency(overhead_s=100e-6, coll_overhead_s=call_s, optimizer_overhead_s=100e-6,
+                       wake_s=wake_s)
 
     def predict(theta) -> np.ndarray:
         eff = replace(start, **dict(zip(names, np.exp(theta))))
@@ -259,7 +278,7 @@ def host_terms(out: Path, cores: int, wake_s: float = 0.0):
     mape = float(np.mean(np.abs(predict(sol.x) / meas - 1)))
     params = {k: getattr(eff, k) for k in ("coll_overhead_s",) + names}
     return eff, {"runs": len(points), "params": params, "mape": mape,
-                 "wake_s": wake_s}
+                 "wake_s": wake_s, "fitted": True}
 
 
 def predict_set(out: Path, name: str, world: int, cores: int, eff) -> list[dict]:
@@ -293,8 +312,10 @@ def score(rows: list[dict]) -> dict:
 
 
 def report(sets: dict, fitted: dict) -> None:
+    how = ("calibrated on" if fitted.get("fitted", True) else "measured (ops x time per op), "
+           "nothing fitted; MAPE on")
     print(f"\nwake-up wait {fitted['wake_s'] * 1e3:.2f} ms per busy rank ahead (the scheduler's "
-          f"half slice); host terms calibrated on the {fitted['runs']} runs of 1 and 2 ranks (MAPE "
+          f"half slice); host terms {how} the {fitted['runs']} runs of 1 and 2 ranks (MAPE "
           f"{fitted['mape']:.0%}): "
           + ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in fitted["params"].items()))
     for name, rows in sets.items():
@@ -350,6 +371,9 @@ def main(argv=None) -> int:
     ap.add_argument("--write-interval", action="store_true",
                     help="store the quantiles of measured / predicted step time in "
                          "commpipe/plan/interval.py (the adaptive controller's trial list)")
+    ap.add_argument("--fit-host", action="store_true",
+                    help="fit the per-pass and optimizer host terms on the runs of 1 and 2 ranks (the "
+                         "former method) instead of pricing each pass's ops at the measured time per op")
     ap.add_argument("--cores", type=int, default=os.cpu_count(),
                     help="cores the ranks share (default: this machine's, %(default)s)")
     args = ap.parse_args(argv)
@@ -361,7 +385,7 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     names = measure(args, out)
     _log(f"measured in {time.monotonic() - t0:.0f} s")
-    eff, fitted = host_terms(out, args.cores, scheduler_wake_s(args.cores))
+    eff, fitted = host_terms(out, args.cores, scheduler_wake_s(args.cores), fit=args.fit_host)
     sets = {name: predict_set(out, name, int(name.split("mbit")[-1].removeprefix("local")),
                               args.cores, eff) for name in names}
     report(sets, fitted)
