@@ -145,6 +145,9 @@ def report(args, world, everyone) -> None:
               "the overhead measurement stops there")
     blocks = {m: [max(col) for col in zip(*(r[0][m] for r in everyone))] for m in ("on", "off")}
     pairs = min(len(blocks["on"]), len(blocks["off"]))
+    if pairs == 0:
+        print("no on/off pair of blocks was measured before the switch")
+        return
     ratios = [blocks["on"][i] / blocks["off"][i] for i in range(pairs)]
     print(f"adaptive suite model, {world} ranks (dp{args.dp} pp{args.pp}), {pairs} on/off pairs "
           f"of {args.steps_per_block}-step blocks; time per step = a block's wall time (ranks "

@@ -56,6 +56,14 @@ def _worker(rank, world):
                      "group": list(comm.groups["tp"]), "coord": comm.coords["tp"],
                      "input_unchanged": bool(torch.equal(x, _data(rank, 8))), "seen": booked,
                      "gathered": gathered.tolist(), "warnings": [str(w.message) for w in caught]}
+    # control objects: small ones in one round; one rank's over the row width (16 KiB) widens
+    # the row on every rank of the group alike, and the next small gather keeps the width
+    comm = Comm(ParallelDims(tp=2, dp=2), rank)
+    objects = {"small": comm.gather_objects({"rank": rank, "x": [rank] * 3}, "dp"),
+               "large": comm.gather_objects("ab" * (20000 if rank == 1 else 1) + str(rank), "dp"),
+               "after": comm.gather_objects((rank, None), "world")}
+    got["objects"] = objects | {"dp_group": list(comm.groups["dp"]),
+                                "dp_width": comm._object_capacity.get("dp")}
     return json.loads(json.dumps(got))      # plain lists, as the checks below compare them
 
 
@@ -92,3 +100,14 @@ def test_all_gather_concatenates_in_group_order_without_deprecation_warnings(res
             want = torch.cat([_data(g, 8) for g in r["group"]])
             assert torch.equal(torch.tensor(r["gathered"]), want)
             assert not [w for w in r["warnings"] if "deprecated" in w], r["warnings"]
+
+
+def test_gather_objects_returns_every_ranks_object_in_group_order(results):
+    for res in results:
+        o = res["objects"]
+        group = o["dp_group"]
+        assert o["small"] == [{"rank": g, "x": [g] * 3} for g in group]
+        assert o["large"] == ["ab" * (20000 if g == 1 else 1) + str(g) for g in group]
+        assert o["after"] == [[g, None] for g in range(WORLD)]
+        # the group holding rank 1 widened its rows to hold its 40 KB pickle; the other did not
+        assert o["dp_width"] == (64 << 10 if 1 in group else None)

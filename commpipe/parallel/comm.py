@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from commpipe.parallel import object_rows
 from commpipe.parallel.completion import watch
 from commpipe.parallel.dims import ParallelDims
 
@@ -134,6 +135,7 @@ class Comm:
         self.coords = dims.coords(rank)
         self.groups: dict[str, tuple[int, ...]] = {}
         self._pg: dict[str, object] = {}
+        self._object_capacity: dict[str, int] = {}   # dim -> row width of gather_objects
         self.initialized = dist.is_available() and dist.is_initialized()
         self.backend = dist.get_backend() if self.initialized else "none"
         # strict order: point-to-point messages of a rank pair pair up in issue order, as on
@@ -357,11 +359,20 @@ class Comm:
         """Every rank's picklable `obj` on every rank of the group (control data, not tensors)."""
         if self.size(dim) == 1:
             return [obj]
-        out = [None] * self.size(dim)
+        # one all_gather of fixed-width rows (commpipe.parallel.object_rows); a second, wider
+        # one only when some rank's object outgrew the group's row
+        capacity = self._object_capacity.get(dim, object_rows.START_CAPACITY)
         call = self._blocking(dim, "all_gather_object")
-        dist.all_gather_object(out, obj, group=self._pg_of(dim))
+        while True:
+            row = object_rows.pack(obj, capacity, self.device)
+            rows = [torch.empty_like(row) for _ in range(self.size(dim))]
+            dist.all_gather(rows, row, group=self._pg_of(dim))
+            needed = max(object_rows.length(r) for r in rows)
+            if needed <= capacity:
+                break
+            capacity = self._object_capacity[dim] = object_rows.grown(capacity, needed)
         self._unblocked(call)
-        return out
+        return [object_rows.unpack(r) for r in rows]
 
     def broadcast_object(self, obj, src_rank: int = 0):
         if self.dims.world_size == 1 or not self.initialized:
