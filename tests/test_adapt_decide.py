@@ -258,6 +258,22 @@ def test_a_lasting_straggler_is_acted_on_once_after_min_steps():
     assert _run(120, slow=lambda s: 0.6 if s >= 50 else 1.0) == []
 
 
+def test_every_rank_slowing_alike_is_the_host_not_a_straggler():
+    def run(factors, steps=120, seed=0):
+        rng, watch, found = random.Random(seed), Watch(AdaptConfig()), []
+        for s in range(steps):
+            f0, f1 = factors(s)
+            found += [(s, d.key) for d in watch.observe(s, _signals(rng, compute=(100 * f0, 100 * f1)))]
+        return found
+
+    # both ranks 1.5x from step 50 (other work on the machine): no layout helps, nothing acted on
+    assert run(lambda s: (1.5, 1.5) if s >= 50 else (1.0, 1.0)) == []
+    # both slower, rank 1 by 1.5 x 1.5: half again slower than its peer (the band is 25%)
+    assert run(lambda s: (1.5, 2.25) if s >= 50 else (1.0, 1.0)) == [(54, "rank 1")]
+    # and the same under a peer that stayed: the straggler of the test above
+    assert run(lambda s: (1.0, 1.5) if s >= 50 else (1.0, 1.0)) == [(54, "rank 1")]
+
+
 def test_nothing_is_acted_on_in_a_plans_warm_up_and_thresholds_come_from_the_config():
     # the first warmup_steps steps of a plan are not observed; then the baseline is taken
     strict = AdaptConfig(warmup_steps=5, baseline_steps=3, min_steps=2, link_smooth_steps=1)

@@ -132,28 +132,53 @@ def worth_replanning(d: Detection, stragglers: set[str]) -> bool:
     return False
 
 
+def slower_than_peers(d: Detection, signals: dict[tuple[str, str], float | None],
+                      first: dict[tuple[str, str], float], min_shift: float) -> bool:
+    """Whether rank `d.key`, whose compute got slower, got slower than its peers: its level over
+    its first baseline under this plan, against the median of the other ranks' current compute
+    over theirs, differs by at least `min_shift`. A straggler is slow against its peers (as
+    fail-slow detectors in the field define it); every rank slowing alike is the host (other
+    work on a shared machine, a slower clock), which no layout takes work away from. A world of
+    one rank has no peers: its slowdown counts."""
+    mine = first.get(("compute", d.key))
+    peers = [v / first[k] for k, v in signals.items()
+             if k[0] == "compute" and k[1] != d.key and v and first.get(k)]
+    if not mine or not peers:
+        return True
+    return d.current / mine / statistics.median(peers) - 1 >= min_shift
+
+
 class Watch:
     """What the controller acts on, from the per-step signals of the running plan: nothing in
     the first `warmup_steps` steps of a plan, links smoothed over `link_smooth_steps`, then the
-    detections that call for re-planning (`worth_replanning`). Pure: the controller feeds it the
-    same numbers on every rank, so every rank reaches the same verdict."""
+    detections that call for re-planning (`worth_replanning`), a rank's slowdown only when it is
+    slower than its peers (`slower_than_peers`). Pure: the controller feeds it the same numbers
+    on every rank, so every rank reaches the same verdict."""
 
     def __init__(self, acfg):
         self.acfg = acfg
         self.detector = Detector(acfg.min_steps, acfg.min_shift, acfg.baseline_steps)
         self.stragglers: set[str] = set()
         self.steps_in_plan = 0
+        self.first: dict[tuple[str, str], float] = {}   # each series' first baseline in the plan
 
     def observe(self, step: int, signals: dict[tuple[str, str], float | None]) -> list[Detection]:
         self.steps_in_plan += 1
         if self.steps_in_plan <= self.acfg.warmup_steps:
             return []
         found = self.detector.observe_all(step, signals, {"link": self.acfg.link_smooth_steps})
-        return [d for d in found if worth_replanning(d, self.stragglers)]
+        for key, series in self.detector.series.items():
+            if series.baseline is not None:
+                self.first.setdefault(key, series.baseline)
+        return [d for d in found
+                if not (d.kind == "compute" and d.shift > 0
+                        and not slower_than_peers(d, signals, self.first, self.acfg.min_shift))
+                and worth_replanning(d, self.stragglers)]
 
     def new_plan(self) -> None:
         """A switch: the levels are those of another plan; collect new baselines."""
         self.detector.reset()
+        self.first.clear()
         self.steps_in_plan = 0
 
     def state(self) -> dict:
@@ -162,4 +187,5 @@ class Watch:
 
     def restore(self, state: dict) -> None:
         self.detector.arm(state.get("baselines") or {})
+        self.first.clear()
         self.stragglers = set(state.get("stragglers") or ())
