@@ -6,14 +6,16 @@ on this machine: the tiny preset on 1 and 2 ranks.
 
 Per layout: the median step time of `commpipe train --preset tiny` (fp32, sequence 64, global
 batch 8, micro-batch 1; steps after the warm-up, over --repeats launches), the cores other
-processes left it (benchmarks/_spare_cores.py), and two predictions of `estimate` for the same
-layout on this CPU (`--gpu cpu --backend gloo --host-cores 2 --precision fp32`): "untuned", the
-planner's former CPU default (Efficiency(): 20 us per layer pass, no host ops), and "measured",
-today's default (each pass's eager ops at the host time per op that commpipe.plan.cpu measures,
-commpipe.plan.runtime_ops), both for an idle machine and the second also on the cores the run
-had; and "probed", the second on those cores with the links, the host time per gloo call and the
-scheduler's wake-up wait of a `commpipe probe` of 2 ranks (as benchmarks/planner_rank.py prices
-them; --no-probe skips it). Results: docs/planner.md, "Ranking this machine's layouts".
+processes left it (benchmarks/_spare_cores.py), and predictions of `estimate` for the same
+layout on this CPU (`--gpu cpu --backend gloo --precision fp32`): "untuned", the planner's
+former CPU default (Efficiency(): 20 us per layer pass, no host ops) on 2 cores; "measured",
+each pass's eager ops at the host time per op that commpipe.plan.cpu measures
+(commpipe.plan.runtime_ops), on 2 cores; "capacity", the same on the cores the run had, each
+worth what the machine's cores run at once over their count (`--host-cores auto`,
+commpipe.plan.cpu.measure_core_capacity); and "probed", that with the links, the host time per
+gloo call and the scheduler's wake-up wait of a `commpipe probe` of 2 ranks (as
+benchmarks/planner_rank.py prices them; --no-probe skips it). Results: docs/planner.md,
+"Ranking this machine's layouts".
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ def train(name: str, steps: int, warmup: int, out: Path) -> tuple[float, float]:
     return statistics.median(times), spare
 
 
-def predict(name: str, spare: float, probe_file: Path | None) -> dict:
+def predict(name: str, spare: float, probe_file: Path | None, capacity: float) -> dict:
     from planner_rank import on_spare_cores, probe_call_s, scheduler_wake_s
 
     from commpipe.models.spec import resolve_model
@@ -74,6 +76,7 @@ def predict(name: str, spare: float, probe_file: Path | None) -> dict:
 
     dims = LAYOUTS[name]
     ranks = 2 if dims else 1
+    spare *= capacity / os.cpu_count()           # in lone ranks' worth
     cluster = replace(default_cluster(this_cpu(), ranks, ranks), backend="gloo", host_cores=2)
     job = for_cluster(Job(8, 64, precision="fp32"), cluster, "commpipe")
     lay = Layout(dims.get("tp", 1), dims.get("cp", 1), dims.get("pp", 1), dims.get("dp", 1), 1, 1,
@@ -82,7 +85,7 @@ def predict(name: str, spare: float, probe_file: Path | None) -> dict:
     measured = default_efficiency(cluster.gpu)
     out = {"untuned": estimate(spec, lay, job, cluster, Efficiency()).step_time_s,
            "measured": estimate(spec, lay, job, cluster, measured).step_time_s,
-           "on_spare": estimate(spec, lay, job, *on_spare_cores(cluster, measured, spare)).step_time_s,
+           "capacity": estimate(spec, lay, job, *on_spare_cores(cluster, measured, spare)).step_time_s,
            "op_us": measured.op_s * 1e6}
     if probe_file is not None:
         probed = replace(measured, coll_overhead_s=probe_call_s(probe_file),
@@ -105,8 +108,11 @@ def main(argv=None) -> int:
     if unknown or args.repeats < 1 or args.steps <= args.warmup:
         raise SystemExit(f"layouts from {', '.join(LAYOUTS)}; --repeats >= 1; --steps > --warmup")
     runs: dict[str, list] = {n: [] for n in names}
-    columns = (("untuned", 12), ("measured", 16), ("on_spare", 13)) + (() if args.no_probe else
+    columns = (("untuned", 12), ("measured", 16), ("capacity", 13)) + (() if args.no_probe else
                                                                         (("probed", 10),))
+    from commpipe.plan.cpu import measure_core_capacity
+
+    capacity = measure_core_capacity()
     with tempfile.TemporaryDirectory() as tmp:
         probe_file = None if args.no_probe else Path(tmp) / "probe.json"
         if probe_file is not None:
@@ -121,10 +127,11 @@ def main(argv=None) -> int:
         for n in names:
             ms = statistics.median(t for t, _ in runs[n]) * 1e3
             spare = statistics.fmean(s for _, s in runs[n])
-            p = predict(n, spare, probe_file)
+            p = predict(n, spare, probe_file, capacity)
             cells = "".join(f"{p[k] * 1e3:>{w}.1f}{p[k] * 1e3 / ms - 1:>+8.0%}" for k, w in columns)
             print(f"{n:<8}{ms:>12.1f}{spare:>7.2f}{cells}")
-    print(f"host time per op {p['op_us']:.2f} us (commpipe.plan.cpu); load average "
+    print(f"host time per op {p['op_us']:.2f} us, the {os.cpu_count()} cores run {capacity:.2f} "
+          f"lone ranks at once (commpipe.plan.cpu); load average "
           f"{os.getloadavg()[0]:.1f}")
     return 0
 

@@ -16,7 +16,8 @@ For every tp x cp x pp x dp layout of 4 and of 8 CPU ranks that the tiny LLaMA a
    machine and nothing fitted to these runs: the CPU entry (`commpipe.plan.cpu`, one thread's
    matmul peak and copy bandwidth), a `commpipe probe` of the same ranks (links), the cores the
    ranks had (`--host-cores`: this machine's, less what other processes used while the layout
-   ran, sampled from /proc), the scheduler's wake-up wait (half the kernel's default time
+   ran, sampled from /proc, each core worth what `--host-cores auto` measures the machine's
+   cores to run at once over their count), the scheduler's wake-up wait (half the kernel's default time
    slice), the host time of a gloo call (the probe's 2-rank all-reduce less its two link
    latencies), and each pass's eager ops at the host time per op `plan --gpu cpu` measures
    (commpipe.plan.runtime_ops); with --fit-host instead the per-layer host terms of
@@ -119,6 +120,7 @@ def measure(args, out: Path) -> list[str]:
     ops = out / "host_ops.json"
     if not (args.reuse and ops.exists()):
         ops.write_text(json.dumps({"op_s": measure_op_seconds()}) + "\n")
+    host_capacity(out, args.cores, fresh=not args.reuse)
     port = 29640
     for world in CALIB_WORLDS:
         measure_set(f"calib{world}", Host(world), out, args, port, with_probe=world > 1)
@@ -148,10 +150,23 @@ def measure(args, out: Path) -> list[str]:
 
 
 # -- predicting -----------------------------------------------------------------------------------
+def host_capacity(out: Path, cores: int, fresh: bool = False) -> float:
+    """What this machine's `cores` run at once in lone ranks' worth (`plan --host-cores auto`,
+    commpipe.plan.cpu.measure_core_capacity), measured once and kept in OUT/host_capacity.json."""
+    path = out / "host_capacity.json"
+    if fresh or not path.exists():
+        from commpipe.plan.cpu import measure_core_capacity
+
+        path.write_text(json.dumps({"cores": cores, "capacity": measure_core_capacity(cores)}) + "\n")
+    return json.loads(path.read_text())["capacity"]
+
+
 def measured_layouts(folder: Path, cores: int) -> list[dict]:
     """The oracle's candidates at the even split (what `plan` prices), each with median_ms and
     `spare_cores`: the cores other processes left over while its steps ran (each pass ends when
-    its rows are written and lasts the sum of its step times)."""
+    its rows are written and lasts the sum of its step times), in lone ranks' worth: times the
+    machine's measured capacity per core (host_capacity)."""
+    share = host_capacity(folder.parent, cores) / cores
     rec = json.loads((folder / "candidates.json").read_text())
     meter = folder / "host_cpu.json"
     samples = json.loads(meter.read_text())["samples"] if meter.exists() else []
@@ -165,7 +180,7 @@ def measured_layouts(folder: Path, cores: int) -> list[dict]:
             if steps and path.exists():
                 end = path.stat().st_mtime
                 spare.append(spare_cores(samples, end - sum(steps) / 1e3, end, cores))
-        out.append(c | {"spare_cores": statistics.fmean(spare) if spare else float(cores)})
+        out.append(c | {"spare_cores": share * (statistics.fmean(spare) if spare else float(cores))})
     return out
 
 

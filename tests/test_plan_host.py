@@ -154,6 +154,11 @@ def test_host_contention_stretches_a_fully_busy_host():
     # as many cores as ranks: no contention
     own = estimate(spec, lay, job, replace(c, num_gpus=4, host_cores=4), eff)
     assert own.step_time_s == pytest.approx(alone.step_time_s)
+    # four cores that run three lone ranks' worth at once (measure_core_capacity's figure on
+    # shared vCPUs): kappa = 4/3, every second of the step 4/3 as long
+    three = estimate(spec, lay, job, replace(c, num_gpus=4, host_cores=3.0), eff)
+    assert three.host_contention == pytest.approx(4 / 3, rel=1e-3)
+    assert three.step_time_s == pytest.approx(4 / 3 * alone.step_time_s, rel=1e-3)
     # a woken rank waits wake_s per busy rank ahead of it: latency + wake_s * (kappa - 1)
     c2, e2 = contended(_cpu_cluster(), Efficiency(wake_s=1e-3, overhead_s=1e-4), 3.0)
     assert c2.inter.latency_s == pytest.approx(2e-4 + 2e-3) and e2.overhead_s == pytest.approx(3e-4)
@@ -222,3 +227,33 @@ def test_estimate_cli_prices_shared_host_cores(capsys):
     own, enough, shared = times
     assert enough == pytest.approx(own, rel=1e-9)   # a core per rank: no contention
     assert shared > 1.5 * own                       # four ranks on one core
+
+
+def test_host_cores_flag_takes_a_capacity_or_auto(monkeypatch):
+    import argparse
+
+    import commpipe.plan.cpu as cpu
+    from commpipe.plan.cli import host_cores_arg
+
+    assert host_cores_arg("2") == 2 and isinstance(host_cores_arg("2"), int)   # JSON stays 2
+    assert host_cores_arg("1.46") == pytest.approx(1.46)
+    for bad in ("0.5", "two"):
+        with pytest.raises(argparse.ArgumentTypeError, match="core"):
+            host_cores_arg(bad)
+    monkeypatch.setattr(cpu, "measure_core_capacity", lambda: 1.4567)
+    assert host_cores_arg("auto") == pytest.approx(1.46)
+
+
+def test_core_capacity_is_the_cores_rate_together_over_one_alone():
+    from commpipe.plan.cpu import capacity_of, measure_core_capacity
+
+    # steps per second: process 0 alone 190, then beside process 1: 180 and 95 (one vCPU that
+    # gets half a core) -> (180 + 95) / 190 lone ranks' worth
+    assert capacity_of({0: [190.0, 180.0], 1: [95.0]}, 2) == pytest.approx(275 / 190)
+    # never below one rank's worth nor above the cores (a load spike while one ran alone)
+    assert capacity_of({0: [100.0, 40.0], 1: [40.0]}, 2) == 1.0
+    assert capacity_of({0: [50.0, 100.0], 1: [100.0]}, 2) == 2.0
+    # one core has nothing to share; two real processes on this machine finish and agree
+    # with the bounds (the figure itself is the machine's and its load's)
+    assert measure_core_capacity(1) == 1.0
+    assert 1.0 <= measure_core_capacity(2, seconds=0.3) <= 2.0

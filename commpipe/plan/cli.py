@@ -12,6 +12,7 @@ Dimensions given on the command line (--tp --cp --pp --dp --vpp --micro-batch-si
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from dataclasses import replace
@@ -79,9 +80,11 @@ def add_common_arguments(p, require_layout: bool = False) -> None:
     c.add_argument("--inter-node-latency-ms", type=float)
     c.add_argument("--backend", default="nccl", choices=("nccl", "gloo"),
                    help="collective library, for its latency steps (default nccl)")
-    c.add_argument("--host-cores", type=int, default=None,
-                   help="CPU cores all ranks share (CPU clusters with more ranks than cores); "
-                        "default: every rank has its own device")
+    c.add_argument("--host-cores", type=host_cores_arg, default=None, metavar="N|auto",
+                   help="CPU cores all ranks share (training on one CPU machine); a number, or "
+                        "auto: what this machine's cores run at once, measured (~3 s; vCPUs "
+                        "that share a physical core count for less). Default: every rank has "
+                        "its own device")
     title = "layout" if require_layout else "layout (fix dimensions; the rest is searched)"
     lay = p.add_argument_group(title)
     lay.add_argument("--tp", type=int)
@@ -211,6 +214,21 @@ def for_cluster(job: Job, cluster, framework: str | None = None) -> Job:
                                overlap=Overlap() if job.dp_overlap else Overlap.none(),
                                precision=job.precision)
     return replace(job, **runtime_job(features.validate()))
+
+
+def host_cores_arg(value: str) -> float:
+    """--host-cores: a number of cores >= 1, or `auto` (measured, commpipe.plan.cpu)."""
+    if value == "auto":
+        from commpipe.plan.cpu import measure_core_capacity
+
+        return round(measure_core_capacity(), 2)
+    try:
+        cores = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: give a number of cores or 'auto'") from None
+    if cores < 1:
+        raise argparse.ArgumentTypeError(f"{value}: ranks share at least one core")
+    return int(cores) if cores.is_integer() else cores
 
 
 def cluster_from_args(args, num_gpus: int | None = None, profile_path: str | None = None):

@@ -30,7 +30,10 @@ Other clusters (all optional, defaults as above):
 - `node_of`: the node of every rank when ranks do not fill nodes in rank order (a sweep's
   `placement`, e.g. TP across nodes); groups and pipeline links are placed by it.
 - `host_cores`: all ranks share one machine with this many cores (CPU training, or the emulated
-  cluster); `commpipe.plan.host` then prices the contention of more busy ranks than cores.
+  cluster); `commpipe.plan.host` then prices the contention of more busy ranks than cores. Not
+  always a whole number: what the cores deliver together, in lone ranks' worth
+  (`commpipe.plan.cpu.measure_core_capacity`, `plan --host-cores auto`), as two vCPUs that
+  share a physical core run less than two ranks' work at once.
 
 Bandwidths are decimal GB/s everywhere (bandwidth_gbps), as in the probe and monitor records.
 """
@@ -72,7 +75,7 @@ class Cluster:
     nics_per_node: int | None = None        # None: one NIC per GPU
     backend: str = "nccl"                   # nccl | gloo: latency steps of a collective
     node_of: tuple[int, ...] | None = None  # node of each rank; None: rank // gpus_per_node
-    host_cores: int | None = None           # cores shared by all ranks; None: a device per rank
+    host_cores: float | None = None         # cores shared by all ranks; None: a device per rank
 
     def __post_init__(self):
         if self.num_gpus < 1 or self.gpus_per_node < 1:

@@ -161,6 +161,69 @@ def _adamw(params, moments, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e
             p.addcdiv_(m, denom, value=-lr / c1)
 
 
+def _capacity_worker(index: int, seconds: float, start, go, results) -> None:
+    """One process of `measure_core_capacity`: op_step runs for `seconds` alone (index 0 only),
+    then for `seconds` beside the others; each phase's steps per second go to `results`."""
+    import torch
+
+    torch.set_num_threads(1)
+    step = op_step()
+    step()                                          # warm-up
+    rates = []
+    for phase, running in ((0, index == 0), (1, True)):
+        start.wait()                                # every process ready: the phase begins
+        if running:
+            n, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                step()
+                n += 1
+            rates.append(n / (time.perf_counter() - t0))
+        go[phase].wait()                            # the phase ends when its runners are done
+    results.put((index, rates))
+
+
+def measure_core_capacity(cores: int | None = None, seconds: float = 1.0) -> float:
+    """How many ranks' worth of eager training this host's cores run at once: `cores` processes
+    (default: every core this process may use) each step commpipe's layers (`op_step`, one
+    thread) for `seconds`, first one of them alone, then all together; the capacity is the sum
+    of their step rates over the lone one's. Cores that share a physical core (SMT siblings) or
+    a virtual machine's vCPUs backed by less than a core each deliver less than their count:
+    on one 2-vCPU machine two such ranks ran at 1.46 lone ranks' speed between them. This is
+    what `plan --host-cores auto` passes as `Cluster.host_cores` (commpipe.plan.host shares it
+    among the busy ranks). At least 1, at most `cores`; ~3 s with the processes' start."""
+    import multiprocessing as mp
+
+    cores = cores or len(os.sched_getaffinity(0))
+    if cores < 1 or seconds <= 0:
+        raise ValueError("measure_core_capacity needs cores >= 1 and seconds > 0")
+    if cores == 1:
+        return 1.0
+    ctx = mp.get_context("spawn")
+    start = ctx.Barrier(cores)
+    go = [ctx.Barrier(cores) for _ in range(2)]
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_capacity_worker, args=(i, seconds, start, go, results))
+             for i in range(cores)]
+    for proc in procs:
+        proc.start()
+    try:
+        rates = dict(results.get(timeout=120 + 4 * seconds) for _ in procs)
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    return capacity_of(rates, cores)
+
+
+def capacity_of(rates: dict[int, list[float]], cores: int) -> float:
+    """Capacity from `_capacity_worker`'s rates: process 0's [alone, together], the others'
+    [together]; the together rates' sum over the lone one, within [1, cores]."""
+    alone = rates[0][0]
+    together = rates[0][1] + sum(r[0] for i, r in rates.items() if i)
+    return min(float(cores), max(1.0, together / alone))
+
+
 @lru_cache(maxsize=2)
 def host_op_seconds(device: str = "cpu") -> float:
     """`measure_op_seconds` once per process and device."""
@@ -168,4 +231,5 @@ def host_op_seconds(device: str = "cpu") -> float:
 
 
 if __name__ == "__main__":
-    print(json.dumps(this_cpu().to_dict() | {"op_us": host_op_seconds() * 1e6}, indent=2))
+    print(json.dumps(this_cpu().to_dict() | {"op_us": host_op_seconds() * 1e6,
+                                             "core_capacity": measure_core_capacity()}, indent=2))

@@ -96,6 +96,9 @@ def print_estimate(e: Estimate, cluster) -> None:
             print(interval_line(e))
         parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in e.breakdown.items() if v > 0)
         print(f"breakdown on the busiest rank: {parts}")
+        if cluster.host_cores is not None:
+            print(f"host: {lay.gpus} ranks share {cluster.host_cores:g} cores' worth of CPU; "
+                  f"busy ranks slowed {e.host_contention:.2f}x by sharing them (commpipe.plan.host)")
     if e.moe is not None:
         m = e.moe
         print(f"experts: ep {m['ep']}, edp {m['edp']}, {m['tokens_per_expert']:.0f} token copies per "
