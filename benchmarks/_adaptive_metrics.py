@@ -86,6 +86,15 @@ def measure(case, adaptive: dict, static: dict, best: dict | None) -> dict:
     m |= {"settle_steps": settled["step"] - step, "settle_s": wall_s(adaptive, step,
                                                                      settled["step"]),
           "switches_in_phase_s": sum(d.get("switch_time_s") or 0.0 for d in phase)}
+    # once settled: the steps of the faulty period after the reaction's last switch, against
+    # the same static and best (what the reaction buys after its trials; the share above also
+    # pays for the steps before detection and for the trials)
+    after = settled["step"] + 1
+    if det["action"] == "switch" and after < end:
+        m["settled_ms"] = wall_ms(adaptive, after, end)
+        m["recovered_settled"] = ((t_static - m["settled_ms"]) / (t_static - t_best)
+                                  if None not in (t_static, m["settled_ms"], t_best)
+                                  and t_static - t_best > 1e-9 else None)
     phases = [d.get("switch_phases") for d in phase if d.get("switch_phases")]
     if phases:
         m["switch_split_s"] = {k: sum(p.get(k, 0.0) for p in phases) for k in phases[0]}
@@ -98,7 +107,7 @@ def _ratio(a, b, minus: float = 1.0):
 
 # -- output ----------------------------------------------------------------------------------------
 COLUMNS = ("scenario", "sev", "detect", "false", "settle", "plan/state/rebuild s", "T static/adapt/best",
-           "recovered", "ends on", "max dloss")
+           "recovered (settled)", "ends on", "max dloss")
 
 
 def row(m: dict) -> list[str]:
@@ -120,7 +129,9 @@ def row(m: dict) -> list[str]:
                                                       "t_best_ms")) + " ms"
     return [m["scenario"] + (f" #{m['repeat']}" if m.get("repeat") else ""),
             f(m.get("severity"), ".2f") + ("x" if m.get("severity") else ""), det,
-            str(m["false_switches"]), settle, sw, times, f(m.get("recovered"), ".2f"),
+            str(m["false_switches"]), settle, sw, times,
+            f(m.get("recovered"), ".2f") + (f" ({f(m['recovered_settled'], '.2f')})"
+                                            if "recovered_settled" in m else ""),
             _short(m.get("final_layout")), f(m.get("max_loss_diff"), ".1e")]
 
 

@@ -26,7 +26,9 @@ and reports: detection latency (steps and seconds after the fault's first step),
 (switches before any lasting fault, or in a scenario without one), detection to settled (the
 trial phase's end, or the switch without trials), the switch time split (planning on rank 0,
 then the switch as the decision records time it), the recovered share
-(T_static - T_adaptive) / (T_static - T_best) on mean wall time per step over the faulty period,
+(T_static - T_adaptive) / (T_static - T_best) on mean wall time per step over the faulty period
+(in brackets, the same share over the faulty steps after the reaction settled: what the layout
+it reached recovers, without the steps before detection and the trials),
 the overhead of --adapt on a healthy run (wall per step, same seed) and the largest loss
 difference against the static run. Wall time per step comes from when each step's record
 reaches metrics.jsonl, so it includes what the controller does between steps (its per-step
