@@ -169,30 +169,15 @@ def report(args, world, everyone) -> None:
           f" ms, off {statistics.median(cpu['off']) * 1e3:.1f} ms a step)")
 
 
-def _spawned(rank, world, port, argv) -> None:
-    import torch
-
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)    # as torchrun sets OMP_NUM_THREADS=1 (and `commpipe train` runs)
-    rank_main(parse_args(argv))
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.blocks % 2:
         raise SystemExit(f"--blocks {args.blocks}: use an even number (on/off pairs)")
     if args.dp * args.pp != args.nproc and "WORLD_SIZE" not in os.environ:
         raise SystemExit(f"--dp {args.dp} x --pp {args.pp} must equal --nproc {args.nproc}")
-    if "WORLD_SIZE" in os.environ:
-        rank_main(args)
-        return 0
-    import torch.multiprocessing as mp
+    from _local_ranks import run_ranks
 
-    from commpipe.cluster.ports import free_port
-
-    mp.spawn(_spawned, args=(args.nproc, free_port(), sys.argv[1:] if argv is None else argv),
-             nprocs=args.nproc, join=True)
+    run_ranks(rank_main, parse_args, args, args.nproc, argv)
     return 0
 
 

@@ -143,28 +143,13 @@ def report(args, world, everyone, out) -> None:
     print(f"  (monitor output of the timed blocks in {out})")
 
 
-def _spawned(rank, world, port, argv) -> None:
-    import torch
-
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)    # as torchrun sets OMP_NUM_THREADS=1 (and `commpipe train` runs)
-    rank_main(parse_args(argv))
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.blocks % len(MODES):
         raise SystemExit(f"--blocks {args.blocks}: use a multiple of 3 so every mode runs equally often")
-    if "WORLD_SIZE" in os.environ:
-        rank_main(args)
-        return 0
-    import torch.multiprocessing as mp
+    from _local_ranks import run_ranks
 
-    from commpipe.cluster.ports import free_port
-
-    mp.spawn(_spawned, args=(args.nproc, free_port(), sys.argv[1:] if argv is None else argv),
-             nprocs=args.nproc, join=True)
+    run_ranks(rank_main, parse_args, args, args.nproc, argv)
     return 0
 
 
