@@ -1,6 +1,6 @@
 """Control objects as fixed-width byte rows, so that gathering them takes one collective.
 
-torch.distributed.all_gather_object takes two rounds: the sizes, then the padded payloads. The
+PyTorch's object gather takes two rounds: the sizes, then the padded payloads. The
 adaptive controller gathers a small summary from every rank after every step, so the first round
 is half its cost. Here each rank pickles its object into a row of `capacity` bytes behind an
 8-byte length; one all_gather of the rows brings every object whose pickle fits. When one does
