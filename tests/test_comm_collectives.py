@@ -56,7 +56,7 @@ def _worker(rank, world):
                      "group": list(comm.groups["tp"]), "coord": comm.coords["tp"],
                      "input_unchanged": bool(torch.equal(x, _data(rank, 8))), "seen": booked,
                      "gathered": gathered.tolist(), "warnings": [str(w.message) for w in caught]}
-    # control objects: small ones in one round; one rank's over the row width (16 KiB) widens
+    # control objects: small ones in one round; one rank's over the row width (4 KiB) widens
     # the row on every rank of the group alike, and the next small gather keeps the width
     comm = Comm(ParallelDims(tp=2, dp=2), rank)
     objects = {"small": comm.gather_objects({"rank": rank, "x": [rank] * 3}, "dp"),

@@ -15,7 +15,7 @@ import pickle
 import torch
 
 HEADER = 8                      # bytes of the little-endian pickle length
-START_CAPACITY = 16 << 10       # bytes of payload per rank before any object outgrew it
+START_CAPACITY = 4 << 10        # bytes of payload per rank before any object outgrew it
 
 
 def pack(obj, capacity: int, device: torch.device) -> torch.Tensor:
