@@ -63,7 +63,7 @@ def _worker(rank, world):
                "large": comm.gather_objects("ab" * (20000 if rank == 1 else 1) + str(rank), "dp"),
                "after": comm.gather_objects((rank, None), "world")}
     got["objects"] = objects | {"dp_group": list(comm.groups["dp"]),
-                                "dp_width": comm._object_capacity.get("dp")}
+                                "dp_width": comm._object_capacity.get(comm.groups["dp"])}
     return json.loads(json.dumps(got))      # plain lists, as the checks below compare them
 
 

@@ -135,7 +135,7 @@ class Comm:
         self.coords = dims.coords(rank)
         self.groups: dict[str, tuple[int, ...]] = {}
         self._pg: dict[str, object] = {}
-        self._object_capacity: dict[str, int] = {}   # dim -> row width of gather_objects
+        self._object_capacity: dict[tuple, int] = {}   # group's ranks -> gather_objects row width
         self.initialized = dist.is_available() and dist.is_initialized()
         self.backend = dist.get_backend() if self.initialized else "none"
         # strict order: point-to-point messages of a rank pair pair up in issue order, as on
@@ -361,7 +361,10 @@ class Comm:
             return [obj]
         # one all_gather of fixed-width rows (commpipe.parallel.object_rows); a second, wider
         # one only when some rank's object outgrew the group's row
-        capacity = self._object_capacity.get(dim, object_rows.START_CAPACITY)
+        # keyed by the group's ranks: one group under two names (edp is dp_cp without experts)
+        # keeps one width on every member
+        key = ("world",) if dim == "world" else self.groups[dim]
+        capacity = self._object_capacity.get(key, object_rows.START_CAPACITY)
         call = self._blocking(dim, "all_gather_object")
         while True:
             row = object_rows.pack(obj, capacity, self.device)
@@ -370,7 +373,7 @@ class Comm:
             needed = max(object_rows.length(r) for r in rows)
             if needed <= capacity:
                 break
-            capacity = self._object_capacity[dim] = object_rows.grown(capacity, needed)
+            capacity = self._object_capacity[key] = object_rows.grown(capacity, needed)
         self._unblocked(call)
         return [object_rows.unpack(r) for r in rows]
 
