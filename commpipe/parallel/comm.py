@@ -27,6 +27,7 @@ The hang watchdog (commpipe.elastic.watchdog) reads them from its own thread.
 from __future__ import annotations
 
 import datetime
+import pickle
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -359,23 +360,23 @@ class Comm:
         """Every rank's picklable `obj` on every rank of the group (control data, not tensors)."""
         if self.size(dim) == 1:
             return [obj]
-        # one all_gather of fixed-width rows (commpipe.parallel.object_rows); a second, wider
-        # one only when some rank's object outgrew the group's row
-        # keyed by the group's ranks: one group under two names (edp is dp_cp without experts)
-        # keeps one width on every member
+        # one all_gather of fixed-width rows (commpipe.parallel.object_rows), a second, wider
+        # one only when some rank's object outgrew the row; the width is kept per group of
+        # ranks, so one group under two names (edp is dp_cp without experts) agrees on it
         key = ("world",) if dim == "world" else self.groups[dim]
         capacity = self._object_capacity.get(key, object_rows.START_CAPACITY)
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
         call = self._blocking(dim, "all_gather_object")
         while True:
-            row = object_rows.pack(obj, capacity, self.device)
+            row = object_rows.pack(data, capacity, self.device)
             rows = [torch.empty_like(row) for _ in range(self.size(dim))]
             dist.all_gather(rows, row, group=self._pg_of(dim))
-            needed = max(object_rows.length(r) for r in rows)
-            if needed <= capacity:
+            lengths = [object_rows.length(r) for r in rows]
+            if max(lengths) <= capacity:
                 break
-            capacity = self._object_capacity[key] = object_rows.grown(capacity, needed)
+            capacity = self._object_capacity[key] = object_rows.grown(capacity, max(lengths))
         self._unblocked(call)
-        return [object_rows.unpack(r) for r in rows]
+        return [object_rows.unpack(r, n) for r, n in zip(rows, lengths)]
 
     def broadcast_object(self, obj, src_rank: int = 0):
         if self.dims.world_size == 1 or not self.initialized:

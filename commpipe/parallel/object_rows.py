@@ -18,9 +18,8 @@ HEADER = 8                      # bytes of the little-endian pickle length
 START_CAPACITY = 4 << 10        # bytes of payload per rank before any object outgrew it
 
 
-def pack(obj, capacity: int, device: torch.device) -> torch.Tensor:
-    """`obj` pickled into a row: its length, then the pickle if it fits `capacity` (else zeros)."""
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+def pack(data: bytes, capacity: int, device: torch.device) -> torch.Tensor:
+    """A pickle `data` as a row: its length, then the bytes if they fit `capacity` (else zeros)."""
     row = torch.zeros(HEADER + capacity, dtype=torch.uint8)
     row[:HEADER] = torch.frombuffer(bytearray(len(data).to_bytes(HEADER, "little")),
                                     dtype=torch.uint8)
@@ -33,8 +32,8 @@ def length(row: torch.Tensor) -> int:
     return int.from_bytes(row[:HEADER].cpu().numpy().tobytes(), "little")
 
 
-def unpack(row: torch.Tensor):
-    n = length(row)
+def unpack(row: torch.Tensor, n: int):
+    """The object of a row whose pickle is `n` bytes long (`length(row)`)."""
     return pickle.loads(row[HEADER:HEADER + n].cpu().numpy().tobytes())
 
 
