@@ -40,6 +40,7 @@ class _Series:
     start: list = field(default_factory=list)   # observations that set the baseline
     raw: list = field(default_factory=list)     # last `smooth` raw observations
     baseline: float | None = None
+    first: float | None = None                  # the first baseline (a detection moves baseline)
     run: list = field(default_factory=list)     # (step, value) shifted the same way
     sign: int = 0
 
@@ -59,6 +60,11 @@ class Detector:
         s = self.series.get((kind, key))
         return s.baseline if s else None
 
+    def firsts(self) -> dict[tuple[str, str], float]:
+        """Each series' first baseline since the last reset (or `arm`), before any detection
+        moved it."""
+        return {k: s.first for k, s in self.series.items() if s.first is not None}
+
     def baselines(self) -> dict[str, float]:
         """Every settled baseline, as {"kind|key": ms} (JSON: it travels in checkpoints)."""
         return {f"{k}|{n}": s.baseline for (k, n), s in sorted(self.series.items())
@@ -69,7 +75,7 @@ class Detector:
         them is detected without first collecting new ones."""
         for name, value in baselines.items():
             kind, _, key = name.partition("|")
-            self.series[(kind, key)] = _Series(baseline=float(value))
+            self.series[(kind, key)] = _Series(baseline=float(value), first=float(value))
 
     def observe(self, step: int, kind: str, key: str, value: float | None,
                 smooth: int = 1) -> Detection | None:
@@ -82,7 +88,7 @@ class Detector:
         if s.baseline is None:
             s.start.append(value)
             if len(s.start) >= self.baseline_steps:
-                s.baseline = statistics.median(s.start)
+                s.baseline = s.first = statistics.median(s.start)
             return None
         base = s.baseline
         shift = (value - base) / base if base > 0 else (0.0 if value == base else float("inf"))
@@ -135,11 +141,11 @@ def worth_replanning(d: Detection, stragglers: set[str]) -> bool:
 def slower_than_peers(d: Detection, signals: dict[tuple[str, str], float | None],
                       first: dict[tuple[str, str], float], min_shift: float) -> bool:
     """Whether rank `d.key`, whose compute got slower, got slower than its peers: its level over
-    its first baseline under this plan, against the median of the other ranks' current compute
-    over theirs, differs by at least `min_shift`. A straggler is slow against its peers (as
-    fail-slow detectors in the field define it); every rank slowing alike is the host (other
-    work on a shared machine, a slower clock), which no layout takes work away from. A world of
-    one rank has no peers: its slowdown counts."""
+    its first baseline under this plan (`Detector.firsts`), against the median of the other
+    ranks' current compute over theirs, differs by at least `min_shift`. A straggler is slow
+    against its peers (as fail-slow detectors in the field define it); every rank slowing alike
+    is the host (other work on a shared machine, a slower clock), which no layout takes work
+    away from. A world of one rank has no peers: its slowdown counts."""
     mine = first.get(("compute", d.key))
     peers = [v / first[k] for k, v in signals.items()
              if k[0] == "compute" and k[1] != d.key and v and first.get(k)]
@@ -160,25 +166,21 @@ class Watch:
         self.detector = Detector(acfg.min_steps, acfg.min_shift, acfg.baseline_steps)
         self.stragglers: set[str] = set()
         self.steps_in_plan = 0
-        self.first: dict[tuple[str, str], float] = {}   # each series' first baseline in the plan
 
     def observe(self, step: int, signals: dict[tuple[str, str], float | None]) -> list[Detection]:
         self.steps_in_plan += 1
         if self.steps_in_plan <= self.acfg.warmup_steps:
             return []
         found = self.detector.observe_all(step, signals, {"link": self.acfg.link_smooth_steps})
-        for key, series in self.detector.series.items():
-            if series.baseline is not None:
-                self.first.setdefault(key, series.baseline)
+        first = self.detector.firsts() if found else {}
         return [d for d in found
                 if not (d.kind == "compute" and d.shift > 0
-                        and not slower_than_peers(d, signals, self.first, self.acfg.min_shift))
+                        and not slower_than_peers(d, signals, first, self.acfg.min_shift))
                 and worth_replanning(d, self.stragglers)]
 
     def new_plan(self) -> None:
         """A switch: the levels are those of another plan; collect new baselines."""
         self.detector.reset()
-        self.first.clear()
         self.steps_in_plan = 0
 
     def state(self) -> dict:
@@ -187,5 +189,4 @@ class Watch:
 
     def restore(self, state: dict) -> None:
         self.detector.arm(state.get("baselines") or {})
-        self.first.clear()
         self.stragglers = set(state.get("stragglers") or ())
