@@ -161,24 +161,25 @@ def _adamw(params, moments, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e
             p.addcdiv_(m, denom, value=-lr / c1)
 
 
-def _capacity_worker(index: int, seconds: float, start, go, results) -> None:
+def _capacity_worker(index: int, seconds: float, barrier, results) -> None:
     """One process of `measure_core_capacity`: op_step runs for `seconds` alone (index 0 only),
-    then for `seconds` beside the others; each phase's steps per second go to `results`."""
+    then for `seconds` beside the others; each phase's steps per second go to `results`. Every
+    process meets at `barrier` when a phase begins (the end of the one before) and at the end."""
     import torch
 
     torch.set_num_threads(1)
     step = op_step()
     step()                                          # warm-up
     rates = []
-    for phase, running in ((0, index == 0), (1, True)):
-        start.wait()                                # every process ready: the phase begins
+    for running in (index == 0, True):
+        barrier.wait()
         if running:
             n, t0 = 0, time.perf_counter()
             while time.perf_counter() - t0 < seconds:
                 step()
                 n += 1
             rates.append(n / (time.perf_counter() - t0))
-        go[phase].wait()                            # the phase ends when its runners are done
+    barrier.wait()
     results.put((index, rates))
 
 
@@ -199,10 +200,9 @@ def measure_core_capacity(cores: int | None = None, seconds: float = 1.0) -> flo
     if cores == 1:
         return 1.0
     ctx = mp.get_context("spawn")
-    start = ctx.Barrier(cores)
-    go = [ctx.Barrier(cores) for _ in range(2)]
+    barrier = ctx.Barrier(cores)
     results = ctx.Queue()
-    procs = [ctx.Process(target=_capacity_worker, args=(i, seconds, start, go, results))
+    procs = [ctx.Process(target=_capacity_worker, args=(i, seconds, barrier, results))
              for i in range(cores)]
     for proc in procs:
         proc.start()
