@@ -179,7 +179,11 @@ def test_slow_rank_drill_moves_layers_off_the_slow_stage(four_ranks):
     settle = next(d for d in decisions if d["action"] == "settle")
     trials = [d for d in decisions
               if d["action"] == "trial" and first["step"] < d["step"] <= settle["step"]]
-    assert [t["plan"] for t in trials] == [t["plan"] for t in first["trials"]]
+    # in the listed order, less those a measured trial showed could not win (`dropped`)
+    dropped = {p for t in trials for p in t.get("dropped", [])}
+    assert [t["plan"] for t in trials] == [t["plan"] for t in first["trials"]
+                                          if t["plan"] not in dropped]
+    assert not dropped & {t["plan"] for t in trials}
     for t in trials:
         assert len(t["steps_ms"]) == 3 and len(t["warmup_ms"]) == 1
         logged = [m["step_time_s"] * 1e3 for m in metrics if t["step"] - 3 < m["step"] <= t["step"]]
@@ -189,6 +193,12 @@ def test_slow_rank_drill_moves_layers_off_the_slow_stage(four_ranks):
     assert settle["to"]["name"] == fastest["plan"] and settle["measured_ms"] == fastest["measured_ms"]
     assert settle["trial_cost_s"] >= sum(t.get("switch_time_s", 0) for t in trials) > 0
     assert [m["step"] for m in metrics] == list(range(STEPS))   # each step once, in order
+    # the settled plan is re-checked once, on its own steps, when its baselines are armed
+    # (warm-up, then baseline_steps): an evaluation without a detection, from that plan
+    rechecks = [d for d in decisions if d.get("recheck")]
+    assert rechecks and not rechecks[0]["detections"]
+    assert rechecks[0]["from"]["name"] == settle["to"]["name"]
+    assert rechecks[0]["step"] > settle["step"] + AdaptConfig().warmup_steps
 
 
 @pytest.mark.slow

@@ -80,6 +80,39 @@ def test_calibration_reproduces_the_running_plan_and_prices_a_resplit_by_hand():
     assert CostModel(_cfg().spec, 16, 2, 2, _measured()).balanced_split(CUR) == (2, 2)
 
 
+def test_the_part_fixed_per_micro_batch_is_slowed_with_the_rank_and_not_grown_with_the_batch():
+    """With `op_work` W (commpipe.plan.pass_split) a micro-batch of b samples on stage s takes
+    k_s * u * (b * work_s + ops_s * W): 562 counted ops on two blocks (2 x (102 + 179), fp32),
+    625 on two blocks and the head (+ 21 + 42). Rank 1 3x slower. The calibration must find
+    u and k = 3 (the slow rank's ops are slow too), and 4 micro-batches of 2 must cost the
+    ops 4 times, not 8: stage 1 still bounds the pipeline, F0 + 4 (F1 + B1) + B0 + 5 ms."""
+    from commpipe.adapt.model import CostModel, Measured
+    from commpipe.sim.costs import CostTable
+
+    u, W = C / 16, 4000.0                    # ms per FLOP of a sample; work per op
+    work0, work1 = 2 * BLOCK * 16, (2 * BLOCK + HEAD) * 16
+    t0, t1 = u * (work0 + 562 * W), 3 * u * (work1 + 625 * W)
+    m = Measured(CUR, CostTable(f=[t0 / 3, t1 / 3], b=[2 * t0 / 3, 2 * t1 / 3]), host_ms=0.0,
+                 step_ms=t0 + 8 * t1 + OTHER_MS, rank_busy={0: 8 * t0, 1: 8 * t1}, op_work=W)
+    model = CostModel(_cfg().spec, 16, 2, 2, m)
+    assert model.unit == pytest.approx(u, rel=1e-9)
+    assert model.k == {0: pytest.approx(1.0), 1: pytest.approx(3.0)}
+    assert model.predict(CUR) == pytest.approx(m.step_ms, rel=1e-9)
+    pairs = Plan(1, 1, 2, 1, (2, 2), "1f1b", 4, 2)
+    p0, p1 = u * (2 * work0 + 562 * W), 3 * u * (2 * work1 + 625 * W)
+    assert model.predict(pairs) == pytest.approx(p0 + 4 * p1 + OTHER_MS, rel=1e-3)
+    # FLOPs alone (W = 0) would price the pairs slower than the singles: stage 1 passes the
+    # same 8 samples, and the pipeline's fill and drain (F0, B0) carry a pair
+    flops_only = CostModel(_cfg().spec, 16, 2, 2, _measured(slow=3.0))
+    assert flops_only.predict(pairs) == pytest.approx(flops_only.predict(CUR) + 2 * BLOCK * C,
+                                                      rel=1e-3)
+    assert model.predict(pairs) < 0.9 * m.step_ms
+    # the balancer weighs each layer's ops beside its FLOPs
+    ms = model.layer_ms(CUR)
+    assert ms[0] == pytest.approx(u * (BLOCK * 16 + 281 * W), rel=1e-9)
+    assert ms[3] == pytest.approx(u * ((BLOCK + HEAD) * 16 + 344 * W), rel=1e-9)
+
+
 def test_activations_are_priced_at_the_runs_element_size():
     from commpipe.adapt.model import CostModel
 
@@ -124,6 +157,17 @@ def test_candidates_are_resplits_rebatches_and_layouts_of_the_same_world():
     layouts = {(p.tp, p.cp, p.pp, p.dp) for p in candidates(CUR, model, spec, 16, 8, 2, 2,
                                                              AdaptConfig())}
     assert layouts == {(1, 1, 2, 1), (2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 1, 2)}
+
+
+def test_one_stage_is_rebatched_under_its_own_schedule_only():
+    """Without a pipeline a schedule only reorders one rank's micro-batches: dp2 is re-batched
+    to 1, 2 and 4 micro-batches (of 4, 2, 1) under its running schedule, never another."""
+    from commpipe.adapt.candidates import rebatches
+
+    dp2 = Plan(1, 1, 1, 2, (4,), "zbh1", 4, 1)
+    got = rebatches(dp2, 8, 4)
+    assert {(p.schedule, p.microbatches, p.micro_batch_size) for p in got} == \
+        {("zbh1", 1, 4), ("zbh1", 2, 2)}
 
 
 # -- stay or switch --------------------------------------------------------------------------------

@@ -88,3 +88,33 @@ def test_step_time_factors_are_the_planners_interval():
     assert low < 1.0 / RATIO_QUANTILES[50] < high
     assert step_time_factors(on_cpu=True) == (CPU_STEP_QUANTILES[10], CPU_STEP_QUANTILES[90])
     assert CPU_STEP_QUANTILES[10] < CPU_STEP_QUANTILES[90]
+
+
+def test_a_trial_phase_drops_what_its_measured_bias_shows_cannot_win():
+    """After a trial the untried candidates are predicted again with the run's measured bias
+    (the median of measured / predicted so far): A predicted 100 measured 90 (bias 0.9). With a
+    relative error interval (0.9, 1.1) B (110: 110 x 0.9 x 0.9 = 89.1 <= 90) may still win and
+    stays; C (130: 105.3 > 90) is dropped. The plan before the trials counts as measured."""
+    from commpipe.adapt.trial import Trials
+
+    a, b, c = (Plan(1, 1, 2, 1, split, "1f1b", 8, 1) for split in ((1, 3), (2, 2), (3, 1)))
+    x = Plan(1, 1, 1, 2, (4,), "1f1b", 4, 1)
+    t = Trials([(a, 100.0), (b, 110.0), (c, 130.0)], (x, 200.0), steps=1, warmup=0)
+    assert t.prune((0.9, 1.1)) == []                    # nothing measured yet: nothing to learn
+    assert t.observe(90.0)
+    t.finish()
+    assert t.prune((0.9, 1.1)) == [c]
+    assert [p for p, _ in t.plans] == [a, b] and t.plan == b
+    # a plan before the trials faster than anything predicted drops every untried candidate
+    t2 = Trials([(a, 100.0), (b, 110.0)], (x, 80.0), steps=1, warmup=0)
+    t2.observe(100.0)
+    t2.finish()
+    assert t2.prune((0.9, 1.1)) == [b] and t2.done and t2.settle() == (x, 80.0)
+
+
+def test_the_trial_interval_is_the_suites_on_a_cpu_and_the_planners_on_a_gpu():
+    from commpipe.plan.interval import TRIAL_QUANTILES, step_time_factors, trial_factors
+
+    assert trial_factors(on_cpu=True) == (TRIAL_QUANTILES[10], TRIAL_QUANTILES[90])
+    assert TRIAL_QUANTILES[10] <= TRIAL_QUANTILES[50] <= TRIAL_QUANTILES[90]
+    assert trial_factors(on_cpu=False) == step_time_factors(on_cpu=False)

@@ -3,10 +3,11 @@
 schedule, (d) the same plan with the micro-batches shared unevenly across DP replicas (a
 rebalance: nothing moves), (c) the same degrees with the ranks placed in another order (a
 re-placement: which groups cross the slow link), and every other tp x cp x pp x dp layout (each
-with its balanced split), in both orders. For a Mixture-of-Experts model a layout is also its
-expert-parallel size: every ep the layout admits (commpipe.parallel.expert.check_ep: ep divides
-dp*cp and the expert count; commpipe.train.moe.layout_problem) is a candidate of its own, the
-running tp x cp x pp x dp with another ep included; a dense model's plans keep ep = 1."""
+with its balanced split, at every micro-batch size and schedule), in both orders. For a
+Mixture-of-Experts model a layout is also its expert-parallel size: every ep the layout
+admits (commpipe.parallel.expert.check_ep: ep divides dp*cp and the expert count;
+commpipe.train.moe.layout_problem) is a candidate of its own, the running tp x cp x pp x dp
+with another ep included; a dense model's plans keep ep = 1."""
 
 from __future__ import annotations
 
@@ -70,7 +71,10 @@ def resplits(cur: Plan, model: CostModel) -> list[Plan]:
 def rebatches(base: Plan, global_batch: int, max_per_stage: int,
               schedules=SCHEDULES) -> list[Plan]:
     """Other micro-batch counts (same global batch), from pp to max_per_stage x max(pp, 2), and
-    schedules for `base`'s layout and split."""
+    schedules for `base`'s layout and split. One stage runs its micro-batches one after another
+    whatever the schedule, so without a pipeline only the running schedule is kept."""
+    if base.pp == 1:
+        schedules = (base.schedule,)
     per_dp = global_batch // base.dp
     out = []
     for mbs in divisors(per_dp):
@@ -198,6 +202,10 @@ def candidates(cur: Plan, model: CostModel, spec: ModelSpec, seq_len: int, globa
         found += rebalances(cur, model)
     if acfg.layouts:
         others = layouts(cur, model, spec, seq_len, global_batch, world, ranks_per_node)
+        # and each re-batched: another layout often pays only at another micro-batch size
+        # (fewer, larger micro-batches issue fewer ops: commpipe.adapt.model)
+        others += [r for p in others
+                   for r in rebatches(p, global_batch, acfg.max_microbatches_per_stage)]
         found += replacements([cur], world, ranks_per_node) + others
         found += replacements(others, world, ranks_per_node)
     seen, out = {cur}, []

@@ -35,6 +35,7 @@ from commpipe.adapt.signals import (
     step_signals,
 )
 from commpipe.adapt.trial import Trials
+from commpipe.plan.interval import trial_factors
 
 
 @contextmanager
@@ -73,6 +74,13 @@ class Controller:
         self.is_logger = False
         self.timer = CollectiveTimer(a.collective_min_bytes)
         self.trials: Trials | None = None   # the running trial phase, if any
+        self.recheck = False                # evaluate once more when the new plan is armed
+        # the last rate measured per pipeline link and per link class's collectives, across
+        # plans (rank 0: the model prices a link the running plan does not use at it)
+        self.known_links: dict = {}
+        self.known_collective: dict[str, float] = {}
+        # the model's interval of relative error: which candidates a trial phase can drop
+        self.trial_interval = trial_factors(trainer.device.type != "cuda")
         self.switch_phases: dict | None = None   # parts of the last switch, until recorded
         # the running plan's healthy steps: (window entries, this rank's timelines) of the steps
         # its detector's baselines came from; the cost model's constants are calibrated on them
@@ -141,15 +149,27 @@ class Controller:
             return self._trial_step(trainer, step, max(s["step_ms"] for s in summaries),
                                     metrics_file)
         found = self.watch.observe(step, signals)
+        armed = False
         if self.reference is None and self.watch.detector.baseline("step", "step") is not None:
             n = self.acfg.baseline_steps
             self.reference = (list(self.window)[-n:], list(self.timelines)[-n:])
+            armed = True
         first = self.plan_baselines.setdefault(self.running.name, {})
         for key, level in self.watch.detector.baselines().items():
             first.setdefault(key, level)
-        if not found or trainer.step >= trainer.cfg.steps:
+        recheck = armed and self.recheck and not found
+        if armed:
+            self.recheck = False
+        if not (found or recheck) or trainer.step >= trainer.cfg.steps:
             return trainer, metrics_file
         decision = self._evaluate(trainer, step, found, signals)
+        decision.recheck = recheck or None
+        if not recheck:
+            # a plan reached on a detection is evaluated once more when its own baselines are
+            # armed: a fault that began while the controller switched (or trialled) is part
+            # of those baselines and no later detection would see it, but the calibration on
+            # the new plan's steps does (a straggler's slowdown factor is relative to its peers)
+            self.recheck = decision.action == "switch"
         if decision.action != "switch":
             self._write(decision)
             return trainer, metrics_file
@@ -195,6 +215,9 @@ class Controller:
         record = {"step": step, "action": "trial", "plan": running.name,
                   "predicted_ms": r["predicted_ms"], "measured_ms": r["measured_ms"],
                   "steps_ms": r["steps_ms"], "warmup_ms": r["warmup_ms"]}
+        dropped = t.prune(self.trial_interval)
+        if dropped:
+            record["dropped"] = [p.name for p in dropped]
         if not t.done and trainer.step < trainer.cfg.steps:
             nxt = t.plan
             record |= {"to": nxt.to_dict(), "kind": running.kind_of_switch(nxt)}
@@ -261,9 +284,11 @@ class Controller:
         (commpipe.adapt.evaluate)."""
         cfg = trainer.cfg
         measured = self._measured(trainer, timelines, list(self.window)[-self.acfg.min_steps:])
+        self._recall_rates(measured, learn=True)
         if reference is not None and len(reference) == cfg.dims.pp:
             try:
                 measured.reference = self._measured(trainer, reference, self.reference[0])
+                self._recall_rates(measured.reference, learn=False)
             except (ValueError, KeyError, statistics.StatisticsError):
                 measured.reference = None   # healthy steps without a full timeline: uncalibrated
         from commpipe.plan.fits import available_gb
@@ -275,6 +300,19 @@ class Controller:
                         detections=[d.to_dict() | self._where(d) for d in found],
                         signals={f"{k} {n}": v for (k, n), v in sorted(signals.items())},
                         measured_cost=self.measured_cost)
+
+    def _recall_rates(self, m: Measured, learn: bool) -> None:
+        """Rates a plan did not measure are the last ones an earlier plan measured: a plan that
+        keeps its collectives off a slow link sends nothing over it, and without this memory
+        the model would price the link at its class's default and switch back onto it. With
+        `learn`, what `m` measured becomes the rate known from now on (rank 0)."""
+        if learn:
+            self.known_links.update({k: v for k, v in m.links.items() if v[1]})
+            self.known_collective.update(m.collective_gbps)
+        links = dict(self.known_links)
+        links.update({k: v for k, v in m.links.items() if v[1] or k not in links})
+        m.links = links
+        m.collective_gbps = self.known_collective | m.collective_gbps
 
     def _measured(self, trainer, timelines: dict, entries: list) -> Measured:
         """What the running plan measured over `entries` (the window's (signals, summaries)),
@@ -302,7 +340,8 @@ class Controller:
             rank_busy={r: statistics.median(v) for r, v in busy.items()},
             element_bytes=element_bytes,
             backend="nccl" if trainer.device.type == "cuda" else "gloo",
-            rebuild_s=trainer.build_s, groups_s=getattr(trainer.comm, "groups_s", 0.0))
+            rebuild_s=trainer.build_s, groups_s=getattr(trainer.comm, "groups_s", 0.0),
+            op_work=_op_work(trainer))
 
     def _where(self, d) -> dict:
         """The nodes and link class a link or collective detection spans."""
@@ -381,3 +420,14 @@ def _host_ms(costs, per_rank) -> float:
                     by_stage.setdefault(a.stage, []).append(e.dur_ms)
     diffs = [costs.f[s] - statistics.median(v) for s, v in by_stage.items()]
     return max(statistics.median(diffs), 0.0) if diffs else 0.0
+
+
+def _op_work(trainer) -> float:
+    """On a CPU, the part of a pass fixed per micro-batch, as work per counted op, measured on a
+    first stage of this run's model (commpipe.plan.pass_split, once per process, ~0.2-0.5 s);
+    on a GPU the ops are issued while kernels run and the model keeps to FLOPs (0)."""
+    if trainer.device.type == "cuda":
+        return 0.0
+    from commpipe.plan.pass_split import measure
+
+    return measure(trainer.cfg.spec, trainer.cfg.seq_len).op_work

@@ -2,7 +2,8 @@
 prints as it decides, and the plain account `demo --adaptive` gives of a whole run.
 
 One record, one or more lines: each detection it acted on, then the decision. Records:
-  stay / switch  an evaluation after a detection (`detections`, `candidates`, `reason`, ...)
+  stay / switch  an evaluation after a detection (`detections`, `candidates`, `reason`, ...),
+                 or the re-check of the plan one led to (`recheck`, no detections)
   trial          a plan measured during the trial phase (`plan`, `predicted_ms`, `measured_ms`)
   settle         the end of a trial phase (`to`, `measured`, `reason`)
   relaunched     a switch finished by checkpoint and relaunch
@@ -73,6 +74,9 @@ def decision_line(rec: dict) -> str:
 
 
 def record_lines(rec: dict) -> list[str]:
-    """The console lines of one decision-log record: its detections, then the decision."""
-    return [detection_line(rec["step"], d) for d in rec.get("detections", ())] + \
+    """The console lines of one decision-log record: its detections (or that it re-checks the
+    plan a detection led to), then the decision."""
+    why = [f"{PREFIX} step {rec['step']}: re-check of {_plan(rec['from'])} on its own baselines"] \
+        if rec.get("recheck") else []
+    return why + [detection_line(rec["step"], d) for d in rec.get("detections", ())] + \
         [decision_line(rec)]

@@ -105,10 +105,10 @@ def evaluate(cfg, acfg: AdaptConfig, measured: Measured, *, step: int, steps_lef
     if not rows:
         d.planning_s = time.perf_counter() - t0
         return d
-    from commpipe.plan.interval import step_time_factors
+    from commpipe.plan.interval import trial_factors
 
     trials = acfg.trials > 0 and not acfg.relaunch
-    interval = step_time_factors(on_cpu) if trials else None
+    interval = trial_factors(on_cpu) if trials else None
     if trials:
         # trials run only among candidates the model cannot tell from the best predicted: the
         # switch made first is one of them where one pays back (a cheap switch that keeps its

@@ -15,6 +15,12 @@ monitor's measurements (else by node pair, else by link class); TP and CP collec
 DP x CP gradient all-reduce are priced by the planner's `Cluster` (commpipe.plan.cluster: bus
 bytes and latency steps per backend) at the rate measured for their link class, activations at
 the run's element size (2 bytes under bf16), gradients in fp32 as GradReducer sums them.
+On a CPU the rank's one thread also issues every eager op, one at a time: that part of a
+micro-batch's F and B does not grow with its size. It is taken out before the unit is formed
+and added back per micro-batch, with the planner's definitions: the ops a stage's layers (and
+head) dispatch per micro-batch (commpipe.plan.runtime_ops) at the host time per op the planner
+measures on this host (`Measured.op_ms`, commpipe.plan.cpu). So a candidate with larger
+micro-batches is predicted with fewer ops a sample, as it runs.
 A Mixture-of-Experts model's stages are priced the same way, with its family's FLOPs per layer,
 plus its expert-parallel all-to-alls and the experts' own gradient reduction
 (commpipe.adapt.model_moe).
@@ -64,6 +70,19 @@ def stage_work(spec: ModelSpec, seq_len: int, stage_layers, s: int) -> float:
     return sum(costs[start:start + stage_layers[s]]) * seq_len
 
 
+def stage_ops(spec: ModelSpec, stage_layers, s: int, element_bytes: int) -> tuple[int, int]:
+    """(forward, backward) eager ops stage s dispatches per micro-batch: its layers', and on the
+    last stage the head's and the loss's (commpipe.plan.runtime_ops, the planner's counts)."""
+    from commpipe.plan.runtime_ops import layer_ops, microbatch_ops
+
+    precision = "bf16" if element_bytes == 2 else "fp32"
+    f, b = (n * stage_layers[s] for n in layer_ops(precision))
+    if s == len(stage_layers) - 1:
+        mf, mb = microbatch_ops(precision)
+        f, b = f + mf, b + mb
+    return f, b
+
+
 @dataclass
 class Measured:
     """What the running plan measured, gathered from every rank (see commpipe.adapt.signals)."""
@@ -79,6 +98,9 @@ class Measured:
     backend: str = "gloo"            # the process groups' backend: gloo | nccl
     rebuild_s: float = 0.0           # seconds this run took to build its stages (Trainer.build_s)
     groups_s: float = 0.0            # and to create its process groups (Comm.groups_s)
+    # the part of a pass fixed per micro-batch, as units of FLOP work per counted op
+    # (commpipe.plan.pass_split, measured on this host's CPU); 0: not separated (a GPU)
+    op_work: float = 0.0
     # the same plan measured before the change (the steps its detector's baselines came from):
     # what the step cost outside the modelled compute and communication while healthy
     reference: Measured | None = None
@@ -97,17 +119,21 @@ class CostModel:
         self.dims = cur.dims()
         c = measured.costs
         host = measured.host_ms
-        units, fb_f = [], []
+        # per stage: its measured F + B (host gaps out), its FLOPs work and its ops, as work
+        wholes, works, fb_f = [], [], []
         for s in range(len(cur.stage_layers)):
             work = stage_work(spec, seq_len, cur.stage_layers, s)
-            work *= cur.micro_batch_size / (cur.tp * cur.cp)
-            busy = max(c.f[s] + c.b[s] - 2 * host, 1e-9)
-            units.append(busy / work)
-            fb_f.append((c.f[s] - host) / busy)
+            works.append(work * cur.micro_batch_size / (cur.tp * cur.cp) + self.op_work(cur, s))
+            wholes.append(max(c.f[s] + c.b[s] - 2 * host, 1e-9))
+            fb_f.append((c.f[s] - host) / wholes[-1])
+        # A slow rank is slow at everything it does, its ops' issue as much as its FLOPs: stage
+        # s takes k_s * unit * (work_s + op work_s). The fastest stage has k = 1, so the healthy
+        # unit is the least time per work over the stages, and each stage's k is its own over it.
+        units = [w / work for w, work in zip(wholes, works)]
         self.unit = min(units)
         self.f_share = statistics.median(fb_f)
-        # slowdown per physical rank: its stage's unit (timed on DP rank 0's replica), times its
-        # own compute per micro-batch over that of the timed rank (group[0]); replicas of an
+        # slowdown per physical rank: its stage's factor (timed on DP rank 0's replica), times
+        # its own compute per micro-batch over that of the timed rank (group[0]); replicas of an
         # uneven plan run different counts, hence per micro-batch
         self.k: dict[int, float] = {}
         for s, u in enumerate(units):
@@ -154,6 +180,14 @@ class CostModel:
         # its measured step
         self.other_ms += measured.step_ms - self.predict(cur)
 
+    def op_work(self, plan: Plan, s: int, stage_layers=None) -> float:
+        """The part of a micro-batch's F + B on stage s of `plan` (or of the split
+        `stage_layers`) that is fixed per micro-batch, as units of work (0: not separated)."""
+        if not self.m.op_work:
+            return 0.0
+        f, b = stage_ops(self.spec, stage_layers or plan.stage_layers, s, self.m.element_bytes)
+        return (f + b) * self.m.op_work
+
     def _fit(self, step: float) -> None:
         """The calibration without a healthy reference: the running plan's step as measured."""
         compute, comm = self.components(self.m.plan)
@@ -190,6 +224,7 @@ class CostModel:
         """The calibration behind the predictions, for the decision log."""
         c = self.m.costs
         return {"f_ms": c.f, "b_ms": c.b, "host_ms": self.m.host_ms, "unit_ms": self.unit,
+                "op_work": self.m.op_work,
                 "slowdown": {str(g): k for g, k in sorted(self.k.items())},
                 "links": {f"{a}->{b}": bw for (a, b), (_, bw) in sorted(self.m.links.items())},
                 "scale": self.scale, "comm_weight": self.comm_weight, "other_ms": self.other_ms,
@@ -316,7 +351,7 @@ class CostModel:
                      for q in range(plan.cp) for t in range(plan.tp)]
             k = max(self.slowdown(g) for g in group)
             work = stage_work(spec, seq, plan.stage_layers, s) * plan.micro_batch_size
-            busy = self.unit * k * work / (plan.tp * plan.cp)
+            busy = k * self.unit * (work / (plan.tp * plan.cp) + self.op_work(plan, s))
             f.append(busy * self.f_share + self.m.host_ms)
             b.append(busy * (1 - self.f_share) + self.m.host_ms)
             comm = 0.0
@@ -353,18 +388,26 @@ class CostModel:
         return dp_ms
 
     def stage_rate(self, plan: Plan, s: int) -> float:
-        """ms per unit of work of stage s under `plan`: its slowest rank's measured factor."""
+        """Stage s's slowdown under `plan`: its slowest rank's measured factor."""
         dims = plan.dims()
         group = [dims.rank_of(pp=s, dp=d, cp=q, tp=t) for d in range(plan.dp)
                  for q in range(plan.cp) for t in range(plan.tp)]
-        k = max(self.slowdown(g) for g in group)
-        return self.unit * k * plan.micro_batch_size / (plan.tp * plan.cp)
+        return max(self.slowdown(g) for g in group)
+
+    def layer_ms(self, plan: Plan) -> list[float]:
+        """Healthy F + B ms of each layer for one micro-batch of `plan`: its FLOPs and its fixed
+        part at the healthy unit (the head, and its ops, on the last layer)."""
+        costs = family_of(self.spec).layer_costs(self.spec, self.seq_len)
+        per_sample = self.seq_len * plan.micro_batch_size / (plan.tp * plan.cp)
+        one = (1,) * len(costs)
+        fixed = [self.op_work(plan, 0, one)] * (len(costs) - 1) + \
+            [self.op_work(plan, len(costs) - 1, one)]
+        return [self.unit * (c * per_sample + x) for c, x in zip(costs, fixed)]
 
     def balanced_split(self, plan: Plan) -> tuple[int, ...]:
-        """Contiguous layers per stage minimising the slowest stage, each stage's work scaled by
+        """Contiguous layers per stage minimising the slowest stage, each stage's time scaled by
         its measured slowdown (the same balancer as --stage-layers auto)."""
         from commpipe.parallel.balance import balance
 
-        # the family's FLOPs per layer, the head on the last layer
-        costs = family_of(self.spec).layer_costs(self.spec, self.seq_len)
-        return tuple(balance(costs, plan.pp, [self.stage_rate(plan, s) for s in range(plan.pp)]))
+        return tuple(balance(self.layer_ms(plan), plan.pp,
+                             [self.stage_rate(plan, s) for s in range(plan.pp)]))

@@ -1,7 +1,8 @@
 """The decision record: what one evaluation of the controller saw, predicted and decided.
 
-One `Decision` per evaluation (after a detection), written to OUT/adapt.jsonl as one JSON object
-by `to_dict()`. Its keys are what commpipe.report, commpipe.adapt.describe and the demo read:
+One `Decision` per evaluation (after a detection, or the re-check of the plan one led to),
+written to OUT/adapt.jsonl as one JSON object by `to_dict()`. Its keys are what
+commpipe.report, commpipe.adapt.describe and the demo read:
 
   step, action ("stay" | "switch"), detections, signals, measured_step_ms, from,
   predicted_current_ms, model (the calibration), candidates (the best `logged_candidates`),
@@ -13,6 +14,9 @@ by `to_dict()`. Its keys are what commpipe.report, commpipe.adapt.describe and t
                                        the slowest rank's seconds of moving the state and of
                                        rebuilding groups and stages (commpipe.adapt.switch)
   switch_mode, checkpoint, save_time_s when switched by checkpoint and relaunch
+  recheck                              true when no detection called the evaluation: the
+                                       plan a detection led to, re-checked once its own
+                                       baselines were armed (commpipe.adapt.controller)
   steps_left, candidates_admitted, candidates_over_memory, planning_s, time
                                        the steps the payback could count on, how many
                                        candidates paid back, how many the planner's memory
@@ -29,7 +33,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 
 OPTIONAL = ("kind", "predicted_best_ms", "horizon_steps", "trials", "trial_plans",
-            "trial_cost_s", "switch_time_s", "switch_mode", "checkpoint", "save_time_s")
+            "trial_cost_s", "switch_time_s", "switch_mode", "checkpoint", "save_time_s",
+            "recheck")
 
 
 @dataclass
@@ -58,6 +63,7 @@ class Decision:
     switch_mode: str | None = None
     checkpoint: str | None = None
     save_time_s: float | None = None
+    recheck: bool | None = None          # True: the re-check of a plan reached on a detection
     steps_left: int = 0
     candidates_admitted: int = 0
     candidates_over_memory: int = 0

@@ -129,6 +129,23 @@ class Trials:
                 best = (plan, med)
         return best
 
+    def prune(self, interval: tuple[float, float]) -> list:
+        """Drop the candidates not yet trialled that cannot beat the fastest measured so far:
+        the trials measured how far this run lands from the model (the median of their
+        measured over predicted, `bias`), and a candidate whose prediction, corrected by that,
+        lies above the fastest measured even at the low end of the model's `interval` of
+        relative error would spend its steps on a plan that loses. Returns the dropped plans."""
+        if not self.results or self.done:
+            return []
+        ratios = [med / predicted for (_, predicted), (_, med, _) in
+                  zip(self.plans, self.results)]
+        bias = statistics.median(ratios)
+        best = self.settle()[1]
+        rest = self.plans[self.index:]
+        loses = [p * bias * interval[0] > best for _, p in rest]
+        self.plans = self.plans[:self.index] + [x for x, lost in zip(rest, loses) if not lost]
+        return [plan for (plan, _), lost in zip(rest, loses) if lost]
+
     def cost_s(self, best_ms: float) -> float:
         """Measured cost of the phase: the switches it made plus the time its measured steps
         took beyond the settled plan's speed (s)."""

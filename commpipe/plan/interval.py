@@ -64,3 +64,29 @@ def interval_dict(tflops: float) -> dict:
 def describe(tflops: float) -> str:
     lo, hi = interval(tflops)
     return f"{tflops:.0f} TFLOP/s, {LEVEL}% interval {lo:.0f}-{hi:.0f}"
+
+
+# Measured over predicted step time of the adaptive controller's candidates, relative to the
+# other candidates of the same trial phase (each trial's ratio over the phase's median ratio):
+# the model is calibrated on the run itself, so what ranks candidates is this relative error,
+# not the planner's error from scratch. From the trial records of a full adaptive suite run on
+# a CPU (docs/adaptive.md). Regenerate after a change to commpipe.adapt.model:
+#     python benchmarks/adaptive_suite.py --out DIR --write-interval
+# -- begin: written by benchmarks/adaptive_suite.py --write-interval
+TRIAL_QUANTILES = {10: 0.8894, 50: 1.0, 90: 1.1094}
+TRIALS = 25
+# -- end
+
+
+def trial_factors(on_cpu: bool) -> tuple[float, float]:
+    """(low, high): the 80% interval of a candidate's measured over predicted step time relative
+    to the other candidates the adaptive controller trials with it. On CPU ranks from the
+    suite's trials (TRIAL_QUANTILES); on GPUs, where no suite has run, the planner's interval
+    of measured over predicted step time (`step_time_factors`), which is wider.
+
+    >>> trial_factors(on_cpu=False) == step_time_factors(on_cpu=False)
+    True
+    """
+    if on_cpu:
+        return TRIAL_QUANTILES[10], TRIAL_QUANTILES[90]
+    return step_time_factors(on_cpu=False)

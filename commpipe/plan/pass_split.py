@@ -1,0 +1,116 @@
+"""How a micro-batch's pass splits into a part fixed per micro-batch and a part that grows with it.
+
+An eager pass issues its ops one at a time whatever the micro-batch holds; on a CPU the rank's
+one thread issues them and also computes, so a stage's F + B for a micro-batch of b samples is
+
+    ops * op_ms  +  b * work * work_ms        (ops counted by commpipe.plan.runtime_ops;
+                                              work: the family's forward FLOPs per sample)
+
+At small shapes the first term dominates: the adaptive controller's demo model spends ~70% of a
+micro-batch's time on it, so a candidate with four times fewer, four times larger micro-batches
+runs in well under its FLOPs' share of the time. Neither term is assumed: `measure` times a
+real first stage of the model (its embedding and first layer, built by the model's family,
+under the trainer's activation meter) forward and backward at two micro-batch sizes, and
+solves the two-point line. What the cost model needs is their ratio, `op_work` (the work one
+op's issue costs as much time as): contention for the host's cores stretches both terms alike,
+so the ratio measured in one process holds in a run whose ranks share cores, where the absolute
+times do not.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+
+BATCHES = (1, 4)          # the two micro-batch sizes timed
+
+
+@dataclass(frozen=True)
+class PassSplit:
+    op_ms: float          # ms per counted op (the part of a pass fixed per micro-batch)
+    work_ms: float        # ms per unit of forward FLOP work (the part that grows with it)
+
+    @property
+    def op_work(self) -> float:
+        """Units of work one op's issue costs as much time as."""
+        return self.op_ms / self.work_ms
+
+
+def probe_ops(spec, split: tuple[int, ...]) -> int:
+    """Counted forward + backward ops of stage 0 of `split` per micro-batch (LLaMA's counts,
+    commpipe.plan.runtime_ops; the embedding's few ops are left out, the head's and loss's are
+    in where stage 0 is the last)."""
+    from commpipe.plan.runtime_ops import layer_ops, microbatch_ops
+
+    f, b = layer_ops("fp32")
+    ops = (f + b) * split[0]
+    if len(split) == 1:
+        ops += sum(microbatch_ops("fp32"))
+    return ops
+
+
+def probe_work(spec, seq_len: int, split: tuple[int, ...]) -> float:
+    """Forward FLOP work of one sample through stage 0 of `split` (the family's layer costs;
+    the head charged to the last layer)."""
+    from commpipe.models.family import family_of
+
+    return sum(family_of(spec).layer_costs(spec, seq_len)[:split[0]]) * seq_len
+
+
+def solve(t_small: float, t_large: float, small: int, large: int, ops: int,
+          work: float) -> PassSplit:
+    """The two-point line through (small, t_small) and (large, t_large) (ms per pass), as ms
+    per op and per unit of work. A slope or intercept that noise drove below zero is kept to a
+    hundredth of the pass: each part costs something."""
+    slope = (t_large - t_small) / (large - small)
+    fixed = t_small - slope * small
+    floor = 0.01 * t_small
+    return PassSplit(op_ms=max(fixed, floor) / ops, work_ms=max(slope, floor / small) / work)
+
+
+@lru_cache(maxsize=8)
+def measure(spec, seq_len: int, device: str = "cpu", budget_s: float = 0.5) -> PassSplit:
+    """Time stage 0 (the embedding and first layer) of `spec` forward and backward at micro-
+    batches of BATCHES samples of `seq_len` tokens, alternately, for about `budget_s` (at least
+    three passes each after one warm-up), and solve for the split. Runs in the caller's thread
+    count and leaves the global random state as it was."""
+    import torch
+
+    from commpipe.models.family import family_of
+    from commpipe.runtime.recompute import ActivationMeter
+
+    split = (1, spec.layers - 1) if spec.layers > 1 else (1,)
+    ranges = [range(0, 1)] + ([range(1, spec.layers)] if spec.layers > 1 else [])
+    dev = torch.device(device)
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        torch.manual_seed(0)
+        stage = family_of(spec).build_stages(spec, ranges, 0, dev)[0]
+        vocab = getattr(spec, "vocab", None) or getattr(spec, "vocab_size", 2)
+        inputs = {b: torch.randint(0, vocab, (b, seq_len), device=dev) for b in BATCHES}
+    meter = ActivationMeter(list(stage.parameters()), dev)
+
+    def one(b: int) -> float:
+        start = time.perf_counter()
+        with meter:
+            out = stage(inputs[b])
+            if isinstance(out, dict):             # a family whose stages pass named tensors
+                out = sum(v.float().sum() for v in out.values() if torch.is_tensor(v))
+            out.float().sum().backward()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        return (time.perf_counter() - start) * 1e3
+
+    for b in BATCHES:
+        one(b)                                    # warm-up: allocations, first dispatch
+    times = {b: [] for b in BATCHES}
+    end = time.perf_counter() + budget_s
+    while min(len(v) for v in times.values()) < 3 or time.perf_counter() < end:
+        for b in BATCHES:
+            times[b].append(one(b))
+        if len(times[BATCHES[0]]) >= 25:
+            break
+    small, large = BATCHES
+    return solve(statistics.median(times[small]), statistics.median(times[large]), small, large,
+                 probe_ops(spec, split), probe_work(spec, seq_len, split))
