@@ -68,8 +68,11 @@ def measure(case, adaptive: dict, static: dict, best: dict | None) -> dict:
         m["after_ms"] = {"static": wall_ms(static, end, case.steps),
                          "adaptive": wall_ms(adaptive, end, case.steps)}
     evals = [d for d in decisions if d["action"] in ("stay", "switch") and d["step"] >= onset]
-    det = next((d for d in evals if any(x.get("onset_step", -1) >= onset - 1
-                                        for x in d.get("detections", []))), None)
+    # the reaction to the fault: the first evaluation called by a change that began with it,
+    # or the re-check of a plan reached meanwhile (on a change before the fault), whose
+    # calibration on that plan's own steps sees the fault
+    det = next((d for d in evals if d.get("recheck") or any(
+        x.get("onset_step", -1) >= onset - 1 for x in d.get("detections", []))), None)
     det = det or (evals[0] if evals else None)
     if det is None:
         return m

@@ -3,6 +3,7 @@
     python benchmarks/adaptive_suite.py --out /tmp/adaptive_suite --json /tmp/adaptive_suite.json
     python benchmarks/adaptive_suite.py --scenarios healthy,link-2x      # a subset
     python benchmarks/adaptive_suite.py --list                           # the scenarios
+    python benchmarks/adaptive_suite.py --out DIR --reuse --write-interval   # trials' interval
 
 Two emulated nodes of one rank each (commpipe.cluster.netns: network namespaces, tc tbf; needs
 root and iproute2), the tiny 4-layer LLaMA of `commpipe demo --adaptive`, 50 steps with the fault
@@ -19,8 +20,9 @@ directions share that link. Each scenario runs
     adaptive   the scenario with --adapt
     static     the same scenario, controller off (same seed: same losses)
     best       every static layout of the 2 ranks, measured under the fault from step 0
-               (commpipe.adapt.oracle, plus the splits that take work off a slow rank); the
-               fastest median is the best static layout for the faulty period
+               (commpipe.adapt.oracle, plus the splits that take work off a slow rank and
+               the layouts at micro-batch sizes 2 and 4: `extra_candidates`); the fastest
+               median is the best static layout for the faulty period
 
 and reports: detection latency (steps and seconds after the fault's first step), false switches
 (switches before any lasting fault, or in a scenario without one), detection to settled (the
@@ -107,7 +109,7 @@ def cases(rates: dict[float, float] = FIXED_RATES) -> list[Case]:
 
     def link(name, what, mbit):
         return Case(name, what, DP2, [(ONSET, mbit)], lasting=lasting,
-                    best={"mbit": mbit, "extra": ()})
+                    best={"mbit": mbit, "extra": ("batches",)})
 
     def straggler(name, what, start, factor, extra):
         return Case(name, what, start, slow_rank=f"1:{factor:g}@{ONSET}", lasting=lasting,
@@ -123,16 +125,16 @@ def cases(rates: dict[float, float] = FIXED_RATES) -> list[Case]:
              steps=30),
         link("link-1.3x", f"dp2, inter-node link at {RATE_13:g} Mbit/s", RATE_13),
         straggler("slow-3x", "pp2, rank 1 compute 3x", PP2, 3.0, ("splits",)),
-        straggler("slow-dp", "dp2, rank 1 (DP replica 1) compute 3x", DP2, 3.0, ("dp",)),
+        straggler("slow-dp", "dp2, rank 1 (DP replica 1) compute 3x", DP2, 3.0, ("dp", "batches")),
         Case("recovers", f"dp2, link at {RATE_5:g} Mbit/s for steps {ONSET}-31, then back", DP2,
              [(ONSET, RATE_5), (32, FAST)], lasting=(ONSET, 32),
-             best={"mbit": RATE_5, "extra": ()}),
+             best={"mbit": RATE_5, "extra": ("batches",)}),
         Case("two-faults", f"dp2, link at {RATE_2:g} Mbit/s and rank 1 compute 1.5x", DP2,
              [(ONSET, RATE_2)], slow_rank=f"1:1.5@{ONSET}", lasting=lasting,
-             best={"mbit": RATE_2, "slow_rank": "1:1.5@0", "extra": ("splits", "dp")}),
+             best={"mbit": RATE_2, "slow_rank": "1:1.5@0", "extra": ("splits", "dp", "batches")}),
         Case("link-intra", f"dp2 on one node, the link between its ranks at {2 * RATE_2:g} "
              "Mbit/s (shared by both directions)", DP2, [(ONSET, 2 * RATE_2)], lasting=lasting,
-             best={"mbit": 2 * RATE_2, "extra": ()}, intra=True),
+             best={"mbit": 2 * RATE_2, "extra": ("batches",)}, intra=True),
     ]
 
 
@@ -243,9 +245,10 @@ class Bench:
 
 
 def extra_candidates(train: dict, kinds) -> list[dict]:
-    """Static layouts beyond the oracle's even and balanced splits, as the controller's own
-    candidates reach them: pp2 with each split of the 4 layers, micro-batch size 1, 2 or 4 and
-    the 1f1b or zbh1 schedule ("splits"), dp2 with fewer micro-batches on replica 1 ("dp")."""
+    """Static layouts beyond the oracle's even and balanced splits at micro-batch size 1, as the
+    controller's own candidates reach them: pp2 with each split of the 4 layers, micro-batch
+    size 1, 2 or 4 and the 1f1b or zbh1 schedule ("splits"), dp2 with fewer micro-batches on
+    replica 1 ("dp"), dp2 and the even pp2 at micro-batch size 2 or 4 ("batches")."""
     from commpipe.adapt.oracle import _config
     from commpipe.cluster.launch import train_flags
     from commpipe.layout import Layout
@@ -253,18 +256,26 @@ def extra_candidates(train: dict, kinds) -> list[dict]:
     shared = {k: v for k, v in train.items() if k not in ("adapt", "out", "log_every")}
     found = []
     for kind in kinds:
-        options = ([(f"layers{a}.{4 - a}-mbs{m}", dict(PP2, schedule=sched),
-                     {"stage_layers": f"{a},{4 - a}", "micro_batch_size": m})
-                    for a in (1, 2, 3) for m in (1, 2, 4) for sched in ("1f1b", "zbh1")
-                    if (a, m, sched) != (2, 1, "1f1b")]   # the oracle's own even split
-                   if kind == "splits" else
-                   [(f"dpm{a}.{8 - a}", DP2, {"dp_microbatches": f"{a},{8 - a}"})
-                    for a in (5, 6, 7)])
+        if kind == "splits":
+            options = [(f"layers{a}.{4 - a}-mbs{m}", dict(PP2, schedule=sched),
+                        {"stage_layers": f"{a},{4 - a}", "micro_batch_size": m})
+                       for a in (1, 2, 3) for m in (1, 2, 4) for sched in ("1f1b", "zbh1")
+                       if (a, m, sched) != (2, 1, "1f1b")]   # the oracle's own even split
+        elif kind == "dp":
+            options = [(f"dpm{a}.{8 - a}", DP2, {"dp_microbatches": f"{a},{8 - a}"})
+                       for a in (5, 6, 7)]
+        else:
+            options = [(f"mbs{m}", DP2, {"micro_batch_size": m}) for m in (2, 4)] + \
+                [(f"layers2.2-mbs{m}", dict(PP2, schedule=sched),
+                  {"stage_layers": "2,2", "micro_batch_size": m})
+                 for m in (2, 4) for sched in ("1f1b", "zbh1")]
         for label, start, extra in options:
             lay = Layout(**start, extra=extra)
             flags = train_flags(lay, shared, "unused")
             cfg = _config(flags)
             cfg.resolve(2)
+            if any(f["name"] == f"{lay.name}-{label}" for f in found):
+                continue                 # two kinds reach the same layout
             found.append({"name": f"{lay.name}-{label}", "tp": 1, "cp": 1, "pp": lay.pp,
                           "dp": lay.dp, "stage_layers": list(cfg.stage_layers or [4]),
                           "split": label, "schedule": cfg.schedule,
@@ -312,7 +323,17 @@ def main(argv=None) -> int:
     p.add_argument("--fixed-rates", action="store_true",
                    help=f"degrade links to {', '.join(f'{v:g}' for v in FIXED_RATES.values())} "
                         "Mbit/s instead of rates aimed at this host's healthy step")
+    p.add_argument("--write-interval", action="store_true",
+                   help="store the trials' relative error quantiles in commpipe/plan/interval.py "
+                        "(after the run; alone with --reuse: from OUT's runs)")
+    p.add_argument("--reuse", action="store_true",
+                   help="run nothing; with --write-interval, read the trials of OUT's runs")
     args = p.parse_args(argv)
+    if args.reuse:
+        if not args.write_interval:
+            p.error("--reuse only goes with --write-interval")
+        write_interval(Path(args.out))
+        return 0
     if args.list:
         for c in all_cases.values():
             print(f"{c.name:<12} {c.what}")
@@ -358,7 +379,42 @@ def main(argv=None) -> int:
     print(f"\n{len(results)} results in {machine['elapsed_s'] / 60:.1f} min; load average "
           f"{start['load_avg'][0]:.1f} at the start, {machine['end_load_avg'][0]:.1f} at the end "
           f"({start['cpus']} cpus)")
+    if args.write_interval:
+        write_interval(out)
     return 0
+
+
+def trial_ratios(out: Path) -> list[float]:
+    """Each trial's measured over predicted step time over the median of its trial phase's, from
+    every adaptive run under `out` (a phase of one trial says nothing of relative error)."""
+    ratios = []
+    for log in sorted(out.glob("*/adaptive*/adapt.jsonl")):
+        phase = []
+        for rec in _jsonl(log) + [{"action": "end"}]:
+            if rec["action"] == "trial":
+                phase.append(rec["measured_ms"] / rec["predicted_ms"])
+            elif phase and rec["action"] != "trial":
+                if len(phase) > 1:
+                    mid = statistics.median(phase)
+                    ratios += [r / mid for r in phase]
+                phase = []
+    return ratios
+
+
+def write_interval(out: Path) -> None:
+    """The 10th, 50th and 90th percentile of `trial_ratios` into commpipe/plan/interval.py, the
+    interval the controller chooses and drops trials by."""
+    import numpy as np
+    from _interval_file import write_block
+
+    ratios = trial_ratios(out)
+    if len(ratios) < 10:
+        print(f"only {len(ratios)} trials under {out}: the interval is left as it was")
+        return
+    q = {k: round(float(np.percentile(ratios, k)), 4) for k in (10, 50, 90)}
+    path = write_block("adaptive_suite.py", f"TRIAL_QUANTILES = {q}\nTRIALS = {len(ratios)}")
+    print(f"wrote {path}: a trial's measured / predicted over its phase's median {q}, "
+          f"{len(ratios)} trials")
 
 
 def write_json(path, start: dict, t0: float, results: list, scenarios: list) -> dict:

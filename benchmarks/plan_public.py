@@ -229,23 +229,17 @@ def summary(errs: dict[str, list[float]], hits: dict[str, list[bool]]) -> None:
     print()
 
 
-INTERVAL_PY = ROOT / "commpipe" / "plan" / "interval.py"
-
-
 def write_interval(errs: dict[str, list[float]], rows: list[Row]) -> None:
     """Rewrite the quantiles block of commpipe/plan/interval.py from held-out errors (every
     source is held out: no constant is fitted on these rows)."""
+    from _interval_file import write_block
+
     ratios = [1 / (1 + e) for es in errs.values() for e in es]     # measured / predicted
     q = {k: float(np.quantile(ratios, k / 100)) for k in (10, 50, 90)}
-    text = INTERVAL_PY.read_text()
-    start, end = text.index(BEGIN), text.index(END)
-    block = (f"{BEGIN}\nRATIO_QUANTILES = {{10: {q[10]:.4f}, 50: {q[50]:.4f}, 90: {q[90]:.4f}}}\n"
-             f"ROWS = {len(ratios)}\nSOURCES = {len(errs)}\n")
-    INTERVAL_PY.write_text(text[:start] + block + text[end:])
-    print(f"wrote {INTERVAL_PY.relative_to(ROOT)}: measured/predicted quantiles {q}")
-
-
-BEGIN, END = "# -- begin: written by benchmarks/plan_public.py --write-interval", "# -- end"
+    path = write_block("plan_public.py",
+                       f"RATIO_QUANTILES = {{10: {q[10]:.4f}, 50: {q[50]:.4f}, 90: {q[90]:.4f}}}\n"
+                       f"ROWS = {len(ratios)}\nSOURCES = {len(errs)}")
+    print(f"wrote {path.relative_to(ROOT)}: measured/predicted quantiles {q}")
 
 
 def main() -> int:

@@ -351,23 +351,15 @@ def report(sets: dict, fitted: dict) -> None:
     print("goals: Spearman >= 0.90, best gap <= 5%, median |error| <= 15%")
 
 
-BEGIN = "# -- begin: written by benchmarks/planner_rank.py --write-interval"
-END = "# -- end"
-
-
 def write_interval(sets: dict) -> None:
     """The 10th, 50th and 90th percentile of measured / predicted step time over every layout of
-    every set, into commpipe/plan/interval.py (the controller's trial list reads them)."""
+    every set, into commpipe/plan/interval.py (the planner's CPU interval)."""
     import numpy as np
+    from _interval_file import write_block
 
     ratios = [r["measured_ms"] / r["predicted_ms"] for rows in sets.values() for r in rows]
     q = {k: round(float(np.percentile(ratios, k)), 4) for k in (10, 50, 90)}
-    path = ROOT / "commpipe" / "plan" / "interval.py"
-    text = path.read_text()
-    head, rest = text.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1]
-    path.write_text(f"{head}{BEGIN}\nCPU_STEP_QUANTILES = {q}\nCPU_LAYOUTS = {len(ratios)}\n"
-                    f"{END}{tail}")
+    path = write_block("planner_rank.py", f"CPU_STEP_QUANTILES = {q}\nCPU_LAYOUTS = {len(ratios)}")
     _log(f"wrote {path}: measured / predicted step time {q} over {len(ratios)} layouts")
 
 
