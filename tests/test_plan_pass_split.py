@@ -49,3 +49,19 @@ def test_a_real_probe_of_a_tiny_model_finds_both_parts():
     assert torch.equal(torch.random.get_rng_state(), before)
     assert 0 < s.op_ms < math.inf and 0 < s.work_ms < math.inf
     assert measure(spec, 16, budget_s=0.05) is s
+
+
+def test_a_model_too_large_to_probe_is_left_to_its_flops():
+    """The demo's shape is probed; Llama 3 8B's (vocab 128,256, hidden 4,096: ~725M parameters
+    in its embedding and one layer) is not built."""
+    from commpipe.models.family import family_for_model
+    from commpipe.plan.pass_split import MAX_PROBE_PARAMS, probe_params, worth_probing
+
+    demo = family_for_model("arch=llama,layers=4,hidden=128,heads=4,kv_heads=2,ffn_hidden=512,"
+                            "vocab=256")
+    small = demo.resolve("arch=llama,layers=4,hidden=128,heads=4,kv_heads=2,ffn_hidden=512,"
+                         "vocab=256")
+    big = family_for_model("llama3-8b").resolve("llama3-8b")
+    assert probe_params(small) == (256 + 12 * 128) * 128 and worth_probing(small)
+    assert probe_params(big) == (128_256 + 12 * 4096) * 4096 > MAX_PROBE_PARAMS
+    assert not worth_probing(big)

@@ -425,9 +425,11 @@ def _host_ms(costs, per_rank) -> float:
 def _op_work(trainer) -> float:
     """On a CPU, the part of a pass fixed per micro-batch, as work per counted op, measured on a
     first stage of this run's model (commpipe.plan.pass_split, once per process, ~0.2-0.5 s);
-    on a GPU the ops are issued while kernels run and the model keeps to FLOPs (0)."""
-    if trainer.device.type == "cuda":
+    on a GPU the ops are issued while kernels run, and on a model too large to probe the
+    FLOPs dominate: the model keeps to FLOPs (0)."""
+    from commpipe.plan.pass_split import measure, worth_probing
+
+    if trainer.device.type == "cuda" or not worth_probing(trainer.cfg.spec):
         return 0.0
-    from commpipe.plan.pass_split import measure
 
     return measure(trainer.cfg.spec, trainer.cfg.seq_len).op_work

@@ -16,11 +16,11 @@ DP x CP gradient all-reduce are priced by the planner's `Cluster` (commpipe.plan
 bytes and latency steps per backend) at the rate measured for their link class, activations at
 the run's element size (2 bytes under bf16), gradients in fp32 as GradReducer sums them.
 On a CPU the rank's one thread also issues every eager op, one at a time: that part of a
-micro-batch's F and B does not grow with its size. It is taken out before the unit is formed
-and added back per micro-batch, with the planner's definitions: the ops a stage's layers (and
-head) dispatch per micro-batch (commpipe.plan.runtime_ops) at the host time per op the planner
-measures on this host (`Measured.op_ms`, commpipe.plan.cpu). So a candidate with larger
-micro-batches is predicted with fewer ops a sample, as it runs.
+micro-batch's F and B does not grow with its size. A stage's pass is k * unit * (b * work +
+ops * op_work): the ops its layers (and head) dispatch per micro-batch (commpipe.plan.
+runtime_ops' counts) at `Measured.op_work`, the work one op costs as much time as, measured on
+the run's own model (commpipe.plan.pass_split). A slow rank's k stretches both parts, and a
+candidate with larger micro-batches is predicted with fewer ops a sample, as it runs.
 A Mixture-of-Experts model's stages are priced the same way, with its family's FLOPs per layer,
 plus its expert-parallel all-to-alls and the experts' own gradient reduction
 (commpipe.adapt.model_moe).

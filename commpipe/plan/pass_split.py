@@ -25,6 +25,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 BATCHES = (1, 4)          # the two micro-batch sizes timed
+# the probe builds an embedding and a layer: above this many parameters (~200 MB in fp32) it is
+# not built. The fixed part is a few hundred ops of a few microseconds a layer; at such sizes a
+# layer's GEMMs take 10-100x longer (hidden 2048, 128 tokens: ~13 GFLOP forward), and the
+# FLOPs alone price a pass within a few percent.
+MAX_PROBE_PARAMS = 5e7
 
 
 @dataclass(frozen=True)
@@ -68,6 +73,19 @@ def solve(t_small: float, t_large: float, small: int, large: int, ops: int,
     fixed = t_small - slope * small
     floor = 0.01 * t_small
     return PassSplit(op_ms=max(fixed, floor) / ops, work_ms=max(slope, floor / small) / work)
+
+
+def probe_params(spec) -> float:
+    """Parameters of the probed stage, roughly: the embedding and one layer (attention ~4 h^2,
+    a gated MLP ~8 h^2 at the usual widths)."""
+    vocab = getattr(spec, "vocab", None) or getattr(spec, "vocab_size", 0)
+    return (vocab + 12 * spec.hidden) * spec.hidden
+
+
+def worth_probing(spec) -> bool:
+    """Whether `measure` builds the probe: a shape small enough that its fixed part matters and
+    its stage is cheap to build (MAX_PROBE_PARAMS)."""
+    return probe_params(spec) <= MAX_PROBE_PARAMS
 
 
 @lru_cache(maxsize=8)
