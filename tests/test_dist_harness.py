@@ -25,7 +25,7 @@ def _sum_of_ranks(rank: int, world: int, scale: float) -> tuple:
 def _second_rank_raises(rank: int, world: int) -> None:
     """Rank 1 raises while rank 0 waits for it in a barrier; the group is started here, from
     torchrun's variables (backend=None), as the trainer's init_distributed does."""
-    from commpipe.parallel.comm import init_distributed
+    from commpipe.parallel.world import init_distributed
 
     assert init_distributed("gloo") == (rank, world)
     if rank == 1:

@@ -210,8 +210,9 @@ def _probe(args) -> None:
 
     from commpipe.monitor.clock import node_identity
     from commpipe.monitor.records import busbw_factor
-    from commpipe.parallel.comm import Comm, init_distributed
+    from commpipe.parallel.comm import Comm
     from commpipe.parallel.dims import ParallelDims
+    from commpipe.parallel.world import init_distributed
 
     rank, world = init_distributed(args.backend)
     _check(args, world)

@@ -2,7 +2,7 @@
 
 Under torchrun's elastic agent (commpipe.elastic.restart) the agent keeps one store across
 restarts; a restarted gloo worker reading the addresses the previous attempt left there would
-fail to connect. `init_distributed` (commpipe.parallel.comm) therefore starts the process group
+fail to connect. `init_distributed` (commpipe.parallel.world) therefore starts the process group
 on a `PrefixStore` whose prefix names this attempt; the hang watchdog (commpipe.elastic.watchdog)
 keeps its keys under the same prefix.
 """

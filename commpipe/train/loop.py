@@ -23,9 +23,10 @@ from pathlib import Path
 import torch
 
 from commpipe.models.family import family_of
-from commpipe.parallel.comm import Comm, init_distributed
+from commpipe.parallel.comm import Comm
 from commpipe.parallel.context import cp_positions, cp_split
 from commpipe.parallel.data import GradReducer, Zero1, clip_grad_norm_
+from commpipe.parallel.world import init_distributed
 from commpipe.runtime.executor import PipelineRuntime
 from commpipe.runtime.recompute import ActivationMeter
 from commpipe.train import checkpoint
