@@ -4,7 +4,7 @@
     python benchmarks/planner_rank.py --no-emulated      # local ranks only, ~10 min
     python benchmarks/planner_rank.py --reuse            # predict OUT's measurements again
     python benchmarks/planner_rank.py --reuse --fit-host # ... with host terms fitted, not measured
-    python benchmarks/planner_rank.py --reuse --write-interval   # + the controller's interval
+    python benchmarks/planner_rank.py --reuse --write-interval   # + the planner's CPU interval
 
 For every tp x cp x pp x dp layout of 4 and of 8 CPU ranks that the tiny LLaMA admits (the demo's
 8-layer, 64-wide model, sequence 32, global batch 8, 1F1B):
@@ -377,7 +377,7 @@ def main(argv=None) -> int:
                     help="the fastest this many are measured again after the others (default 2)")
     ap.add_argument("--write-interval", action="store_true",
                     help="store the quantiles of measured / predicted step time in "
-                         "commpipe/plan/interval.py (the adaptive controller's trial list)")
+                         "commpipe/plan/interval.py (the planner's CPU interval)")
     ap.add_argument("--fit-host", action="store_true",
                     help="fit the per-pass and optimizer host terms on the runs of 1 and 2 ranks (the "
                          "former method) instead of pricing each pass's ops at the measured time per op")

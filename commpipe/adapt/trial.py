@@ -10,12 +10,15 @@ plan, measured before the detection fired, included).
 Defaults and why:
   trials=3          at most 2 x 3 candidates are trialled, and only those the model cannot tell
                     from the best: a candidate whose prediction interval overlaps the best
-                    prediction's. The interval is the planner's 80% interval of measured over
-                    predicted step time (`commpipe.plan.interval.step_time_factors`: held-out
-                    public runs on GPUs, every layout of 4 and 8 CPU ranks on a CPU), so a
-                    candidate predicted p runs in [p * low, p * high] four times in five. Where
+                    prediction's. The interval is the 80% interval of the model's relative
+                    error (`commpipe.plan.interval.trial_factors`: a candidate's measured over
+                    predicted against the others of its trial phase, from a suite run's trials
+                    on a CPU; the planner's interval on GPUs), so a candidate predicted p runs
+                    in [p * low, p * high] four times in five, relative to the others. Where
                     the best prediction's high end lies below a candidate's low end, the model
-                    is sure enough: trialling it would spend steps on a plan that loses.
+                    is sure enough: trialling it would spend steps on a plan that loses. After
+                    each trial the same test drops candidates against the fastest measured,
+                    their predictions corrected by the run's measured bias (`Trials.prune`).
   trial_steps=3     measured steps per candidate, after one warm-up step (the first step after a
                     switch rebuilds buffers and process-group state); the median of 3 survives
                     one noisy step.
