@@ -102,7 +102,8 @@ def candidate_layouts(train: dict, world: int) -> tuple[list[dict], list[dict]]:
 
 # -- in the launched processes ---------------------------------------------------------------------
 def _measure(plan: dict) -> None:
-    from commpipe.parallel.world import init_distributed, shutdown_distributed
+    from commpipe.parallel.comm import shutdown_distributed
+    from commpipe.parallel.world import init_distributed
 
     rank, world = init_distributed()
     out = Path(plan["out"])

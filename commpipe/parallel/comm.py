@@ -392,3 +392,11 @@ def _done_handle(comm: Comm, result) -> Handle:
     h = Handle(comm, None, CommCall("none", "noop", 0), [], None)
     h.done, h.result = True, result
     return h
+
+
+def shutdown_distributed() -> None:
+    """Wait for every rank, then tear the default group down (a rank leaving early while a
+    peer still talks to it makes gloo abort that peer)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

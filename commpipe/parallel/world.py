@@ -1,8 +1,9 @@
-"""The default process group of a run: started from torchrun's environment, ended together.
+"""The default process group of a run, started from torchrun's environment.
 
 `init_distributed` starts it (gloo on CPUs, NCCL with one GPU per rank), in the store of this
-restart attempt (commpipe.parallel.attempt); `shutdown_distributed` waits for every rank
-before tearing it down. The groups of each parallel dimension are commpipe.parallel.comm's.
+restart attempt (commpipe.parallel.attempt). Ending it takes a barrier, which is communication:
+`shutdown_distributed` stays in commpipe.parallel.comm, the one module that communicates, beside
+the groups of each parallel dimension.
 """
 
 from __future__ import annotations
@@ -37,11 +38,3 @@ def init_distributed(backend: str | None = None, timeout_s: float = 300.0) -> tu
     dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s),
                             **where)
     return dist.get_rank(), dist.get_world_size()
-
-
-def shutdown_distributed() -> None:
-    """Wait for every rank, then tear the default group down (a rank leaving early while a
-    peer still talks to it makes gloo abort that peer)."""
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()

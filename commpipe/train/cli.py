@@ -250,7 +250,7 @@ def run(args) -> int:
     from commpipe.train.run_folder import prepare_run_folder
 
     prepare_run_folder(cfg, rank)   # a writable --out, holding no other run
-    from commpipe.parallel.world import shutdown_distributed
+    from commpipe.parallel.comm import shutdown_distributed
     from commpipe.train.loop import train
 
     code = run_rank(lambda: train(cfg, source=source), rank, world)
