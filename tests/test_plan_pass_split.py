@@ -25,11 +25,12 @@ def test_the_two_point_line_by_hand():
 
 def test_the_probed_stage_counts_one_layer_and_the_head_only_when_it_is_last():
     from commpipe.models.family import family_for_model
-    from commpipe.plan.pass_split import probe_ops, probe_work
+    from commpipe.plan.pass_split import probe_work
+    from commpipe.plan.runtime_ops import stage_ops
 
     spec = family_for_model("tiny").resolve("tiny")
-    assert probe_ops(spec, (1, spec.layers - 1)) == 102 + 179
-    assert probe_ops(spec, (1,)) == 102 + 179 + 21 + 42
+    assert sum(stage_ops((1, spec.layers - 1), 0, "fp32")) == 102 + 179
+    assert sum(stage_ops((1,), 0, "fp32")) == 102 + 179 + 21 + 42
     costs = __import__("commpipe.models.family", fromlist=["family_of"]).family_of(spec) \
         .layer_costs(spec, 16)
     assert probe_work(spec, 16, (1, 3)) == pytest.approx(costs[0] * 16)

@@ -431,5 +431,4 @@ def _op_work(trainer) -> float:
 
     if trainer.device.type == "cuda" or not worth_probing(trainer.cfg.spec):
         return 0.0
-
     return measure(trainer.cfg.spec, trainer.cfg.seq_len).op_work

@@ -46,6 +46,7 @@ from commpipe.models.family import family_of
 from commpipe.models.spec import ModelSpec
 from commpipe.plan.cluster import Cluster, Link
 from commpipe.plan.gpus import GPU
+from commpipe.plan.runtime_ops import layer_ops, microbatch_ops, stage_ops
 from commpipe.schedules import generate
 from commpipe.sim.costs import CostTable
 from commpipe.sim.engine import simulate
@@ -68,19 +69,6 @@ def stage_work(spec: ModelSpec, seq_len: int, stage_layers, s: int) -> float:
     costs = family_of(spec).layer_costs(spec, seq_len)   # the head charged to the last layer
     start = sum(stage_layers[:s])
     return sum(costs[start:start + stage_layers[s]]) * seq_len
-
-
-def stage_ops(spec: ModelSpec, stage_layers, s: int, element_bytes: int) -> tuple[int, int]:
-    """(forward, backward) eager ops stage s dispatches per micro-batch: its layers', and on the
-    last stage the head's and the loss's (commpipe.plan.runtime_ops, the planner's counts)."""
-    from commpipe.plan.runtime_ops import layer_ops, microbatch_ops
-
-    precision = "bf16" if element_bytes == 2 else "fp32"
-    f, b = (n * stage_layers[s] for n in layer_ops(precision))
-    if s == len(stage_layers) - 1:
-        mf, mb = microbatch_ops(precision)
-        f, b = f + mf, b + mb
-    return f, b
 
 
 @dataclass
@@ -180,13 +168,17 @@ class CostModel:
         # its measured step
         self.other_ms += measured.step_ms - self.predict(cur)
 
-    def op_work(self, plan: Plan, s: int, stage_layers=None) -> float:
-        """The part of a micro-batch's F + B on stage s of `plan` (or of the split
-        `stage_layers`) that is fixed per micro-batch, as units of work (0: not separated)."""
+    @property
+    def _precision(self) -> str:
+        """The precision whose op counts apply (commpipe.plan.runtime_ops): the element size."""
+        return "bf16" if self.m.element_bytes == 2 else "fp32"
+
+    def op_work(self, plan: Plan, s: int) -> float:
+        """The part of a micro-batch's F + B on stage s of `plan` that is fixed per micro-batch,
+        as units of work (0: not separated)."""
         if not self.m.op_work:
             return 0.0
-        f, b = stage_ops(self.spec, stage_layers or plan.stage_layers, s, self.m.element_bytes)
-        return (f + b) * self.m.op_work
+        return sum(stage_ops(plan.stage_layers, s, self._precision)) * self.m.op_work
 
     def _fit(self, step: float) -> None:
         """The calibration without a healthy reference: the running plan's step as measured."""
@@ -399,10 +391,11 @@ class CostModel:
         part at the healthy unit (the head, and its ops, on the last layer)."""
         costs = family_of(self.spec).layer_costs(self.spec, self.seq_len)
         per_sample = self.seq_len * plan.micro_batch_size / (plan.tp * plan.cp)
-        one = (1,) * len(costs)
-        fixed = [self.op_work(plan, 0, one)] * (len(costs) - 1) + \
-            [self.op_work(plan, len(costs) - 1, one)]
-        return [self.unit * (c * per_sample + x) for c, x in zip(costs, fixed)]
+        ms = [self.unit * c * per_sample for c in costs]
+        if self.m.op_work:
+            ms = [x + self.unit * sum(layer_ops(self._precision)) * self.m.op_work for x in ms]
+            ms[-1] += self.unit * sum(microbatch_ops(self._precision)) * self.m.op_work
+        return ms
 
     def balanced_split(self, plan: Plan) -> tuple[int, ...]:
         """Contiguous layers per stage minimising the slowest stage, each stage's time scaled by

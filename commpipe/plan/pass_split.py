@@ -3,7 +3,7 @@
 An eager pass issues its ops one at a time whatever the micro-batch holds; on a CPU the rank's
 one thread issues them and also computes, so a stage's F + B for a micro-batch of b samples is
 
-    ops * op_ms  +  b * work * work_ms        (ops counted by commpipe.plan.runtime_ops;
+    ops * op_ms  +  b * work * work_ms        (ops: commpipe.plan.runtime_ops.stage_ops;
                                               work: the family's forward FLOPs per sample)
 
 At small shapes the first term dominates: the adaptive controller's demo model spends ~70% of a
@@ -41,19 +41,6 @@ class PassSplit:
     def op_work(self) -> float:
         """Units of work one op's issue costs as much time as."""
         return self.op_ms / self.work_ms
-
-
-def probe_ops(spec, split: tuple[int, ...]) -> int:
-    """Counted forward + backward ops of stage 0 of `split` per micro-batch (LLaMA's counts,
-    commpipe.plan.runtime_ops; the embedding's few ops are left out, the head's and loss's are
-    in where stage 0 is the last)."""
-    from commpipe.plan.runtime_ops import layer_ops, microbatch_ops
-
-    f, b = layer_ops("fp32")
-    ops = (f + b) * split[0]
-    if len(split) == 1:
-        ops += sum(microbatch_ops("fp32"))
-    return ops
 
 
 def probe_work(spec, seq_len: int, split: tuple[int, ...]) -> float:
@@ -97,6 +84,7 @@ def measure(spec, seq_len: int, device: str = "cpu", budget_s: float = 0.5) -> P
     import torch
 
     from commpipe.models.family import family_of
+    from commpipe.plan.runtime_ops import stage_ops
     from commpipe.runtime.recompute import ActivationMeter
 
     split = (1, spec.layers - 1) if spec.layers > 1 else (1,)
@@ -131,4 +119,4 @@ def measure(spec, seq_len: int, device: str = "cpu", budget_s: float = 0.5) -> P
             break
     small, large = BATCHES
     return solve(statistics.median(times[small]), statistics.median(times[large]), small, large,
-                 probe_ops(spec, split), probe_work(spec, seq_len, split))
+                 sum(stage_ops(split, 0, "fp32")), probe_work(spec, seq_len, split))

@@ -60,6 +60,17 @@ def microbatch_ops(precision: str) -> tuple[int, int]:
     return MICROBATCH_OPS[_key(precision)]
 
 
+def stage_ops(stage_layers, s: int, precision: str) -> tuple[int, int]:
+    """(forward, backward) ops stage s of the split `stage_layers` dispatches per micro-batch:
+    its layers', and on the last stage the ones outside the layers (MICROBATCH_OPS: embedding,
+    head and loss, counted together there)."""
+    f, b = (n * stage_layers[s] for n in layer_ops(precision))
+    if s == len(stage_layers) - 1:
+        mf, mb = microbatch_ops(precision)
+        f, b = f + mf, b + mb
+    return f, b
+
+
 def step_ops(layers: int, precision: str, embedding: bool = True, head: bool = True) -> int:
     """Ops of one rank's per-step work outside the passes (clip, optimizer, weight casts, the
     step's own) for a rank holding `layers` layers, and the embedding and/or the head."""
