@@ -187,6 +187,13 @@ def test_each_decision_log_record_becomes_console_lines():
              "measured_ms": 416.4, "to": A}
     assert record_lines(trial) == [f"adapt: step 18: trial of {B['name']}: predicted 300 ms, "
                                    f"measured 416 ms; next {A['name']}"]
+    pruned = trial | {"dropped": ["p1", "p2"]}
+    assert record_lines(pruned) == [f"adapt: step 18: trial of {B['name']}: predicted 300 ms, "
+                                    "measured 416 ms; dropped 2 that cannot beat the fastest "
+                                    f"measured: p1, p2; next {A['name']}"]
+    recheck = stay | {"recheck": True}
+    assert record_lines(recheck)[0] == f"adapt: step 14: re-check of {A['name']} on its own baselines"
+    assert record_lines(recheck)[1:] == record_lines(stay)
     settle = {"step": 22, "action": "settle", "to": A, "measured_ms": 232.0, "kind": "resplit",
               "reason": "fastest measured (the plan before the trials)", "trial_cost_s": 2.74}
     assert record_lines(settle) == [f"adapt: step 22: settled on {A['name']} at 232 ms, fastest "

@@ -58,8 +58,11 @@ def decision_line(rec: dict) -> str:
                 f"{rec['reason']}{took}")
     if action == "trial":
         nxt = f"; next {_plan(rec['to'])}" if rec.get("to") else ""
+        dropped = rec.get("dropped") or []
+        gone = (f"; dropped {len(dropped)} that cannot beat the fastest measured: "
+                f"{', '.join(dropped)}") if dropped else ""
         return (f"{PREFIX} step {step}: trial of {rec['plan']}: predicted "
-                f"{_ms(rec['predicted_ms'])}, measured {_ms(rec['measured_ms'])}{nxt}")
+                f"{_ms(rec['predicted_ms'])}, measured {_ms(rec['measured_ms'])}{gone}{nxt}")
     if action == "settle":
         moved = f", switched ({rec['kind']})" if rec.get("kind") else ""
         cost = f"; the trials cost {rec['trial_cost_s']:.2f} s" if "trial_cost_s" in rec else ""
