@@ -261,11 +261,14 @@ def test_candidates_the_memory_model_rejects_are_dropped():
 
 # -- what the controller acts on -------------------------------------------------------------------
 
-def _signals(rng, compute=(100.0, 100.0), link=2.0, noise=0.10):
+def _signals(rng, compute=(100.0, 100.0), link=2.0, noise=0.10, step=None):
+    """One step of two pipeline stages: the step follows the slowest stage (plus the fill and
+    drain of a few micro-batches), unless `step` says otherwise."""
     def jitter(x):
         return x * (1 + rng.uniform(-noise, noise))
     return {("compute", "rank 0"): jitter(compute[0]), ("compute", "rank 1"): jitter(compute[1]),
-            ("link", "pp 0->1"): jitter(link), ("step", "step"): jitter(sum(compute))}
+            ("link", "pp 0->1"): jitter(link),
+            ("step", "step"): jitter(step if step is not None else 1.25 * max(compute))}
 
 
 def _run(steps, slow=lambda s: 1.0, link=lambda s: 1.0, seed=0, acfg=None):
@@ -316,6 +319,25 @@ def test_every_rank_slowing_alike_is_the_host_not_a_straggler():
     assert run(lambda s: (1.5, 2.25) if s >= 50 else (1.0, 1.0)) == [(54, "rank 1")]
     # and the same under a peer that stayed: the straggler of the test above
     assert run(lambda s: (1.0, 1.5) if s >= 50 else (1.0, 1.0)) == [(54, "rank 1")]
+
+
+def test_a_rank_busier_while_the_step_kept_its_time_is_not_a_straggler():
+    """Rank 1's busy time up 50% from step 50 while the step stays at its level (what host
+    noise on ranks sharing cores looks like): nothing to win back, nothing acted on. The same
+    rise that slows the step by as much is a straggler; the step rising by less than the band
+    (25%) is not."""
+    def run(step_factor, steps=120, seed=0):
+        rng, watch, found = random.Random(seed), Watch(AdaptConfig()), []
+        for s in range(steps):
+            slow = s >= 50
+            sig = _signals(rng, compute=(100.0, 150.0 if slow else 100.0),
+                           step=125.0 * (step_factor if slow else 1.0))
+            found += [(s, d.key) for d in watch.observe(s, sig)]
+        return found
+
+    assert run(1.0) == []
+    assert run(1.12) == []
+    assert run(1.4) == [(54, "rank 1")]
 
 
 def test_nothing_is_acted_on_in_a_plans_warm_up_and_thresholds_come_from_the_config():

@@ -150,3 +150,30 @@ def test_bandwidth_leaves_out_calls_too_small_to_measure_it(tmp_path):
     row = summarize_run(run)
     assert row["dp_inter_gbps"] == pytest.approx(0.006)
     assert row["dp_bw_gbps"] == pytest.approx(0.006)
+
+
+def test_a_runs_story_and_figure_tell_the_dropped_candidates_and_the_re_check(tmp_path):
+    """A switch that starts two trials, the first of which rules a third candidate out untried,
+    a settle, and the re-check of the settled plan on its own baselines (which stays)."""
+    from commpipe.report.adaptive import step_time_figure
+    from commpipe.report.adaptive_findings import run_story
+
+    run = tmp_path / "adaptive"
+    _jsonl(run / "metrics.jsonl", _metrics([0.1] * 5 + [1.0] * 2 + [0.2] * 13, pp=2, dp=2))
+    third = dict(BEST, pp=4, dp=1, stage_layers=[1, 1, 1, 1], name="tp1-cp1-pp4-dp1-1f1b")
+    _jsonl(run / "adapt.jsonl", [
+        {"step": 6, "action": "switch", "from": START, "to": BEST, "measured_step_ms": 1000.0,
+         "predicted_best_ms": 210.0, "trial_plans": [BEST, third], "switch_time_s": 0.4,
+         "detections": [{"key": "dp_cp [0, 1, 2, 3] all_reduce"}]},
+        {"step": 10, "action": "trial", "plan": BEST["name"], "predicted_ms": 210.0,
+         "measured_ms": 200.0, "dropped": [third["name"]]},
+        {"step": 10, "action": "settle", "to": BEST, "measured_ms": 200.0, "kind": None,
+         "reason": "fastest measured"},
+        {"step": 17, "action": "stay", "from": BEST, "recheck": True, "reason": "no gain",
+         "detections": []}])
+    story = run_story(run)
+    assert ("Trials (predicted → measured ms per step): tp1-cp1-pp2-dp2-1f1b 210 → 200. Dropped "
+            "untried, as the measured trials ruled them out: tp1-cp1-pp4-dp1-1f1b.") in story
+    assert story[-1] == "Re-checked on its own baselines: TP1/CP1/PP2/DP2 [2,2] at step 17, stayed."
+    png, caption = step_time_figure(run, tmp_path / "steps.png")
+    assert png.stat().st_size > 0 and "re-checks of a plan on its own baselines (1)" in caption

@@ -154,11 +154,26 @@ def slower_than_peers(d: Detection, signals: dict[tuple[str, str], float | None]
     return d.current / mine / statistics.median(peers) - 1 >= min_shift
 
 
+def slowed_the_job(d: Detection, step_ms: dict[int, float], first_step_ms: float | None,
+                   min_shift: float) -> bool:
+    """Whether the steps over which rank `d.key`'s slowdown held (`d.onset_step` to `d.step`)
+    were slower than the plan's first step-time baseline by at least `min_shift`. A straggler
+    costs the job what it adds to the step: a rank whose busy time rose while the step did not
+    is waiting less elsewhere (its compute filled a pipeline bubble, or the host descheduled it
+    where it would have waited anyway), and no layout can win back time that was not lost. A
+    run with no step baseline yet counts the slowdown."""
+    during = [ms for s, ms in step_ms.items() if d.onset_step <= s <= d.step]
+    if not first_step_ms or not during:
+        return True
+    return statistics.median(during) / first_step_ms - 1 >= min_shift
+
+
 class Watch:
     """What the controller acts on, from the per-step signals of the running plan: nothing in
     the first `warmup_steps` steps of a plan, links smoothed over `link_smooth_steps`, then the
     detections that call for re-planning (`worth_replanning`), a rank's slowdown only when it is
-    slower than its peers (`slower_than_peers`). Pure: the controller feeds it the same numbers
+    slower than its peers (`slower_than_peers`) and the step slowed with it (`slowed_the_job`).
+    Pure: the controller feeds it the same numbers
     on every rank, so every rank reaches the same verdict."""
 
     def __init__(self, acfg):
@@ -166,22 +181,31 @@ class Watch:
         self.detector = Detector(acfg.min_steps, acfg.min_shift, acfg.baseline_steps)
         self.stragglers: set[str] = set()
         self.steps_in_plan = 0
+        self.step_ms: dict[int, float] = {}     # the step times of the last few steps
 
     def observe(self, step: int, signals: dict[tuple[str, str], float | None]) -> list[Detection]:
         self.steps_in_plan += 1
         if self.steps_in_plan <= self.acfg.warmup_steps:
             return []
+        ms = signals.get(("step", "step"))
+        if ms:
+            self.step_ms[step] = ms
+            self.step_ms = {s: v for s, v in self.step_ms.items()
+                            if s > step - 2 * self.acfg.min_steps}
         found = self.detector.observe_all(step, signals, {"link": self.acfg.link_smooth_steps})
         first = self.detector.firsts() if found else {}
         return [d for d in found
                 if not (d.kind == "compute" and d.shift > 0
-                        and not slower_than_peers(d, signals, first, self.acfg.min_shift))
+                        and not (slower_than_peers(d, signals, first, self.acfg.min_shift)
+                                 and slowed_the_job(d, self.step_ms, first.get(("step", "step")),
+                                                    self.acfg.min_shift)))
                 and worth_replanning(d, self.stragglers)]
 
     def new_plan(self) -> None:
         """A switch: the levels are those of another plan; collect new baselines."""
         self.detector.reset()
         self.steps_in_plan = 0
+        self.step_ms = {}
 
     def state(self) -> dict:
         """The baselines and stragglers a resumed run re-arms with (JSON)."""

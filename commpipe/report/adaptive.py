@@ -69,17 +69,31 @@ def step_time_figure(run, out_png, title: str | None = None):
         ax.text(step, 0.98, " " + label, transform=ax.get_xaxis_transform(), color="#d62728",
                 fontsize=8, va="top")
     for d in decisions:
-        color = "#2ca02c" if d.get("action") == "switch" else "#7f7f7f"
-        ax.axvline(d["step"], color=color, lw=1.5 if d.get("action") == "switch" else 0.8,
-                   ls="-" if d.get("action") == "switch" else ":", zorder=3)
-        if d.get("action") == "switch":
-            ax.text(d["step"], 0.02, f" switch ({d.get('switch_time_s', 0):.2f} s)",
+        if d.get("action") == "trial":
+            if d.get("dropped"):       # candidates the trial's measurement ruled out untried
+                ax.text(d["step"], 0.90, f" dropped {len(d['dropped'])}",
+                        transform=ax.get_xaxis_transform(), color="#7f7f7f", fontsize=7)
+            continue
+        if d.get("action") not in ("stay", "switch"):
+            continue
+        color = "#2ca02c" if d["action"] == "switch" else "#7f7f7f"
+        ax.axvline(d["step"], color=color, lw=1.5 if d["action"] == "switch" else 0.8,
+                   ls="-." if d.get("recheck") else "-" if d["action"] == "switch" else ":",
+                   zorder=3)
+        if d["action"] == "switch" or d.get("recheck"):
+            text = (f"{'re-check' if d.get('recheck') else ''}"
+                    f"{', ' if d.get('recheck') and d['action'] == 'switch' else ''}"
+                    f"{'switch' if d['action'] == 'switch' else ''}")
+            if d["action"] == "switch":
+                text += f" ({d.get('switch_time_s', 0):.2f} s)"
+            ax.text(d["step"], 0.02 if d["action"] == "switch" else 0.08, " " + text,
                     transform=ax.get_xaxis_transform(), color=color, fontsize=8)
     draw_marks(ax, restarts)
     ax.set_xlabel("step")
     ax.set_ylabel("step time (ms)")
     ax.set_ylim(bottom=0)
-    ax.set_title(title or (f"{run.name}: step time, detections (dotted: stay, green: switch)"
+    ax.set_title(title or (f"{run.name}: step time, detections (dotted: stay, green: switch, "
+                           "dash-dot: re-check)"
                            if decisions else f"{run.name}: step time, restarts"))
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, fontsize=7, frameon=False,
               title="layout in use", title_fontsize=7)
@@ -89,13 +103,16 @@ def step_time_figure(run, out_png, title: str | None = None):
     fig.savefig(out_png, dpi=100)
     plt.close(fig)
     n_switch = sum(d.get("action") == "switch" for d in decisions)
+    n_recheck = sum(bool(d.get("recheck")) for d in decisions)
     if not decisions:
         return out_png, (f"{run.name}: step time over steps; dashed: where the job stopped (red: "
                          "a lost node or rank, grey: a node joining), solid: where it resumed "
                          "(orange: on the ranks that remain, green: grown back); steps after a "
                          "dashed line that a solid one precedes were run again; shading: layout.")
     return out_png, (f"{run.name}: step time over steps; red dashed: injected degrade, dotted: "
-                     f"evaluations that stayed, green: switches ({n_switch}); shading: layout in use.")
+                     f"evaluations that stayed, green: switches ({n_switch}); dash-dotted: re-checks of a "
+                     f"plan on its own baselines ({n_recheck}); \"dropped N\": candidates a trial "
+                     "ruled out untried; shading: layout in use.")
 
 
 def adaptive_figure(sweep_dir, row: dict, out: Path):

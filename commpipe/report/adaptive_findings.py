@@ -51,8 +51,11 @@ def run_story(run: Path) -> list[str]:
     out.append(text + ".")
     trials = [d for d in decisions if d.get("action") == "trial"]
     if trials:
+        dropped = [name for d in trials for name in d.get("dropped") or ()]
         out.append("Trials (predicted → measured ms per step): " + "; ".join(
-            f"{d['plan']} {fmt(d.get('predicted_ms'))} → {fmt(d.get('measured_ms'))}" for d in trials) + ".")
+            f"{d['plan']} {fmt(d.get('predicted_ms'))} → {fmt(d.get('measured_ms'))}" for d in trials) + "." +
+            (f" Dropped untried, as the measured trials ruled them out: {', '.join(dropped)}."
+             if dropped else ""))
     settle = [d for d in decisions if d.get("action") == "settle"]
     at = settle[-1]["step"] if settle else switch["step"]
     if settled is not None:
@@ -64,6 +67,12 @@ def run_story(run: Path) -> list[str]:
                    (f", against {fmt(before)} ms before the first detection." if before else "."))
     else:
         out.append("A trial phase was still running when the run ended: the controller settled on nothing.")
+    rechecks = [d for d in decisions if d.get("recheck")]
+    if rechecks:
+        out.append("Re-checked on its own baselines: " + "; ".join(
+            f"{plan_label(d['from'])} at step {d['step']}, "
+            + (f"switched to {plan_label(d['to'])}" if d["action"] == "switch" else "stayed")
+            for d in rechecks) + ".")
     return out
 
 
