@@ -9,8 +9,9 @@ batch 8, micro-batch 1; steps after the warm-up, over --repeats launches), the c
 processes left it (benchmarks/_spare_cores.py), and predictions of `estimate` for the same
 layout on this CPU (`--gpu cpu --backend gloo --precision fp32`): "untuned", the planner's
 former CPU default (Efficiency(): 20 us per layer pass, no host ops) on 2 cores; "measured",
-each pass's eager ops at the host time per op that commpipe.plan.cpu measures
-(commpipe.plan.runtime_ops), on 2 cores; "capacity", the same on the cores the run had, each
+as `plan --gpu cpu` prices it: each pass's eager ops and FLOPs at the time per op and per unit
+of work measured on the model's first layer (commpipe.plan.pass_split; the optimizer's ops at
+the same time per op, commpipe.plan.runtime_ops), on 2 cores; "capacity", the same on the cores the run had, each
 worth what the machine's cores run at once over their count (`--host-cores auto`,
 commpipe.plan.cpu.measure_core_capacity); and "probed", that with the links, the host time per
 gloo call and the scheduler's wake-up wait of a `commpipe probe` of 2 ranks (as
@@ -72,6 +73,7 @@ def predict(name: str, spare: float, probe_file: Path | None, capacity: float) -
     from commpipe.plan.cpu import this_cpu
     from commpipe.plan.estimate import estimate
     from commpipe.plan.layout import Job, Layout
+    from commpipe.plan.pass_split import with_measured_pass
     from commpipe.plan.timing import Efficiency, default_efficiency
 
     dims = LAYOUTS[name]
@@ -82,7 +84,7 @@ def predict(name: str, spare: float, probe_file: Path | None, capacity: float) -
     lay = Layout(dims.get("tp", 1), dims.get("cp", 1), dims.get("pp", 1), dims.get("dp", 1), 1, 1,
                  "1f1b", "none")
     spec = resolve_model("tiny")
-    measured = default_efficiency(cluster.gpu)
+    measured = with_measured_pass(default_efficiency(cluster.gpu), spec, job, cluster.gpu)
     out = {"untuned": estimate(spec, lay, job, cluster, Efficiency()).step_time_s,
            "measured": estimate(spec, lay, job, cluster, measured).step_time_s,
            "capacity": estimate(spec, lay, job, *on_spare_cores(cluster, measured, spare)).step_time_s,

@@ -120,6 +120,7 @@ def measure(args, out: Path) -> list[str]:
     ops = out / "host_ops.json"
     if not (args.reuse and ops.exists()):
         ops.write_text(json.dumps({"op_s": measure_op_seconds()}) + "\n")
+    measured_pass(out, fresh=not args.reuse)
     host_capacity(out, args.cores, fresh=not args.reuse)
     port = 29640
     for world in CALIB_WORLDS:
@@ -219,7 +220,8 @@ def on_spare_cores(cluster, eff, spare: float):
         return replace(cluster, host_cores=spare), eff
     gpu = replace(cluster.gpu, tflops=cluster.gpu.tflops * spare, hbm_gbps=cluster.gpu.hbm_gbps * spare)
     eff = replace(eff, overhead_s=eff.overhead_s / spare, coll_overhead_s=eff.coll_overhead_s / spare,
-                  optimizer_overhead_s=eff.optimizer_overhead_s / spare, op_s=eff.op_s / spare)
+                  optimizer_overhead_s=eff.optimizer_overhead_s / spare, op_s=eff.op_s / spare,
+                  work_s=eff.work_s / spare)
     return replace(cluster, gpu=gpu, host_cores=1), eff
 
 
@@ -244,16 +246,32 @@ def probe_call_s(path: Path) -> float:
     return max(0.0, ar - 2 * pair) / 1e3
 
 
+def measured_pass(out: Path, fresh: bool = False) -> dict:
+    """A pass of the model's first layer split into its fixed part per op and its part per unit
+    of work, as `plan --gpu cpu` measures it on the model (commpipe.plan.pass_split, one thread;
+    OUT/pass_split.json, measured with the sets unless missing)."""
+    from commpipe.models.spec import resolve_model
+    from commpipe.plan.pass_split import measure
+
+    path = out / "pass_split.json"
+    if fresh or not path.exists():
+        split = measure(resolve_model(MODEL), TRAIN["seq_len"], "cpu", threads=1)
+        path.write_text(json.dumps({"op_s": split.op_ms / 1e3, "work_s": split.work_ms / 1e3})
+                        + "\n")
+    return json.loads(path.read_text())
+
+
 def host_terms(out: Path, cores: int, wake_s: float = 0.0, fit: bool = False):
-    """The host terms. By default measured, nothing fitted: each pass's and each optimizer
-    step's eager ops at the host time per op that `plan --gpu cpu` measures (commpipe.plan.cpu,
-    stored in OUT/host_ops.json; commpipe.plan.runtime_ops), the host time per collective call
-    from the probe (probe_call_s), no per-pass or per-layer overhead beside them; the summary's
-    MAPE is then that of the runs of 1 and 2 ranks, predicted. With `fit` (--fit-host), as a
-    user calibrates on small runs of their own machine (`plan --calibrate`: trust-region least
-    squares on log step time, calibrate.fit's method): the overheads per layer pass and per layer
-    held by the optimizer, from the runs of 1 and 2 ranks (none of them a layout of 4 or 8
-    ranks), each priced on the cores it had to spare, without the counted ops. The per-call time
+    """The host terms. By default measured, nothing fitted: each pass at the rates `plan --gpu
+    cpu` measures on the model's first layer (its eager ops at the time per op, its FLOPs at
+    the time per unit of work: measured_pass, commpipe.plan.pass_split; the optimizer's ops at
+    the same time per op, commpipe.plan.runtime_ops), the host time per collective call from
+    the probe (probe_call_s), no per-pass or per-layer overhead beside them; the summary's MAPE
+    is then that of the runs of 1 and 2 ranks, predicted. With `fit` (--fit-host), as a user
+    calibrates on small runs of their own machine (`plan --calibrate`: trust-region least
+    squares on log step time, calibrate.fit's method): on top of the measured pass, overheads
+    per layer pass and per layer held by the optimizer, from the runs of 1 and 2 ranks (none of
+    them a layout of 4 or 8 ranks), each priced on the cores it had to spare. The per-call time
     is the probe's either way: fitted, it also takes up the wait for the partner rank to be
     scheduled, which the host model counts separately (wake_s) and which is not CPU work.
     Returns (Efficiency, summary)."""
@@ -271,16 +289,19 @@ def host_terms(out: Path, cores: int, wake_s: float = 0.0, fit: bool = False):
     call_s = probe_call_s(out / "probe-calib2.json")
     meas = np.array([c["median_ms"] / 1e3 for *_, c in points])
     if not fit:
-        op_s = json.loads((out / "host_ops.json").read_text())["op_s"]
-        eff = Efficiency(overhead_s=0.0, coll_overhead_s=call_s, op_s=op_s, wake_s=wake_s)
+        split = measured_pass(out)
+        op_s = split["op_s"]
+        eff = Efficiency(overhead_s=0.0, coll_overhead_s=call_s, op_s=op_s,
+                         work_s=split["work_s"], wake_s=wake_s)
         pred = np.array([estimate(spec, lay, job, *on_spare_cores(cl, eff, c["spare_cores"]),
                                   detail=False).step_time_s for spec, lay, job, cl, c in points])
         return eff, {"runs": len(points), "params": {"coll_overhead_s": call_s, "op_s": op_s},
                      "mape": float(np.mean(np.abs(pred / meas - 1))), "wake_s": wake_s,
                      "fitted": False}
     names = ("overhead_s", "optimizer_overhead_s")
+    split = measured_pass(out)
     start = Efficiency(overhead_s=100e-6, coll_overhead_s=call_s, optimizer_overhead_s=100e-6,
-                       wake_s=wake_s)
+                       wake_s=wake_s, op_s=split["op_s"], work_s=split["work_s"])
 
     def predict(theta) -> np.ndarray:
         eff = replace(start, **dict(zip(names, np.exp(theta))))

@@ -66,3 +66,65 @@ def test_a_model_too_large_to_probe_is_left_to_its_flops():
     assert probe_params(small) == (256 + 12 * 128) * 128 and worth_probing(small)
     assert probe_params(big) == (128_256 + 12 * 4096) * 4096 > MAX_PROBE_PARAMS
     assert not worth_probing(big)
+
+
+def _cpu_job(seq_len=32):
+    from commpipe.plan.cli import for_cluster
+    from commpipe.plan.cluster import default_cluster
+    from commpipe.plan.gpus import GPU
+    from commpipe.plan.layout import Job
+
+    cpu = GPU("cpu", 0.05, 64.0, 10.0, 10.0, 1.0)
+    cluster = default_cluster(cpu, 4, 4)
+    return for_cluster(Job(8, seq_len, precision="fp32"), cluster), cluster
+
+
+def test_a_cpu_layer_at_its_measured_rate_by_hand():
+    """With work_s set, a layer of the demo shape at micro-batch 2, tp 2: forward FLOPs per token
+    2h(h + 2 kv) + 4sh + 2h^2 + 6hf = 2*64*(64+64) + 4*32*64 + 2*64^2 + 6*64*128 = 81,920;
+    times 2 samples of 32 tokens, over tp 2: 2,621,440 units; at 1e-10 s each, 262.144 us for
+    forward and backward, a third each (forward, input gradients, weight gradients). The head
+    at micro-batch 2 and vocab 256 over tp 2: 2 * 64 tokens * 64 * 128 = 1,048,576 units,
+    a third of them 34.95 us forward."""
+    from dataclasses import replace
+
+    from commpipe.models.spec import resolve_model
+    from commpipe.plan.layout import Layout
+    from commpipe.plan.timing import Efficiency, head_compute, layer_compute
+
+    spec = resolve_model("arch=llama,layers=8,hidden=64,heads=4,kv_heads=2,ffn_hidden=128,vocab=256")
+    job, cluster = _cpu_job()
+    lay = Layout(2, 1, 2, 1, 1, 2, "1f1b", "none")
+    eff = Efficiency(overhead_s=0.0, op_s=5e-6, work_s=1e-10)
+    lc = layer_compute(spec, lay, job, cluster, eff)
+    assert lc["gemm"] == pytest.approx(262.144e-6 / 3) and lc["gemm_f"] == lc["gemm"]
+    assert lc["attn"] == lc["elem"] == lc["elem_b"] == 0.0
+    assert head_compute(spec, lay, job, cluster, eff)[0] == pytest.approx(34.952533e-6)
+    # without a measured rate the GEMM curve prices the same layer: a different number
+    assert layer_compute(spec, lay, job, cluster, replace(eff, work_s=0.0))["gemm"] \
+        != pytest.approx(lc["gemm"])
+
+
+def test_the_planner_measures_the_pass_only_where_commpipe_runs_it_on_a_cpu():
+    """`plan --gpu cpu` on the demo shape takes both rates from the model's own layer; a GPU,
+    another framework, a --profile that set work_s, and a shape too large to probe keep what
+    they had."""
+    from dataclasses import replace
+
+    from commpipe.models.spec import resolve_model
+    from commpipe.plan.gpus import resolve_gpu
+    from commpipe.plan.pass_split import measure, with_measured_pass
+    from commpipe.plan.timing import Efficiency
+
+    spec = resolve_model("arch=llama,layers=8,hidden=64,heads=4,kv_heads=2,ffn_hidden=128,vocab=256")
+    job, cluster = _cpu_job()
+    eff = Efficiency(overhead_s=0.0, op_s=5e-6)
+    got = with_measured_pass(eff, spec, job, cluster.gpu)
+    split = measure(spec, 32, "cpu", threads=1)
+    assert (got.op_s, got.work_s) == (split.op_ms / 1e3, split.work_ms / 1e3) and got.work_s > 0
+    assert with_measured_pass(eff, spec, job, resolve_gpu("h100")) is eff
+    assert with_measured_pass(eff, spec, replace(job, runtime="megatron"), cluster.gpu) is eff
+    profiled = replace(eff, work_s=2e-10)
+    assert with_measured_pass(profiled, spec, job, cluster.gpu) is profiled
+    big = resolve_model("llama3-8b")
+    assert with_measured_pass(eff, big, job, cluster.gpu) is eff

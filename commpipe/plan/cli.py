@@ -22,6 +22,7 @@ from commpipe.plan.cluster import apply_links, apply_probe, default_cluster, ove
 from commpipe.plan.frameworks import FRAMEWORKS, default_framework, framework_job_fields
 from commpipe.plan.gpus import resolve_gpu
 from commpipe.plan.layout import PRECISIONS, RECOMPUTE, SCHEDULES, ZERO_STAGES, Job, runtime_job
+from commpipe.plan.pass_split import with_measured_pass
 from commpipe.plan.runtime_ops import with_host_ops
 from commpipe.plan.timing import default_efficiency
 
@@ -321,6 +322,8 @@ def _plan_layers(args) -> int:
     cluster, eff = cluster_from_args(args, profile_path=args.profile)
     job = for_cluster(job_from_args(args), cluster, framework_from_args(args))
     eff = with_host_ops(eff, job, cluster.gpu)
+    if not args.profile:
+        eff = with_measured_pass(eff, spec, job, cluster.gpu)
     check_experts(spec, job, fixed.get("ep"))
     try:
         result = search(spec, job, cluster, eff, fixed, top=args.top)

@@ -28,6 +28,7 @@ from commpipe.plan.cli import (
 )
 from commpipe.plan.estimate import estimate
 from commpipe.plan.layout import Layout
+from commpipe.plan.pass_split import with_measured_pass
 from commpipe.plan.runtime_ops import with_host_ops
 from commpipe.schedules.registry import SCHEDULES, default_vpp
 
@@ -68,6 +69,8 @@ def run(args) -> int:
     cluster, eff = cluster_from_args(args, num_gpus=gpus, profile_path=args.profile)
     job = for_cluster(job, cluster, framework_from_args(args))
     eff = with_host_ops(eff, job, cluster.gpu)
+    if not args.profile:
+        eff = with_measured_pass(eff, spec, job, cluster.gpu)
     check_experts(spec, job, args.ep, layout)
     est = estimate(spec, layout, job, cluster, eff)
     add_intervals([est], cluster)

@@ -29,6 +29,7 @@ from commpipe.plan.cluster import Cluster
 from commpipe.plan.layout import Job, Layout, layout_problem
 from commpipe.plan.memory import StageMemory, chunk_stages, memory_problem, rank_chunks, stage_memory
 from commpipe.plan.moe_costs import summary as moe_summary
+from commpipe.plan.pass_split import with_measured_pass
 from commpipe.plan.pipeline import action_counts, braid_span, busy_overlap, peak_inflight, simulate_step
 from commpipe.plan.timing import Efficiency, StageCosts, default_efficiency, stage_costs
 from commpipe.schedules.registry import info
@@ -260,7 +261,8 @@ def estimate(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
     """Everything about one layout. `simulate=False` stops after memory (and the lower bound);
     `detail` runs one more simulation without point-to-point cost to split the pipeline's
     idle time into bubble and exposed transfers."""
-    eff = eff or default_efficiency(cluster.gpu)
+    if eff is None:
+        eff = with_measured_pass(default_efficiency(cluster.gpu), spec, job, cluster.gpu)
     problem = layout_problem(spec, job, layout, cluster.num_gpus)
     if problem:
         return Estimate(layout, False, problem)

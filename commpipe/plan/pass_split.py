@@ -76,12 +76,21 @@ def worth_probing(spec) -> bool:
 
 
 @lru_cache(maxsize=8)
-def measure(spec, seq_len: int, device: str = "cpu", budget_s: float = 0.5) -> PassSplit:
+def measure(spec, seq_len: int, device: str = "cpu", budget_s: float = 0.5,
+            threads: int | None = None) -> PassSplit:
     """Time stage 0 (the embedding and first layer) of `spec` forward and backward at micro-
     batches of BATCHES samples of `seq_len` tokens, alternately, for about `budget_s` (at least
-    three passes each after one warm-up), and solve for the split. Runs in the caller's thread
-    count and leaves the global random state as it was."""
+    three passes each after one warm-up), and solve for the split. Runs with `threads` threads
+    (None: the caller's count) and leaves the global random state as it was."""
     import torch
+
+    if threads is not None:
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return measure.__wrapped__(spec, seq_len, device, budget_s)
+        finally:
+            torch.set_num_threads(previous)
 
     from commpipe.models.family import family_of
     from commpipe.plan.runtime_ops import stage_ops
@@ -120,3 +129,25 @@ def measure(spec, seq_len: int, device: str = "cpu", budget_s: float = 0.5) -> P
     small, large = BATCHES
     return solve(statistics.median(times[small]), statistics.median(times[large]), small, large,
                  sum(stage_ops(split, 0, "fp32")), probe_work(spec, seq_len, split))
+
+
+def with_measured_pass(eff, spec, job, gpu):
+    """`eff` (commpipe.plan.timing.Efficiency) with a CPU's pass of commpipe's runtime measured
+    on `spec` itself: `op_s` and `work_s` from `measure` on one thread (a CPU rank's one), the
+    seconds per counted op and per unit of forward FLOP work of the model's own first layer.
+    The matmul peak and copy rate of `plan.cpu` price a layer as if its GEMMs ran at a large
+    square GEMM's rate and its elementwise ops at a large copy's; at the shapes a CPU trains they
+    run at a fraction of both, and the micro-benchmark's time per op leaves out the work the
+    runtime does around each op of a real layer (the activation meter's hooks on real tensors,
+    autograd's graph). Unchanged: a GPU, another framework's runtime, a family the layer
+    planner does not price as commpipe runs it, a shape too large to probe (its FLOPs dominate),
+    or an `eff` whose `work_s` is already set (a --profile)."""
+    from dataclasses import replace
+
+    from commpipe.models.family import layout_planned
+
+    if gpu.name != "cpu" or job.runtime != "commpipe" or eff.work_s > 0 \
+            or not layout_planned(spec) or not worth_probing(spec):
+        return eff
+    split = measure(spec, job.seq_len, "cpu", threads=1)
+    return replace(eff, op_s=split.op_ms / 1e3, work_s=split.work_ms / 1e3)

@@ -22,6 +22,7 @@ from commpipe.plan.cluster import Cluster
 from commpipe.plan.estimate import Estimate, estimate, finish_estimate, fits_reason, lower_bound
 from commpipe.plan.layout import Job, Layout, enumerate_layouts, layout_problem
 from commpipe.plan.memory import memory_problem, stage_memory, static_memory_gb
+from commpipe.plan.pass_split import with_measured_pass
 from commpipe.plan.pipeline import peak_inflight
 from commpipe.plan.timing import Efficiency, default_efficiency, stage_costs
 from commpipe.sim.engine import gc_paused
@@ -101,7 +102,8 @@ def search(spec: ModelSpec, job: Job, cluster: Cluster, eff: Efficiency | None =
 
 
 def _search(spec, job, cluster, eff, fixed, top, explain) -> SearchResult:
-    eff = eff or default_efficiency(cluster.gpu)
+    if eff is None:
+        eff = with_measured_pass(default_efficiency(cluster.gpu), spec, job, cluster.gpu)
     cluster.gpu.peak_tflops(job.precision)         # fp8 on a GPU without FP8 fails here
     fixed = {k: v for k, v in (fixed or {}).items() if v is not None}
     layouts = enumerate_layouts(spec, job, cluster.num_gpus, fixed)

@@ -55,7 +55,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from commpipe.models.family import layer_form
-from commpipe.models.spec import ModelSpec
+from commpipe.models.spec import ModelSpec, layer_flops_per_token
 from commpipe.plan.attention import kv_width, mla, score_dims
 from commpipe.plan.cluster import Cluster
 from commpipe.plan.kernels import (
@@ -106,6 +106,9 @@ class Efficiency:
     fp8_rel: float = 1.0          # FP8 GEMM efficiency relative to e_max (see FP8 below)
     op_s: float = 0.0             # host seconds per eager op of commpipe's own runtime, measured
                                   # (plan.cpu.measure_op_seconds; runtime_ops.py); 0: not priced
+    work_s: float = 0.0           # a CPU's seconds of a layer's forward and backward per unit of
+                                  # its forward FLOPs, measured on the model's own first layer
+                                  # (plan.pass_split.with_measured_pass); 0: the GEMM curve
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -131,7 +134,11 @@ MEASURED_GPU = Efficiency(e_max=0.9912, ai_half_ridge=2.742, elementwise=1.160, 
 def default_efficiency(gpu) -> Efficiency:
     """The Efficiency `plan` and `estimate` use without a --profile: MEASURED_GPU on GPUs; on a
     CPU the untuned Efficiency() with its host terms measured instead of the 20 us per layer
-    pass: each pass's eager ops at this host's measured time per op (runtime_ops.py)."""
+    pass: each pass's eager ops at this host's measured time per op (runtime_ops.py). Where the
+    model is known (`plan`, `estimate`, and `estimate()`/`search()` called without an
+    Efficiency), plan.pass_split.with_measured_pass then measures a CPU pass on the model's own
+    first layer: its time per op and per unit of work replace the micro-benchmark's op time and
+    the GEMM curve."""
     if gpu.name != "cpu":
         return MEASURED_GPU
     from commpipe.plan.cpu import host_op_seconds
@@ -205,6 +212,13 @@ def layer_compute(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
     forward's as run: under TE's userbuffers overlap two of them lose SMs), 'attn' (scores and
     values), 'elem' (HBM-bound ops)."""
     gpu = cluster.gpu
+    if measured_pass(eff, job, gpu):
+        # everything of a pass that grows with the micro-batch, at the rate measured on the
+        # model's first layer: forward a third, the two backward GEMM sets a third each
+        work = layer_flops_per_token(spec, job.seq_len) * layout.micro_batch_size * job.seq_len
+        third = work * eff.work_s / (layout.tp * layout.cp) / 3
+        return {"gemm": third, "gemm_f": third, "attn": 0.0, "elem": 0.0, "elem_b": 0.0,
+                "copy_f": 0.0, "copy_b": 0.0}
     peak, ridge = gpu.achievable_tflops("bf16") * 1e12, gpu.ridge_flop_per_byte
     t, s = layout.tp, job.seq_len
     nh, qk, v = score_dims(spec)        # grouped-query: qk = v = head_dim (plan/attention.py)
@@ -246,6 +260,11 @@ def layer_compute(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
             "elem_b": elem_b + 2 * cast, "copy_f": copy_f, "copy_b": copy_b}
 
 
+def measured_pass(eff: Efficiency, job: Job, gpu) -> bool:
+    """A CPU pass of commpipe's runtime priced at its measured rate (`Efficiency.work_s`)."""
+    return eff.work_s > 0 and job.runtime == "commpipe" and gpu.name == "cpu"
+
+
 def own_runtime_on_gpu(job: Job, gpu) -> bool:
     """commpipe's own eager runtime on a GPU, priced op by op (runtime_kernels.py); on a CPU its
     rates are measured on its own runs."""
@@ -273,8 +292,11 @@ def head_compute(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
     gpu = cluster.gpu
     tokens = layout.micro_batch_size * job.seq_len / layout.cp
     v = spec.vocab / layout.tp
-    g = gemm_time(2 * tokens * spec.hidden * v, tokens, spec.hidden, v, gpu.achievable_tflops("bf16") * 1e12,
-                  eff, gpu.ridge_flop_per_byte)
+    if measured_pass(eff, job, gpu):
+        g = 2 * tokens * spec.hidden * v * eff.work_s / 3
+    else:
+        g = gemm_time(2 * tokens * spec.hidden * v, tokens, spec.hidden, v,
+                      gpu.achievable_tflops("bf16") * 1e12, eff, gpu.ridge_flop_per_byte)
     # loss: HBM bytes per logit of the job's loss kernels (kernels.CE_BYTES)
     per_f, per_b = CE_BYTES[job.ce_kernel]
     return g, per_f * tokens * v / hbm_rate(gpu), per_b * tokens * v / hbm_rate(gpu)
