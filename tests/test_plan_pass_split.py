@@ -128,3 +128,23 @@ def test_the_planner_measures_the_pass_only_where_commpipe_runs_it_on_a_cpu():
     assert with_measured_pass(profiled, spec, job, cluster.gpu) is profiled
     big = resolve_model("llama3-8b")
     assert with_measured_pass(eff, big, job, cluster.gpu) is eff
+
+
+def test_estimate_on_a_cpu_says_what_it_measured_the_pass_at(capsys):
+    """`estimate --gpu cpu` prints the measured rates it priced the pass with, and the line's
+    numbers are the measurement's: us per op and training GFLOP/s (3 / work_s)."""
+    import re
+
+    from commpipe.cli import main
+    from commpipe.models.spec import resolve_model
+    from commpipe.plan.pass_split import measure
+
+    model = "arch=llama,layers=8,hidden=64,heads=4,kv_heads=2,ffn_hidden=128,vocab=256"
+    main(["estimate", "--model", model, "--gpu", "cpu", "--gpus", "2", "--global-batch", "8",
+          "--seq-len", "32", "--pp", "2", "--precision", "fp32"])
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    got = re.fullmatch(r"CPU pass measured on the model's first layer \(one thread\): ([\d.]+) us "
+                       r"per eager op, its FLOPs at ([\d.]+) GFLOP/s .*", line)
+    split = measure(resolve_model(model), 32, "cpu", threads=1)
+    assert got and float(got[1]) == pytest.approx(split.op_ms * 1e3, abs=0.05)
+    assert float(got[2]) == pytest.approx(3 / (split.work_ms / 1e3) / 1e9, abs=0.05)

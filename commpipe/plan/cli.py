@@ -22,6 +22,7 @@ from commpipe.plan.cluster import apply_links, apply_probe, default_cluster, ove
 from commpipe.plan.frameworks import FRAMEWORKS, default_framework, framework_job_fields
 from commpipe.plan.gpus import resolve_gpu
 from commpipe.plan.layout import PRECISIONS, RECOMPUTE, SCHEDULES, ZERO_STAGES, Job, runtime_job
+from commpipe.plan.pass_split import describe as describe_pass
 from commpipe.plan.pass_split import with_measured_pass
 from commpipe.plan.runtime_ops import with_host_ops
 from commpipe.plan.timing import default_efficiency
@@ -342,6 +343,8 @@ def _plan_layers(args) -> int:
         sys.stdout.write("\n")
     else:
         print_plan(result, spec, job, cluster)
+        if describe_pass(eff):
+            print(describe_pass(eff))
     return 0 if result.top else 1
 
 

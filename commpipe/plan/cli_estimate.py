@@ -28,6 +28,7 @@ from commpipe.plan.cli import (
 )
 from commpipe.plan.estimate import estimate
 from commpipe.plan.layout import Layout
+from commpipe.plan.pass_split import describe as describe_pass
 from commpipe.plan.pass_split import with_measured_pass
 from commpipe.plan.runtime_ops import with_host_ops
 from commpipe.schedules.registry import SCHEDULES, default_vpp
@@ -80,4 +81,6 @@ def run(args) -> int:
     else:
         from commpipe.plan.report import print_estimate
         print_estimate(est, cluster)
+        if describe_pass(eff):
+            print(describe_pass(eff))
     return 0 if est.feasible else 1

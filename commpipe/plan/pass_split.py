@@ -151,3 +151,13 @@ def with_measured_pass(eff, spec, job, gpu):
         return eff
     split = measure(spec, job.seq_len, "cpu", threads=1)
     return replace(eff, op_s=split.op_ms / 1e3, work_s=split.work_ms / 1e3)
+
+
+def describe(eff) -> str | None:
+    """The console line of a measured CPU pass (None when `eff` has none): what `plan` and
+    `estimate` priced each pass of commpipe's runtime with."""
+    if eff.work_s <= 0:
+        return None
+    return (f"CPU pass measured on the model's first layer (one thread): {eff.op_s * 1e6:.1f} us "
+            f"per eager op, its FLOPs at {3 / eff.work_s / 1e9:.1f} GFLOP/s (forward and "
+            "backward); a --profile with work_s replaces both")
