@@ -42,12 +42,10 @@ def switch_cost(cur: Plan, plan: Plan, model: CostModel, spec, acfg: AdaptConfig
 def memory_need_gb(cfg, plan: Plan, on_cpu: bool, ranks_per_node: int) -> float:
     """GiB `plan` needs by the planner's memory model (commpipe.plan.fits): on CPU the sum over
     the ranks of one host, on a GPU the heaviest rank (stage memory at an even split)."""
-    from commpipe.layout import Layout
     from commpipe.plan.fits import host_need_gb
     from commpipe.plan.layout import Job, runtime_job
 
-    layout = Layout(plan.tp, plan.cp, plan.pp, plan.dp, 1, plan.micro_batch_size,
-                    plan.schedule, cfg.recompute, 1 if cfg.optim.zero1 else 0)
+    layout = plan.layout(cfg.recompute, 1 if cfg.optim.zero1 else 0)
     job = Job(cfg.global_batch, cfg.seq_len, precision=cfg.precision or "fp32",
               **runtime_job(cfg.features()))
     world = plan.tp * plan.cp * plan.pp * plan.dp

@@ -64,14 +64,12 @@ def a2a_ms(model, plan, ranks: list[int]) -> float:
     """One dispatch (or combine) all-to-all of one MoE layer and micro-batch in the EP group
     `ranks` under `plan`: the planner's bytes per call and all-to-all
     (commpipe.plan.moe_costs) at the rates `model` measured between the group's ranks."""
-    from commpipe.layout import Layout
     from commpipe.plan.layout import Job
     from commpipe.plan.moe_costs import a2a_bytes, all_to_all
 
     if len(ranks) < 2:
         return 0.0
-    layout = Layout(plan.tp, plan.cp, plan.pp, plan.dp, 1, plan.micro_batch_size, plan.schedule,
-                    ep=plan.ep)
+    layout = plan.layout()
     job = Job(plan.microbatches * plan.micro_batch_size * plan.dp, model.seq_len,
               precision="fp32" if model.m.element_bytes == 4 else "bf16")
     return 1e3 * all_to_all(group_cluster(model, ranks), a2a_bytes(model.spec, layout, job),

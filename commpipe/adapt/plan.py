@@ -50,6 +50,17 @@ class Plan:
 
         return ParallelDims(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp, order=self.order)
 
+    def layout(self, recompute: str = "none", zero: int = 0):
+        """The planner's description of this plan (commpipe.layout.Layout): its degrees,
+        micro-batch size and schedule, with the run's recompute and ZeRO stage. Stage splits,
+        per-replica micro-batches and the rank order stay the plan's own (a Layout's
+        `placement` places a launch's ranks on nodes; `order` numbers the ranks of the running
+        processes)."""
+        from commpipe.layout import Layout
+
+        return Layout(self.tp, self.cp, self.pp, self.dp, 1, self.micro_batch_size, self.schedule,
+                      recompute, zero, ep=self.ep)
+
     @property
     def name(self) -> str:
         split = ",".join(str(x) for x in self.stage_layers)
