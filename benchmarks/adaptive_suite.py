@@ -4,6 +4,7 @@
     python benchmarks/adaptive_suite.py --scenarios healthy,link-2x      # a subset
     python benchmarks/adaptive_suite.py --list                           # the scenarios
     python benchmarks/adaptive_suite.py --out DIR --reuse --write-interval   # trials' interval
+    python benchmarks/adaptive_suite.py --out DIR --json F --reuse           # draw F again
 
 Two emulated nodes of one rank each (commpipe.cluster.netns: network namespaces, tc tbf; needs
 root and iproute2), the tiny 4-layer LLaMA of `commpipe demo --adaptive`, 50 steps with the fault
@@ -34,7 +35,9 @@ it reached recovers, without the steps before detection and the trials),
 the overhead of --adapt on a healthy run (wall per step, same seed) and the largest loss
 difference against the static run. Wall time per step comes from when each step's record
 reaches metrics.jsonl, so it includes what the controller does between steps (its per-step
-gather, planning, switches, trials), which the records' step_time_s leaves out.
+gather, planning, switches, trials), which the records' step_time_s leaves out. OUT/suite.md
+shows the table, the outcome against the goals (suite.png) and each adaptive run's step time
+with its detections, switches and re-checks (benchmarks/_suite_figure.py).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from _adaptive_metrics import COLUMNS, measure, row, table  # noqa: E402
+from _suite_figure import write_suite_page  # noqa: E402
 
 from commpipe.adapt.demo import MODEL, RateDriver  # noqa: E402
 
@@ -327,12 +331,17 @@ def main(argv=None) -> int:
                    help="store the trials' relative error quantiles in commpipe/plan/interval.py "
                         "(after the run; alone with --reuse: from OUT's runs)")
     p.add_argument("--reuse", action="store_true",
-                   help="run nothing; with --write-interval, read the trials of OUT's runs")
+                   help="run nothing: with --write-interval, read the trials of OUT's runs; with "
+                        "--json, draw its results and OUT's runs again (OUT/suite.md)")
     args = p.parse_args(argv)
     if args.reuse:
-        if not args.write_interval:
-            p.error("--reuse only goes with --write-interval")
-        write_interval(Path(args.out))
+        if not (args.write_interval or args.json):
+            p.error("--reuse goes with --write-interval or --json (the results to draw)")
+        if args.write_interval:
+            write_interval(Path(args.out))
+        if args.json:
+            results = json.loads(Path(args.json).read_text())["results"]
+            print(write_suite_page(results, table(results), Path(args.out)))
         return 0
     if args.list:
         for c in all_cases.values():
@@ -379,6 +388,7 @@ def main(argv=None) -> int:
     print(f"\n{len(results)} results in {machine['elapsed_s'] / 60:.1f} min; load average "
           f"{start['load_avg'][0]:.1f} at the start, {machine['end_load_avg'][0]:.1f} at the end "
           f"({start['cpus']} cpus)")
+    print(f"figures: {write_suite_page(results, table(results), out)}")
     if args.write_interval:
         write_interval(out)
     return 0

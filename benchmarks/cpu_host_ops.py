@@ -11,10 +11,11 @@ layout on this CPU (`--gpu cpu --backend gloo --precision fp32`): "untuned", the
 former CPU default (Efficiency(): 20 us per layer pass, no host ops) on 2 cores; "measured",
 as `plan --gpu cpu` prices it: each pass's eager ops and FLOPs at the time per op and per unit
 of work measured on the model's first layer (commpipe.plan.pass_split; the optimizer's ops at
-the same time per op, commpipe.plan.runtime_ops), on 2 cores; "capacity", the same on the cores the run had, each
-worth what the machine's cores run at once over their count (`--host-cores auto`,
-commpipe.plan.cpu.measure_core_capacity); and "probed", that with the links, the host time per
-gloo call and the scheduler's wake-up wait of a `commpipe probe` of 2 ranks (as
+the same time per op, commpipe.plan.runtime_ops), on 2 cores; "capacity", the same on the
+cores the run had, each worth what the machine's cores run at once over their count
+(`--host-cores auto`, commpipe.plan.cpu.measure_core_capacity); and "probed", that with the
+links, the host time per gloo call and the scheduler's wake-up wait of a `commpipe probe` of 2
+ranks (as
 benchmarks/planner_rank.py prices them; --no-probe skips it). Results: docs/planner.md,
 "Ranking this machine's layouts".
 """
