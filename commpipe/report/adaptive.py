@@ -92,9 +92,10 @@ def step_time_figure(run, out_png, title: str | None = None):
     ax.set_xlabel("step")
     ax.set_ylabel("step time (ms)")
     ax.set_ylim(bottom=0)
+    adaptive = (run / "adapt.jsonl").exists()
     ax.set_title(title or (f"{run.name}: step time, detections (dotted: stay, green: switch, "
                            "dash-dot: re-check)"
-                           if decisions else f"{run.name}: step time, restarts"))
+                           if adaptive else f"{run.name}: step time, restarts"))
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, fontsize=7, frameon=False,
               title="layout in use", title_fontsize=7)
     fig.tight_layout()
@@ -104,7 +105,7 @@ def step_time_figure(run, out_png, title: str | None = None):
     plt.close(fig)
     n_switch = sum(d.get("action") == "switch" for d in decisions)
     n_recheck = sum(bool(d.get("recheck")) for d in decisions)
-    if not decisions:
+    if not adaptive:
         return out_png, (f"{run.name}: step time over steps; dashed: where the job stopped (red: "
                          "a lost node or rank, grey: a node joining), solid: where it resumed "
                          "(orange: on the ranks that remain, green: grown back); steps after a "
