@@ -54,6 +54,24 @@ def test_detection_needs_the_minimum_shift_and_skips_missing_samples():
     assert [d.step for d in found] == [6]                   # None neither breaks nor counts
 
 
+def test_the_baseline_follows_the_level_between_changes():
+    """A run's first steps at 100 ms, its steady state at 80 (-20%: within the band, no
+    detection), then a fault to 104: +4% against the first steps, +30% against the level the
+    series settled at. The baseline follows the in-band level (the median of the last 8), so
+    the fault is detected; the first baseline follows it too until that detection, then stays."""
+    det = Detector(min_steps=3, min_shift=0.25, baseline_steps=4)
+    assert feed(det, [100.0, 101.0, 99.0, 100.0] + [80.0] * 8) == []
+    assert det.baseline("link", "pp 1->2") == pytest.approx(80.0)
+    assert det.firsts()[("link", "pp 1->2")] == pytest.approx(80.0)
+    found = feed(det, [104.0] * 3, start=12)
+    assert [(d.onset_step, d.step) for d in found] == [(12, 14)]
+    assert found[0].baseline == pytest.approx(80.0) and found[0].shift == pytest.approx(0.3)
+    # after the detection the new level is the baseline; the first stays the one before it
+    feed(det, [104.0] * 5, start=15)
+    assert det.baseline("link", "pp 1->2") == pytest.approx(104.0)
+    assert det.firsts()[("link", "pp 1->2")] == pytest.approx(80.0)
+
+
 def test_smoothing_keeps_a_single_outlier_from_counting():
     det = Detector(min_steps=2, min_shift=0.25, baseline_steps=3)
     for i, v in enumerate([10.0, 10.0, 10.0, 50.0, 10.0, 50.0, 10.0]):

@@ -6,6 +6,11 @@ differs from the baseline by at least `min_shift` (relative). A change is detect
 `min_steps` consecutive observations are shifted in the same direction; then the baseline moves
 to the new level (the median of those observations), so a lasting change fires once and a
 later recovery fires again. A blip shorter than `min_steps` resets the run and is ignored.
+Between changes the baseline follows the level: it is the median of the last
+2 x `baseline_steps` observations within the band (a run's first steps are often slower than
+its steady state, as allocators, caches and the host settle; a baseline fixed on them would
+hide a fault of up to their excess). A drift slower than the band per window is followed, not
+detected; the faults the controller acts on are steps, not ramps.
 Missing observations (None: nothing was sampled that step) neither extend nor break a run.
 Series of sampled, noisy values (a link's few timed calls per step) can be smoothed first:
 `smooth=k` feeds the median of the last k raw observations instead of the raw value.
@@ -40,9 +45,11 @@ class _Series:
     start: list = field(default_factory=list)   # observations that set the baseline
     raw: list = field(default_factory=list)     # last `smooth` raw observations
     baseline: float | None = None
-    first: float | None = None                  # the first baseline (a detection moves baseline)
+    first: float | None = None                  # the baseline until the series' first detection
     run: list = field(default_factory=list)     # (step, value) shifted the same way
     sign: int = 0
+    level: list = field(default_factory=list)   # the last observations within the band
+    fired: bool = False                         # a detection has moved the baseline
 
 
 class Detector:
@@ -61,8 +68,8 @@ class Detector:
         return s.baseline if s else None
 
     def firsts(self) -> dict[tuple[str, str], float]:
-        """Each series' first baseline since the last reset (or `arm`), before any detection
-        moved it."""
+        """Each series' baseline before its first detection since the last reset (or `arm`):
+        the level it followed while nothing changed."""
         return {k: s.first for k, s in self.series.items() if s.first is not None}
 
     def baselines(self) -> dict[str, float]:
@@ -89,12 +96,18 @@ class Detector:
             s.start.append(value)
             if len(s.start) >= self.baseline_steps:
                 s.baseline = s.first = statistics.median(s.start)
+                s.level = list(s.start)
             return None
         base = s.baseline
         shift = (value - base) / base if base > 0 else (0.0 if value == base else float("inf"))
         sign = (shift > 0) - (shift < 0)
         if abs(shift) < self.min_shift:
             s.run, s.sign = [], 0          # back within the band: a blip ends here
+            s.level = (s.level + [value])[-2 * self.baseline_steps:]
+            if len(s.level) >= self.baseline_steps:     # follow the level
+                s.baseline = statistics.median(s.level)
+                if not s.fired:
+                    s.first = s.baseline
             return None
         if sign != s.sign:
             s.run, s.sign = [], sign
@@ -104,7 +117,8 @@ class Detector:
         current = statistics.median(v for _, v in s.run)
         det = Detection(kind, key, base, current, (current - base) / base if base > 0 else shift,
                         s.run[0][0], step)
-        s.baseline, s.run, s.sign = current, [], 0
+        s.baseline, s.level, s.fired = current, [v for _, v in s.run], True
+        s.run, s.sign = [], 0
         return det
 
     def observe_all(self, step: int, signals: dict[tuple[str, str], float | None],
