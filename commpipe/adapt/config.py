@@ -12,7 +12,9 @@ Defaults and why:
   warmup_steps=2  the first 2 steps of a plan (at the start, after a switch or a resume) are not
                   observed: they carry one-off costs (allocations, first process-group calls).
   baseline_steps=4 observations (their median) that set the reference level, at the start and
-                  again after every switch, once warmup_steps have passed.
+                  again after every switch, once warmup_steps have passed; between changes the
+                  level is followed as the median of the last 2 x baseline_steps observations
+                  within the band (commpipe.adapt.detect).
   horizon=100     steps over which a switch must pay back (capped by the steps left): the saving
                   is predicted for the remaining run, but degrades may end, so we do not count
                   on more than this.
