@@ -72,6 +72,26 @@ def test_the_baseline_follows_the_level_between_changes():
     assert det.firsts()[("link", "pp 1->2")] == pytest.approx(80.0)
 
 
+def test_a_plans_healthy_levels_are_those_it_followed_before_its_first_change():
+    """What a resumed run re-arms with: on a plan's first visit, the level each series followed
+    (80 after first steps at 100), kept when a fault then moves the baseline (to 130); on a
+    later visit of the same plan, levels measured then (possibly a fault's) do not replace it."""
+    from commpipe.adapt.detect import record_levels
+
+    store: dict = {}
+    det = Detector(min_steps=3, min_shift=0.25, baseline_steps=4)
+    for i, v in enumerate([100.0, 101.0, 99.0, 100.0] + [80.0] * 8 + [130.0] * 4):
+        det.observe(i, "compute", "rank 1", v)
+        record_levels(store, "pp2", det, first_visit=True)
+    assert store == {"pp2": {"compute|rank 1": pytest.approx(80.0)}}
+    again = Detector(min_steps=3, min_shift=0.25, baseline_steps=4)
+    for i, v in enumerate([130.0] * 6):
+        again.observe(i, "compute", "rank 1", v)
+        again.observe(i, "step", "step", 200.0)
+        record_levels(store, "pp2", again, first_visit=False)
+    assert store["pp2"] == {"compute|rank 1": pytest.approx(80.0), "step|step": 200.0}
+
+
 def test_smoothing_keeps_a_single_outlier_from_counting():
     det = Detector(min_steps=2, min_shift=0.25, baseline_steps=3)
     for i, v in enumerate([10.0, 10.0, 10.0, 50.0, 10.0, 50.0, 10.0]):

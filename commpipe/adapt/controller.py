@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from commpipe.adapt.describe import record_lines
-from commpipe.adapt.detect import Watch
+from commpipe.adapt.detect import Watch, record_levels
 from commpipe.adapt.evaluate import evaluate
 from commpipe.adapt.model import Measured
 from commpipe.adapt.plan import Plan
@@ -87,7 +87,8 @@ class Controller:
         self.reference: tuple | None = None
         self.reference_before_trials: tuple | None = None
         self.running = self.command_plan = Plan.of(trainer.cfg)
-        self.plan_baselines: dict[str, dict] = {}   # plan name -> its first settled levels
+        self.plan_baselines: dict[str, dict] = {}   # plan name -> its healthy levels
+        self.first_visit: str | None = None         # the plan on its first visit, if one is
         resumed = self.acfg.resume_state
         if resumed:   # a checkpoint of this run: re-arm against the levels it recorded
             self.command_plan = _plan(resumed["command_plan"])
@@ -154,9 +155,10 @@ class Controller:
             n = self.acfg.baseline_steps
             self.reference = (list(self.window)[-n:], list(self.timelines)[-n:])
             armed = True
-        first = self.plan_baselines.setdefault(self.running.name, {})
-        for key, level in self.watch.detector.baselines().items():
-            first.setdefault(key, level)
+        if self.running.name not in self.plan_baselines:
+            self.first_visit = self.running.name
+        record_levels(self.plan_baselines, self.running.name, self.watch.detector,
+                      self.first_visit == self.running.name)
         recheck = armed and self.recheck and not found
         if armed:
             self.recheck = False
@@ -363,6 +365,7 @@ class Controller:
         if metrics_file is not None:
             metrics_file.close()
             metrics_file = None
+        self.first_visit = None
         phases: dict[str, float] = {}
         new, seconds = switch(trainer, plan, phases, self.rpn)
         gathered = new.comm.gather_objects((seconds, phases), "world")

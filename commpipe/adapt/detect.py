@@ -182,6 +182,21 @@ def slowed_the_job(d: Detection, step_ms: dict[int, float], first_step_ms: float
     return statistics.median(during) / first_step_ms - 1 >= min_shift
 
 
+def record_levels(store: dict[str, dict[str, float]], plan: str, detector: Detector,
+                  first_visit: bool) -> None:
+    """Keep `plan`'s healthy levels in `store` (plan name -> {"kind|key": ms}), what a resumed
+    run re-arms its detector with. On the plan's first visit, the level each series followed
+    until its first change (`Detector.firsts`): not the median of the plan's first steps, which
+    may run slower than its steady state and would hide a fault after the resume. On a later
+    visit, only series not yet recorded: the levels measured then may already be a fault's."""
+    levels = store.setdefault(plan, {})
+    if first_visit:
+        levels.update({f"{k}|{n}": v for (k, n), v in detector.firsts().items()})
+    else:
+        for key, level in detector.baselines().items():
+            levels.setdefault(key, level)
+
+
 class Watch:
     """What the controller acts on, from the per-step signals of the running plan: nothing in
     the first `warmup_steps` steps of a plan, links smoothed over `link_smooth_steps`, then the
