@@ -118,3 +118,16 @@ def test_the_trial_interval_is_the_suites_on_a_cpu_and_the_planners_on_a_gpu():
     assert trial_factors(on_cpu=True) == (TRIAL_QUANTILES[10], TRIAL_QUANTILES[90])
     assert TRIAL_QUANTILES[10] <= TRIAL_QUANTILES[50] <= TRIAL_QUANTILES[90]
     assert trial_factors(on_cpu=False) == step_time_factors(on_cpu=False)
+
+
+def test_the_plan_before_the_trials_is_measured_as_a_candidate_is():
+    """The slowest rank's step, median over the last trial_steps steps: a fault that began two
+    steps before the switch (steps 3-4 of 5 at 240-250 ms) is what the candidates must beat,
+    not the calibration window's median (110 ms, three healthy steps among five)."""
+    from commpipe.adapt.trial import present_ms
+
+    window = [[{"rank": 0, "step_ms": a}, {"rank": 1, "step_ms": b}]
+              for a, b in [(100, 105), (98, 103), (110, 101), (240, 230), (245, 250)]]
+    assert present_ms(window, 3) == 240
+    assert present_ms(window, 1) == 250
+    assert present_ms(window[:2], 3) == 104     # fewer steps than asked: all of them

@@ -34,7 +34,7 @@ from commpipe.adapt.signals import (
     rank_summary,
     step_signals,
 )
-from commpipe.adapt.trial import Trials
+from commpipe.adapt.trial import Trials, present_ms
 from commpipe.plan.interval import trial_factors
 
 
@@ -176,9 +176,11 @@ class Controller:
             self._write(decision)
             return trainer, metrics_file
         if decision.trial_plans:
-            # the running plan's baselines, kept in case the trials settle back on it
+            # the running plan's baselines, kept in case the trials settle back on it, and its
+            # step time now, measured as the candidates will be
             self.before_trials = copy.deepcopy(self.watch.detector)
             self.reference_before_trials = self.reference
+            now = present_ms([x for _, x in self.window], self.acfg.trial_steps)
         if self.acfg.relaunch:
             from commpipe.adapt.relaunch import request
 
@@ -193,7 +195,7 @@ class Controller:
             a = self.acfg
             self.trials = Trials([(_plan(d), r["predicted_ms"])
                                   for d, r in zip(decision.trial_plans, decision.trials)],
-                                 (_plan(decision.from_plan), decision.measured_step_ms),
+                                 (_plan(decision.from_plan), now),
                                  steps=a.trial_steps, warmup=a.trial_warmup_steps)
             self.trials.switch_s.append(took)
         return trainer, metrics_file

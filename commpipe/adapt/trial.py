@@ -5,7 +5,8 @@ errors (pipeline bubbles free cores, tp/cp ranks compete for them) are larger th
 between the cheap layouts. An in-memory switch costs ~0.1 s and every layout computes the same
 values, so once the payback rule admits a switch the controller runs the best few candidates
 for a few real training steps each, and settles on the fastest *measured* one (the current
-plan, measured before the detection fired, included).
+plan included, measured as a candidate is: the median of its last `trial_steps` steps, the
+slowest rank's, when the switch was decided: `present_ms`).
 
 Defaults and why:
   trials=3          at most 2 x 3 candidates are trialled, and only those the model cannot tell
@@ -28,6 +29,16 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+
+
+def present_ms(window: list[list[dict]], steps: int) -> float:
+    """The running plan's step time measured as a trial measures a candidate's: the median of
+    the slowest rank's step (`step_ms` of each rank's summary) over the last `steps` steps of
+    `window` (per step, every rank's summary). Not the decision's calibration window (the last
+    `min_steps` steps): a change that began a few steps before the detection fired would mix
+    steps from before it into the figure the candidates must beat."""
+    recent = [max(s["step_ms"] for s in summaries) for summaries in window[-steps:]]
+    return statistics.median(recent)
 
 
 def overlaps_best(predicted_ms: float, best_ms: float, interval: tuple[float, float]) -> bool:
