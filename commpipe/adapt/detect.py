@@ -202,8 +202,8 @@ class Watch:
     the first `warmup_steps` steps of a plan, links smoothed over `link_smooth_steps`, then the
     detections that call for re-planning (`worth_replanning`), a rank's slowdown only when it is
     slower than its peers (`slower_than_peers`) and the step slowed with it (`slowed_the_job`).
-    Pure: the controller feeds it the same numbers
-    on every rank, so every rank reaches the same verdict."""
+    Pure: the controller feeds it the same numbers on every rank, so every rank reaches the
+    same verdict."""
 
     def __init__(self, acfg):
         self.acfg = acfg
