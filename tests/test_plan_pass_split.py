@@ -107,8 +107,8 @@ def test_a_cpu_layer_at_its_measured_rate_by_hand():
 
 def test_the_planner_measures_the_pass_only_where_commpipe_runs_it_on_a_cpu():
     """`plan --gpu cpu` on the demo shape takes both rates from the model's own layer; a GPU,
-    another framework, a --profile that set work_s, and a shape too large to probe keep what
-    they had."""
+    another framework, bf16 (the probe runs fp32), a --profile that set work_s, and a shape too
+    large to probe keep what they had."""
     from dataclasses import replace
 
     from commpipe.models.spec import resolve_model
@@ -124,6 +124,7 @@ def test_the_planner_measures_the_pass_only_where_commpipe_runs_it_on_a_cpu():
     assert (got.op_s, got.work_s) == (split.op_ms / 1e3, split.work_ms / 1e3) and got.work_s > 0
     assert with_measured_pass(eff, spec, job, resolve_gpu("h100")) is eff
     assert with_measured_pass(eff, spec, replace(job, runtime="megatron"), cluster.gpu) is eff
+    assert with_measured_pass(eff, spec, replace(job, precision="bf16"), cluster.gpu) is eff
     profiled = replace(eff, work_s=2e-10)
     assert with_measured_pass(profiled, spec, job, cluster.gpu) is profiled
     big = resolve_model("llama3-8b")

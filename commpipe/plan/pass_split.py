@@ -139,15 +139,15 @@ def with_measured_pass(eff, spec, job, gpu):
     square GEMM's rate and its elementwise ops at a large copy's; at the shapes a CPU trains they
     run at a fraction of both, and the micro-benchmark's time per op leaves out the work the
     runtime does around each op of a real layer (the activation meter's hooks on real tensors,
-    autograd's graph). Unchanged: a GPU, another framework's runtime, a family the layer
-    planner does not price as commpipe runs it, a shape too large to probe (its FLOPs dominate),
-    or an `eff` whose `work_s` is already set (a --profile)."""
+    autograd's graph). Unchanged: a GPU, another framework's runtime, a precision other than
+    the probe's fp32, a family the layer planner does not price as commpipe runs it, a shape
+    too large to probe (its FLOPs dominate), or an `eff` whose `work_s` is already set."""
     from dataclasses import replace
 
     from commpipe.models.family import layout_planned
 
-    if gpu.name != "cpu" or job.runtime != "commpipe" or eff.work_s > 0 \
-            or not layout_planned(spec) or not worth_probing(spec):
+    if gpu.name != "cpu" or job.runtime != "commpipe" or job.precision != "fp32" \
+            or eff.work_s > 0 or not layout_planned(spec) or not worth_probing(spec):
         return eff
     split = measure(spec, job.seq_len, "cpu", threads=1)
     return replace(eff, op_s=split.op_ms / 1e3, work_s=split.work_ms / 1e3)
