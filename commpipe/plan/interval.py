@@ -26,11 +26,12 @@ SOURCES = 5
 
 # Measured over predicted *step time* of commpipe on CPU ranks: every tp x cp x pp x dp layout of 4
 # and 8 ranks of a 2-core machine, local and on the emulated cluster at 50 and 500 Mbit/s, priced
-# by `estimate` from a probe, the cores left to the ranks and host terms calibrated on 1- and
-# 2-rank runs (docs/planner.md, "Ranking this machine's layouts"). Regenerate:
+# by `estimate` from a probe, the cores left to the ranks, and each pass at the rates measured on
+# the model's first layer (docs/planner.md, "Ranking this machine's layouts", fourth session).
+# Regenerate:
 #     python benchmarks/planner_rank.py --reuse --write-interval
 # -- begin: written by benchmarks/planner_rank.py --write-interval
-CPU_STEP_QUANTILES = {10: 1.038, 50: 1.2985, 90: 1.6967}
+CPU_STEP_QUANTILES = {10: 1.1284, 50: 1.5353, 90: 2.0102}
 CPU_LAYOUTS = 75
 # -- end
 
