@@ -120,7 +120,7 @@ def measure(args, out: Path) -> list[str]:
     ops = out / "host_ops.json"
     if not (args.reuse and ops.exists()):
         ops.write_text(json.dumps({"op_s": measure_op_seconds()}) + "\n")
-    measured_pass(out, fresh=not args.reuse)
+    pass_rates(out, fresh=not args.reuse)
     host_capacity(out, args.cores, fresh=not args.reuse)
     port = 29640
     for world in CALIB_WORLDS:
@@ -246,7 +246,7 @@ def probe_call_s(path: Path) -> float:
     return max(0.0, ar - 2 * pair) / 1e3
 
 
-def measured_pass(out: Path, fresh: bool = False) -> dict:
+def pass_rates(out: Path, fresh: bool = False) -> dict:
     """A pass of the model's first layer split into its fixed part per op and its part per unit
     of work, as `plan --gpu cpu` measures it on the model (commpipe.plan.pass_split, one thread;
     OUT/pass_split.json, measured with the sets unless missing)."""
@@ -264,7 +264,7 @@ def measured_pass(out: Path, fresh: bool = False) -> dict:
 def host_terms(out: Path, cores: int, wake_s: float = 0.0, fit: bool = False):
     """The host terms. By default measured, nothing fitted: each pass at the rates `plan --gpu
     cpu` measures on the model's first layer (its eager ops at the time per op, its FLOPs at
-    the time per unit of work: measured_pass, commpipe.plan.pass_split; the optimizer's ops at
+    the time per unit of work: pass_rates, commpipe.plan.pass_split; the optimizer's ops at
     the same time per op, commpipe.plan.runtime_ops), the host time per collective call from
     the probe (probe_call_s), no per-pass or per-layer overhead beside them; the summary's MAPE
     is then that of the runs of 1 and 2 ranks, predicted. With `fit` (--fit-host), as a user
@@ -289,7 +289,7 @@ def host_terms(out: Path, cores: int, wake_s: float = 0.0, fit: bool = False):
     call_s = probe_call_s(out / "probe-calib2.json")
     meas = np.array([c["median_ms"] / 1e3 for *_, c in points])
     if not fit:
-        split = measured_pass(out)
+        split = pass_rates(out)
         op_s = split["op_s"]
         eff = Efficiency(overhead_s=0.0, coll_overhead_s=call_s, op_s=op_s,
                          work_s=split["work_s"], wake_s=wake_s)
@@ -299,7 +299,7 @@ def host_terms(out: Path, cores: int, wake_s: float = 0.0, fit: bool = False):
                      "mape": float(np.mean(np.abs(pred / meas - 1))), "wake_s": wake_s,
                      "fitted": False}
     names = ("overhead_s", "optimizer_overhead_s")
-    split = measured_pass(out)
+    split = pass_rates(out)
     start = Efficiency(overhead_s=100e-6, coll_overhead_s=call_s, optimizer_overhead_s=100e-6,
                        wake_s=wake_s, op_s=split["op_s"], work_s=split["work_s"])
 

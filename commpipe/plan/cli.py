@@ -343,8 +343,8 @@ def _plan_layers(args) -> int:
         sys.stdout.write("\n")
     else:
         print_plan(result, spec, job, cluster)
-        if describe_pass(eff):
-            print(describe_pass(eff))
+        if line := describe_pass(eff):
+            print(line)
     return 0 if result.top else 1
 
 

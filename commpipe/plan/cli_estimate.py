@@ -81,6 +81,6 @@ def run(args) -> int:
     else:
         from commpipe.plan.report import print_estimate
         print_estimate(est, cluster)
-        if describe_pass(eff):
-            print(describe_pass(eff))
+        if line := describe_pass(eff):
+            print(line)
     return 0 if est.feasible else 1

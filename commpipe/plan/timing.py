@@ -55,7 +55,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from commpipe.models.family import layer_form
-from commpipe.models.spec import ModelSpec, layer_flops_per_token
+from commpipe.models.spec import ModelSpec, head_flops_per_token, layer_flops_per_token
 from commpipe.plan.attention import kv_width, mla, score_dims
 from commpipe.plan.cluster import Cluster
 from commpipe.plan.kernels import (
@@ -293,7 +293,7 @@ def head_compute(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
     tokens = layout.micro_batch_size * job.seq_len / layout.cp
     v = spec.vocab / layout.tp
     if measured_pass(eff, job, gpu):
-        g = 2 * tokens * spec.hidden * v * eff.work_s / 3
+        g = head_flops_per_token(spec) * tokens / layout.tp * eff.work_s / 3
     else:
         g = gemm_time(2 * tokens * spec.hidden * v, tokens, spec.hidden, v,
                       gpu.achievable_tflops("bf16") * 1e12, eff, gpu.ridge_flop_per_byte)

@@ -81,11 +81,9 @@ def step_time_figure(run, out_png, title: str | None = None):
                    ls="-." if d.get("recheck") else "-" if d["action"] == "switch" else ":",
                    zorder=3)
         if d["action"] == "switch" or d.get("recheck"):
-            text = (f"{'re-check' if d.get('recheck') else ''}"
-                    f"{', ' if d.get('recheck') and d['action'] == 'switch' else ''}"
-                    f"{'switch' if d['action'] == 'switch' else ''}")
-            if d["action"] == "switch":
-                text += f" ({d.get('switch_time_s', 0):.2f} s)"
+            text = ", ".join((["re-check"] if d.get("recheck") else [])
+                             + ([f"switch ({d.get('switch_time_s', 0):.2f} s)"]
+                                if d["action"] == "switch" else []))
             ax.text(d["step"], 0.02 if d["action"] == "switch" else 0.08, " " + text,
                     transform=ax.get_xaxis_transform(), color=color, fontsize=8)
     draw_marks(ax, restarts)
