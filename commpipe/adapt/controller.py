@@ -21,19 +21,14 @@ from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
 
+from commpipe.adapt.calibration import measured, one_clock
 from commpipe.adapt.describe import record_lines
 from commpipe.adapt.detect import Watch, record_levels
 from commpipe.adapt.evaluate import evaluate
 from commpipe.adapt.model import Measured
 from commpipe.adapt.plan import Plan
 from commpipe.adapt.records import Decision
-from commpipe.adapt.signals import (
-    CollectiveTimer,
-    collective_rates,
-    link_rates,
-    rank_summary,
-    step_signals,
-)
+from commpipe.adapt.signals import CollectiveTimer, rank_summary, step_signals
 from commpipe.adapt.trial import Trials, present_ms
 from commpipe.plan.interval import trial_factors
 
@@ -268,8 +263,8 @@ class Controller:
         c = comm.coords
         mine = ref = None
         if c["dp"] == 0 and c["cp"] == 0 and c["tp"] == 0:
-            mine = _one_clock(self.timelines)
-            ref = _one_clock(self.reference[1]) if self.reference else None
+            mine = one_clock(self.timelines)
+            ref = one_clock(self.reference[1]) if self.reference else None
         with unmonitored(trainer):
             timelines = comm.gather_objects((c["pp"], mine, ref), "world")
             decision = None
@@ -319,33 +314,7 @@ class Controller:
         m.collective_gbps = self.known_collective | m.collective_gbps
 
     def _measured(self, trainer, timelines: dict, entries: list) -> Measured:
-        """What the running plan measured over `entries` (the window's (signals, summaries)),
-        calibrated on the pipeline ranks' `timelines` as `simulate --compare` does."""
-        from commpipe.sim.compare import calibrate
-        from commpipe.timeline import events_from_dicts
-
-        cfg = trainer.cfg
-        per_rank = {pp: events_from_dicts(evs) for pp, evs in timelines.items()}
-        element_bytes = 2 if cfg.precision == "bf16" else 4   # stage boundaries' dtype
-        act_bytes = element_bytes * cfg.micro_batch_size * (cfg.seq_len // cfg.dims.cp) \
-            * cfg.spec.hidden
-        costs = calibrate(cfg.program(), per_rank, act_bytes)
-        busy: dict[int, list[float]] = {}
-        for _, summaries in entries:
-            for s in summaries:
-                if s["busy_ms"]:
-                    busy.setdefault(s["rank"], []).append(s["busy_ms"])
-        window = [x for _, x in entries]
-        return Measured(
-            Plan.of(cfg), costs, _host_ms(costs, per_rank),
-            statistics.median(s[("step", "step")] for s, _ in entries),
-            links=link_rates(window, self.acfg.collective_min_bytes),
-            collective_gbps=collective_rates(window, self.rpn, self.acfg.collective_min_bytes),
-            rank_busy={r: statistics.median(v) for r, v in busy.items()},
-            element_bytes=element_bytes,
-            backend="nccl" if trainer.device.type == "cuda" else "gloo",
-            rebuild_s=trainer.build_s, groups_s=getattr(trainer.comm, "groups_s", 0.0),
-            op_work=_op_work(trainer))
+        return measured(trainer, timelines, entries, self.rpn, self.acfg.collective_min_bytes)
 
     def _where(self, d) -> dict:
         """The nodes and link class a link or collective detection spans."""
@@ -399,41 +368,3 @@ class Controller:
 def _plan(d: dict) -> Plan:
     return Plan(**{k: v for k, v in d.items() if k != "name"} |
                 {"stage_layers": tuple(d["stage_layers"])})
-
-
-def _one_clock(timelines) -> list[dict]:
-    """Steps' timelines one after another on one clock (each step's own starts at 0):
-    calibration then takes medians over all of them."""
-    out, offset = [], 0.0
-    for events in timelines:
-        out += [e | {"start_ms": e["start_ms"] + offset, "end_ms": e["end_ms"] + offset}
-                for e in events]
-        offset += max((e["end_ms"] for e in events), default=0.0) + 1e3
-    return out
-
-
-def _host_ms(costs, per_rank) -> float:
-    """The host time calibrate charged to each action: its F cost minus the median F duration."""
-    from commpipe.schedules import Action
-
-    by_stage: dict[int, list[float]] = {}
-    for events in per_rank.values():
-        for e in events:
-            if e.stream == "compute":
-                a = Action.parse(e.name)
-                if a.op == "F":
-                    by_stage.setdefault(a.stage, []).append(e.dur_ms)
-    diffs = [costs.f[s] - statistics.median(v) for s, v in by_stage.items()]
-    return max(statistics.median(diffs), 0.0) if diffs else 0.0
-
-
-def _op_work(trainer) -> float:
-    """On a CPU, the part of a pass fixed per micro-batch, as work per counted op, measured on a
-    first stage of this run's model (commpipe.plan.pass_split, once per process, ~0.2-0.5 s);
-    on a GPU the ops are issued while kernels run, and on a model too large to probe the
-    FLOPs dominate: the model keeps to FLOPs (0)."""
-    from commpipe.plan.pass_split import measure, worth_probing
-
-    if trainer.device.type == "cuda" or not worth_probing(trainer.cfg.spec):
-        return 0.0
-    return measure(trainer.cfg.spec, trainer.cfg.seq_len).op_work
