@@ -340,6 +340,27 @@ def test_a_rank_busier_while_the_step_kept_its_time_is_not_a_straggler():
     assert run(1.4) == [(54, "rank 1")]
 
 
+def test_a_link_faster_while_the_step_kept_its_time_is_not_acted_on():
+    """A healthy pp2 run whose activation sends (0.6 ms a call, in a 125 ms step) read 58%
+    faster from step 50 while the step keeps its level (the host scheduled the receiver
+    sooner): nothing to gain, nothing acted on; `benchmarks/adapt_overhead.py --pp 2` once
+    switched on such a change. The same link faster while the step got 40% faster (a run that
+    started on a slow link) is acted on, and so is a link's recovery from a slowdown detected
+    before, whether or not the step follows it."""
+    def run(link, step_factor=lambda s: 1.0, steps=120, seed=0):
+        rng, watch, found = random.Random(seed), Watch(AdaptConfig()), []
+        for s in range(steps):
+            sig = _signals(rng, link=0.6 * link(s), step=125.0 * step_factor(s))
+            found += [(s, d.key, d.shift < 0) for d in watch.observe(s, sig)]
+        return found
+
+    assert run(lambda s: 0.42 if s >= 50 else 1.0) == []
+    faster = run(lambda s: 0.42 if s >= 50 else 1.0, lambda s: 0.6 if s >= 50 else 1.0)
+    assert [(key, down) for _, key, down in faster] == [("pp 0->1", True)]
+    back = run(lambda s: 10.0 if 50 <= s < 90 else 1.0)
+    assert [(key, down) for _, key, down in back] == [("pp 0->1", False), ("pp 0->1", True)]
+
+
 def test_nothing_is_acted_on_in_a_plans_warm_up_and_thresholds_come_from_the_config():
     # the first warmup_steps steps of a plan are not observed; then the baseline is taken
     strict = AdaptConfig(warmup_steps=5, baseline_steps=3, min_steps=2, link_smooth_steps=1)

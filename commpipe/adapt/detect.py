@@ -168,18 +168,22 @@ def slower_than_peers(d: Detection, signals: dict[tuple[str, str], float | None]
     return d.current / mine / statistics.median(peers) - 1 >= min_shift
 
 
-def slowed_the_job(d: Detection, step_ms: dict[int, float], first_step_ms: float | None,
-                   min_shift: float) -> bool:
-    """Whether the steps over which rank `d.key`'s slowdown held (`d.onset_step` to `d.step`)
-    were slower than the plan's first step-time baseline by at least `min_shift`. A straggler
-    costs the job what it adds to the step: a rank whose busy time rose while the step did not
-    is waiting less elsewhere (its compute filled a pipeline bubble, or the host descheduled it
-    where it would have waited anyway), and no layout can win back time that was not lost. A
-    run with no step baseline yet counts the slowdown."""
+def moved_the_job(d: Detection, step_ms: dict[int, float], first_step_ms: float | None,
+                  min_shift: float) -> bool:
+    """Whether the steps over which `d` held (`d.onset_step` to `d.step`) moved with it: their
+    median step time at least `min_shift` above the plan's first step-time baseline for a
+    series that got slower, at least `min_shift` below it for one that got faster. A change
+    costs or saves the job what it moves the step: a rank whose busy time rose while the step
+    did not is waiting less elsewhere (its compute filled a pipeline bubble, or the host
+    descheduled it where it would have waited anyway), and a link whose transfers got faster
+    while the step did not was not what the step waited for (a sub-millisecond activation
+    send whose time is mostly the host's scheduling); no layout wins back time that was not
+    lost. A run with no step baseline yet counts the change."""
     during = [ms for s, ms in step_ms.items() if d.onset_step <= s <= d.step]
     if not first_step_ms or not during:
         return True
-    return statistics.median(during) / first_step_ms - 1 >= min_shift
+    change = statistics.median(during) / first_step_ms - 1
+    return change >= min_shift if d.shift > 0 else change <= -min_shift
 
 
 def record_levels(store: dict[str, dict[str, float]], plan: str, detector: Detector,
@@ -201,14 +205,16 @@ class Watch:
     """What the controller acts on, from the per-step signals of the running plan: nothing in
     the first `warmup_steps` steps of a plan, links smoothed over `link_smooth_steps`, then the
     detections that call for re-planning (`worth_replanning`), a rank's slowdown only when it is
-    slower than its peers (`slower_than_peers`) and the step slowed with it (`slowed_the_job`).
-    Pure: the controller feeds it the same numbers on every rank, so every rank reaches the
-    same verdict."""
+    slower than its peers (`slower_than_peers`) and the step slowed with it, and a link or
+    collective that got faster only when it recovers from a slowdown detected before or the
+    step got faster with it (`moved_the_job`). Pure: the controller feeds it the same numbers
+    on every rank, so every rank reaches the same verdict."""
 
     def __init__(self, acfg):
         self.acfg = acfg
         self.detector = Detector(acfg.min_steps, acfg.min_shift, acfg.baseline_steps)
         self.stragglers: set[str] = set()
+        self.slow_links: set[str] = set()       # links and collectives detected slower
         self.steps_in_plan = 0
         self.step_ms: dict[int, float] = {}     # the step times of the last few steps
 
@@ -223,12 +229,22 @@ class Watch:
                             if s > step - 2 * self.acfg.min_steps}
         found = self.detector.observe_all(step, signals, {"link": self.acfg.link_smooth_steps})
         first = self.detector.firsts() if found else {}
-        return [d for d in found
-                if not (d.kind == "compute" and d.shift > 0
-                        and not (slower_than_peers(d, signals, first, self.acfg.min_shift)
-                                 and slowed_the_job(d, self.step_ms, first.get(("step", "step")),
-                                                    self.acfg.min_shift)))
-                and worth_replanning(d, self.stragglers)]
+        return [d for d in found if self._acts_on(d, signals, first)]
+
+    def _acts_on(self, d: Detection, signals: dict, first: dict) -> bool:
+        shift = self.acfg.min_shift
+        moved = moved_the_job(d, self.step_ms, first.get(("step", "step")), shift)
+        if d.kind == "compute" and d.shift > 0 and not (
+                slower_than_peers(d, signals, first, shift) and moved):
+            return False
+        if d.kind in ("link", "collective"):
+            if d.shift > 0:
+                self.slow_links.add(d.key)
+            elif d.key in self.slow_links:
+                self.slow_links.discard(d.key)
+            elif not moved:
+                return False
+        return worth_replanning(d, self.stragglers)
 
     def new_plan(self) -> None:
         """A switch: the levels are those of another plan; collect new baselines."""
