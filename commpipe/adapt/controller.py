@@ -21,6 +21,7 @@ from collections import deque
 from contextlib import contextmanager
 from pathlib import Path
 
+from commpipe.adapt import link_probe
 from commpipe.adapt.calibration import measured, one_clock
 from commpipe.adapt.describe import record_lines
 from commpipe.adapt.detect import Watch, record_levels
@@ -28,7 +29,13 @@ from commpipe.adapt.evaluate import evaluate
 from commpipe.adapt.model import Measured
 from commpipe.adapt.plan import Plan
 from commpipe.adapt.records import Decision
-from commpipe.adapt.signals import CollectiveTimer, rank_summary, step_signals
+from commpipe.adapt.signals import (
+    CollectiveTimer,
+    collective_rates,
+    link_rates,
+    rank_summary,
+    step_signals,
+)
 from commpipe.adapt.trial import Trials, present_ms
 from commpipe.plan.interval import trial_factors
 
@@ -266,6 +273,7 @@ class Controller:
             mine = one_clock(self.timelines)
             ref = one_clock(self.reference[1]) if self.reference else None
         with unmonitored(trainer):
+            probed = self._measure_unrated(trainer)
             timelines = comm.gather_objects((c["pp"], mine, ref), "world")
             decision = None
             if comm.rank == 0:
@@ -273,8 +281,30 @@ class Controller:
                 decision = self.decide(trainer, step, found, signals,
                                        {pp: evs for pp, evs, _ in timelines if evs is not None},
                                        refs if self.reference else None)
+                decision.probed = probed
             decision = comm.broadcast_object(decision, 0)
         return decision
+
+    def _measure_unrated(self, trainer) -> dict | None:
+        """Measure the link classes nothing the run sent gave a rate for (adapt/link_probe.py):
+        collective; rank 0 keeps the rates and returns what it measured (None elsewhere)."""
+        comm = trainer.comm
+        pairs = None
+        if comm.rank == 0:
+            window, least = [x for _, x in self.window], self.acfg.collective_min_bytes
+            rated = link_probe.rated_classes(
+                self.known_links | link_rates(window, least),
+                self.known_collective | collective_rates(window, self.rpn, least), self.rpn)
+            pairs = link_probe.pairs_to_measure(self.world, self.rpn, rated)
+        pairs = comm.broadcast_object(pairs, 0)
+        if not pairs:
+            return None
+        rates, took = link_probe.measure(comm, pairs)
+        if comm.rank != 0:
+            return None
+        self.known_links.update(rates)
+        return {"seconds": took, "links": {f"{a}->{b}": {"latency_ms": lat, "gbps": gbps}
+                                           for (a, b), (lat, gbps) in rates.items()}}
 
     def decide(self, trainer, step, found, signals, timelines: dict,
                reference: dict | None = None) -> Decision:

@@ -17,6 +17,9 @@ commpipe.report, commpipe.adapt.describe and the demo read:
   recheck                              true when no detection called the evaluation: the
                                        plan a detection led to, re-checked once its own
                                        baselines were armed (commpipe.adapt.controller)
+  probed                               the link classes no transfer had given a rate for,
+                                       measured before planning: {seconds, links: {"a->b":
+                                       {latency_ms, gbps}}} (commpipe.adapt.link_probe)
   steps_left, candidates_admitted, candidates_over_memory, planning_s, time
                                        the steps the payback could count on, how many
                                        candidates paid back, how many the planner's memory
@@ -34,7 +37,7 @@ from dataclasses import dataclass, field, fields
 
 OPTIONAL = ("kind", "predicted_best_ms", "horizon_steps", "trials", "trial_plans",
             "trial_cost_s", "switch_time_s", "switch_mode", "checkpoint", "save_time_s",
-            "recheck")
+            "recheck", "probed")
 
 
 @dataclass
@@ -64,6 +67,7 @@ class Decision:
     checkpoint: str | None = None
     save_time_s: float | None = None
     recheck: bool | None = None          # True: the re-check of a plan reached on a detection
+    probed: dict | None = None           # link classes measured first (adapt/link_probe.py)
     steps_left: int = 0
     candidates_admitted: int = 0
     candidates_over_memory: int = 0

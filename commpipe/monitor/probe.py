@@ -168,7 +168,7 @@ def _sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _pingpong(comm, a: int, b: int, nbytes: int, iters: int, warmup: int) -> float | None:
+def pingpong(comm, a: int, b: int, nbytes: int, iters: int, warmup: int) -> float | None:
     """Median one-way time (s) from rank a's view; None on other ranks."""
     import torch
 
@@ -233,7 +233,7 @@ def _probe(args) -> None:
         if pair is None:
             result["pairs"][name] = None
             continue
-        times = [_pingpong(comm, *pair, n, args.iters, args.warmup) for n in sizes]
+        times = [pingpong(comm, *pair, n, args.iters, args.warmup) for n in sizes]
         comm.barrier()
         if rank == 0:
             lat, bw, how = fit_latency_bandwidth(sizes, times)

@@ -1,0 +1,57 @@
+"""Measuring a link class no transfer of the running plan gave a rate for, at an evaluation.
+
+The adaptive model prices a candidate's traffic over each link class at what the run measured
+there: the collectives' bus rate, else the pipeline sends' rate (commpipe.adapt.model). A plan
+may measure neither on a class its candidates would use: a pp2 run across two nodes whose
+activations are smaller than `collective_min_bytes` (they time the host's scheduling, not the
+link) says nothing of what a dp2 gradient all-reduce over the same link would take. Priced at
+`default_inter_gbps` (a 10 Gbit/s network) such a candidate on the suite's 1 Gbit/s link came
+out 1.7x faster than it ran, and its trial cost the run more than the straggler it answered.
+
+So the evaluation measures such a class first: rank 0 and a rank of the class (the first
+other rank on its node, the first rank on another node; `commpipe probe`'s pairs) ping-pong
+64 KiB and 1 MiB messages a few times, and the latency/bandwidth fit of `commpipe probe` gives
+the rate, under whatever the link does now (a degraded link is measured degraded). Rank 0
+keeps it as a known link rate for the rest of the run, so each class is measured at most once;
+a rate the running plan measures itself later replaces it. About 0.1 s at 1 Gbit/s, once.
+"""
+
+from __future__ import annotations
+
+import time
+
+SIZES = (1 << 16, 1 << 20)     # bytes: above collective_min_bytes, and large enough for the rate
+ITERS, WARMUP = 3, 1
+
+
+def class_of(a: int, b: int, ranks_per_node: int) -> str:
+    return "intra_node" if a // ranks_per_node == b // ranks_per_node else "inter_node"
+
+
+def pairs_to_measure(world: int, ranks_per_node: int, rated: set[str]) -> list[tuple[int, int]]:
+    """The pairs (rank 0 first) of the link classes this world has and `rated` lacks."""
+    pairs = {"intra_node": (0, 1) if ranks_per_node > 1 and world > 1 else None,
+             "inter_node": (0, ranks_per_node) if world > ranks_per_node else None}
+    return [p for cls, p in pairs.items() if p is not None and cls not in rated]
+
+
+def rated_classes(links: dict, collective_gbps: dict, ranks_per_node: int) -> set[str]:
+    """The link classes with a measured rate: a collective bus rate, or a pipeline link's."""
+    rated = {cls for cls, gbps in collective_gbps.items() if gbps}
+    rated |= {class_of(a, b, ranks_per_node) for (a, b), (_, gbps) in links.items() if gbps}
+    return rated
+
+
+def measure(comm, pairs: list[tuple[int, int]]) -> tuple[dict, float]:
+    """Ping-pong each pair (collective: every rank calls it with the same `pairs`; only the
+    pair's ranks move data). Returns ({(a, b): (latency ms, GB/s)} on rank a, seconds taken)."""
+    from commpipe.monitor.probe import fit_latency_bandwidth, pingpong
+
+    t0 = time.perf_counter()
+    out = {}
+    for a, b in pairs:
+        times = [pingpong(comm, a, b, n, ITERS, WARMUP) for n in SIZES]
+        if comm.rank == a and all(t and t > 0 for t in times):
+            lat_s, bytes_per_s, _ = fit_latency_bandwidth(list(SIZES), times)
+            out[(a, b)] = (lat_s * 1e3, bytes_per_s / 1e9)
+    return out, time.perf_counter() - t0
