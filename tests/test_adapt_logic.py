@@ -250,6 +250,19 @@ def test_collective_time_counts_from_the_last_members_post():
     assert collective_times(summaries[:1]) == {}       # a member missing: no verdict
 
 
+def test_every_rank_observes_the_slowest_ranks_step():
+    """The step series is the slowest rank's step time from the gathered summaries, not the
+    observing rank's own (which differs by what it waited): every rank's detector then takes
+    the same decisions. With each rank's own time, a gate on the step (moved_the_job) once let
+    rank 1 evaluate alone while rank 0 went on training (a hang in suite run L)."""
+    from commpipe.adapt.signals import step_signals
+
+    summaries = [{"rank": r, "step_ms": ms, "busy_ms": 30.0, "links": {}, "collectives": {},
+                  "timed": {}} for r, ms in ((0, 41.0), (1, 44.5))]
+    assert step_signals(summaries)[("step", "step")] == 44.5
+    assert step_signals(summaries[::-1]) == step_signals(summaries)
+
+
 def test_switch_moves_only_what_a_rank_lacks():
     from commpipe.adapt.plan import moved_bytes
     from commpipe.models.spec import layer_param_count, resolve_model

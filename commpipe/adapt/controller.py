@@ -146,11 +146,10 @@ class Controller:
         summaries = [s for s, _ in gathered]
         if carried is not None:
             mon.exchange_ingest([p for _, p in gathered])
-        signals = step_signals(summaries, rec["step_time_s"] * 1e3)
+        signals = step_signals(summaries)
         self.window.append((signals, summaries))
         if self.trials is not None:     # the slowest rank's step time: the same on every rank
-            return self._trial_step(trainer, step, max(s["step_ms"] for s in summaries),
-                                    metrics_file)
+            return self._trial_step(trainer, step, signals[("step", "step")], metrics_file)
         found = self.watch.observe(step, signals)
         armed = False
         if self.reference is None and self.watch.detector.baseline("step", "step") is not None:
