@@ -194,6 +194,11 @@ def test_each_decision_log_record_becomes_console_lines():
     recheck = stay | {"recheck": True}
     assert record_lines(recheck)[0] == f"adapt: step 14: re-check of {A['name']} on its own baselines"
     assert record_lines(recheck)[1:] == record_lines(stay)
+    probed = switch | {"probed": {"seconds": 0.078, "links": {
+        "0->2": {"latency_ms": 0.21, "gbps": 0.1177}}}}
+    assert record_lines(probed) == [lines[0], "adapt: step 14: measured link 0->2 (no rate from "
+                                    "the run's own transfers): 0.118 GB/s, latency 0.21 ms, in "
+                                    "0.08 s", lines[1]]
     settle = {"step": 22, "action": "settle", "to": A, "measured_ms": 232.0, "kind": "resplit",
               "reason": "fastest measured (the plan before the trials)", "trial_cost_s": 2.74}
     assert record_lines(settle) == [f"adapt: step 22: settled on {A['name']} at 232 ms, fastest "

@@ -1,7 +1,8 @@
 """The controller's decision log (OUT/adapt.jsonl) in words: the console lines `train --adapt`
 prints as it decides, and the plain account `demo --adaptive` gives of a whole run.
 
-One record, one or more lines: each detection it acted on, then the decision. Records:
+One record, one or more lines: each detection it acted on, each link it measured first, then
+the decision. Records:
   stay / switch  an evaluation after a detection (`detections`, `candidates`, `reason`, ...),
                  or the re-check of the plan one led to (`recheck`, no detections)
   trial          a plan measured during the trial phase (`plan`, `predicted_ms`, `measured_ms`)
@@ -76,10 +77,18 @@ def decision_line(rec: dict) -> str:
     return f"{PREFIX} step {step}: {action}"
 
 
+def probe_lines(rec: dict) -> list[str]:
+    """The link classes an evaluation measured first (commpipe.adapt.link_probe)."""
+    probed = rec.get("probed") or {}
+    return [f"{PREFIX} step {rec['step']}: measured link {pair} (no rate from the run's own "
+            f"transfers): {v['gbps']:.3g} GB/s, latency {_ms(v['latency_ms'])}, in "
+            f"{probed['seconds']:.2f} s" for pair, v in (probed.get("links") or {}).items()]
+
+
 def record_lines(rec: dict) -> list[str]:
     """The console lines of one decision-log record: its detections (or that it re-checks the
-    plan a detection led to), then the decision."""
+    plan a detection led to), the links it measured first, then the decision."""
     why = [f"{PREFIX} step {rec['step']}: re-check of {_plan(rec['from'])} on its own baselines"] \
         if rec.get("recheck") else []
     return why + [detection_line(rec["step"], d) for d in rec.get("detections", ())] + \
-        [decision_line(rec)]
+        probe_lines(rec) + [decision_line(rec)]

@@ -67,6 +67,12 @@ def run_story(run: Path) -> list[str]:
                    (f", against {fmt(before)} ms before the first detection." if before else "."))
     else:
         out.append("A trial phase was still running when the run ended: the controller settled on nothing.")
+    probed = [(d["step"], pair, v) for d in evals for pair, v in
+              ((d.get("probed") or {}).get("links") or {}).items()]
+    if probed:
+        out.append("Measured before planning, as nothing the run sent had given their rate: " +
+                   "; ".join(f"link {pair} at step {step}, {v['gbps']:.3g} GB/s"
+                             for step, pair, v in probed) + ".")
     rechecks = [d for d in decisions if d.get("recheck")]
     if rechecks:
         out.append("Re-checked on its own baselines: " + "; ".join(
