@@ -29,9 +29,11 @@ def class_of(a: int, b: int, ranks_per_node: int) -> str:
 
 
 def pairs_to_measure(world: int, ranks_per_node: int, rated: set[str]) -> list[tuple[int, int]]:
-    """The pairs (rank 0 first) of the link classes this world has and `rated` lacks."""
-    pairs = {"intra_node": (0, 1) if ranks_per_node > 1 and world > 1 else None,
-             "inter_node": (0, ranks_per_node) if world > ranks_per_node else None}
+    """The pairs (rank 0 first) of the link classes this world has and `rated` lacks: those
+    `commpipe probe` measures (commpipe.monitor.probe.probe_pairs)."""
+    from commpipe.monitor.probe import probe_pairs
+
+    pairs = probe_pairs([r // ranks_per_node for r in range(world)])
     return [p for cls, p in pairs.items() if p is not None and cls not in rated]
 
 

@@ -90,14 +90,19 @@ def rank_summary(trainer, step: int, ranks_per_node: int, timer: CollectiveTimer
             "links": links, "collectives": colls}
 
 
+def slowest_step_ms(summaries: list[dict]) -> float:
+    """The step time of one step as every rank sees it: the slowest rank's (`step_ms` of each
+    rank's summary). A rank's own differs from its peers' by what it waited."""
+    return max(s["step_ms"] for s in summaries)
+
+
 def step_signals(summaries: list[dict]) -> dict[tuple[str, str], float | None]:
     """Series values of one step from every rank's summary: ("compute", "rank r") busy ms,
     ("link", "pp a->b") transfer ms per call, ("collective", "tp [0, 1] all_reduce") the
     slowest member's transfer ms, ("step", "step") the slowest rank's step time. Every value
     comes from the gathered summaries, the same on every rank, so every rank's detector reaches
     the same verdict (a rank's own step time differs from its peers' by what it waited)."""
-    out: dict[tuple[str, str], float | None] = {
-        ("step", "step"): max(s["step_ms"] for s in summaries)}
+    out: dict[tuple[str, str], float | None] = {("step", "step"): slowest_step_ms(summaries)}
     colls: dict[str, float] = {}
     for (dim, op, group), (_, ms) in collective_times(summaries).items():
         out[("collective", f"{dim} {list(group)} {op}")] = ms

@@ -30,6 +30,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
+from commpipe.adapt.signals import slowest_step_ms
+
 
 def present_ms(window: list[list[dict]], steps: int) -> float:
     """The running plan's step time measured as a trial measures a candidate's: the median of
@@ -37,7 +39,7 @@ def present_ms(window: list[list[dict]], steps: int) -> float:
     `window` (per step, every rank's summary). Not the decision's calibration window (the last
     `min_steps` steps): a change that began a few steps before the detection fired would mix
     steps from before it into the figure the candidates must beat."""
-    recent = [max(s["step_ms"] for s in summaries) for summaries in window[-steps:]]
+    recent = [slowest_step_ms(summaries) for summaries in window[-steps:]]
     return statistics.median(recent)
 
 
