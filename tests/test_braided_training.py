@@ -32,7 +32,7 @@ def cfg(dims, schedule, **kw):
 def probe_overlap(trainer) -> None:
     """Record, on this rank, when each asynchronous TP collective of a unit edge is issued and
     waited, and which pass of a braid each step belongs to (trainer.test_log)."""
-    from commpipe.runtime import executor, units
+    from commpipe.runtime import step_run, units
 
     log = trainer.test_log = []
     issue = units._issue
@@ -61,9 +61,9 @@ def probe_overlap(trainer) -> None:
             tagged.append(gen())
         return alternate(tagged)
 
-    alternate = executor._alternate
+    alternate = step_run._alternate
     units._issue = logged_issue
-    executor._alternate = logged_alternate
+    step_run._alternate = logged_alternate
 
 
 def probe_roots(trainer) -> None:
