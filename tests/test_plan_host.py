@@ -103,6 +103,13 @@ def test_runtime_job_prices_what_commpipe_sends():
     own_attn = layer_compute(spec, lay, job, c, eff)["attn"] / 2
     assert sp.cp_f[0] == pytest.approx(2 * max(0.0, 2 * (ag + call) - own_attn))
     assert sp.cp_b[0] == costs.cp_b[0]                  # gradients reduce-scattered after, exposed
+    # SP makes each layer's two all-reduces as 2 all-gathers and 2 reduce-scatters (the same
+    # bytes and latency steps on gloo's ring): twice the calls. The embedding's output is
+    # reduce-scattered, the head's input gathered (commpipe's gloo reduce-scatter: one round)
+    gather = scatter = (1 / 2) * act / 1e9 + 1 * 1e-4 + call
+    head = gather + 3 * (ar(4 * tokens) + call)
+    assert sp.tp_f[0] == pytest.approx(2 * (2 * ar(act) + 4 * call) + scatter + head)
+    assert sp.host_f[0] == pytest.approx((2 * (4 + 2) + 1 + 4) * call)
 
 
 def test_step_syncs_and_optimizer_host_time():

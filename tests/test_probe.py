@@ -28,7 +28,8 @@ def test_probe_cli_writes_schema(tmp_path, capfd):
     from commpipe.cli import main
 
     out = tmp_path / "probe.json"
-    assert main(["probe", "--nproc", "2", "--sizes", "4K,256K", "--iters", "2", "--out", str(out)]) == 0
+    assert main(["probe", "--nproc", "2", "--sizes", "4K,256K", "--iters", "2", "--calls", "20",
+                 "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert (res["world_size"], res["ranks_per_node"], res["nodes"]) == (2, 2, 1)
     assert res["node_of_rank"] == [0, 0]
@@ -39,8 +40,49 @@ def test_probe_cli_writes_schema(tmp_path, capfd):
     (ar,) = res["allreduce"]
     big = ar["sizes"][1]
     assert ar["group_size"] == 2 and big["busbw_gbps"] == pytest.approx(big["algbw_gbps"])  # 2(n-1)/n = 1
+    # collectives as training makes them: after compute, no barrier; mean and median per op
+    calls = res["calls"]
+    assert (calls["ranks"], calls["bytes"], calls["calls"]) == ([0, 1], 8192, 20)
+    assert set(calls["ops"]) == {"all_reduce", "all_gather", "reduce_scatter"}
+    assert all(0 < v["median_ms"] and 0 < v["mean_ms"] for v in calls["ops"].values())
     table = capfd.readouterr().out
     assert "on 1 node(s)" in table and "inter_node" in table and "not measured" in table
+    assert "calls after 0.5 ms of compute, 8K, ranks 0-1, mean ms: all_reduce" in table
+
+
+def test_gloo_call_time_is_what_a_call_costs_beyond_its_priced_link(tmp_path):
+    """Per op, the probe's mean call time less the op's latency steps and bytes on the measured
+    link (gloo: an all-reduce of 2 ranks is 2 steps, an all-gather and commpipe's reduce-scatter
+    1), averaged over the ops; `plan --gpu cpu --cluster` prices every gloo call with it."""
+    import argparse
+
+    from commpipe.plan.cli import cluster_from_args
+    from commpipe.plan.cluster import apply_probe, default_cluster, probe_call_overhead
+    from commpipe.plan.gpus import resolve_gpu
+
+    link = {"latency_ms": 0.1, "bandwidth_gbps": 1.0}
+    probe = {"ranks_per_node": 2, "backend": "gloo", "pairs": {"intra_node": link},
+             "calls": {"ranks": [0, 1], "bytes": 8192, "gap_ms": 0.5, "calls": 100,
+                       "ops": {"all_reduce": {"mean_ms": 1.0, "median_ms": 0.5},
+                               "all_gather": {"mean_ms": 0.8, "median_ms": 0.4},
+                               "reduce_scatter": {"mean_ms": 0.6, "median_ms": 0.3}}}}
+    path = tmp_path / "probe.json"
+    path.write_text(json.dumps(probe))
+    cluster = apply_probe(default_cluster(resolve_gpu("cpu"), 2, 2), path)
+    ar = 1.0e-3 - (2 * (1 / 2) * 8192 / 1e9 + 2 * 1e-4)
+    ag = 0.8e-3 - ((1 / 2) * 16384 / 1e9 + 1e-4)          # the gathered tensor: 2 x 8 KiB
+    rs = 0.6e-3 - ((1 / 2) * 8192 / 1e9 + 1e-4)
+    assert probe_call_overhead(path, cluster) == pytest.approx((ar + ag + rs) / 3)
+    args = argparse.Namespace(gpus=2, gpu="cpu", gpus_per_node=2, cluster=str(path), backend=None,
+                              host_cores=None, intra_node_gbps=None, inter_node_gbps=None,
+                              intra_node_latency_ms=None, inter_node_latency_ms=None)
+    planned, eff = cluster_from_args(args)
+    assert planned.backend == "gloo" and eff.coll_overhead_s == pytest.approx((ar + ag + rs) / 3)
+    # a probe without the measurement (nccl, or written before it) leaves the per-call time alone
+    del probe["calls"]
+    path.write_text(json.dumps(probe))
+    assert probe_call_overhead(path, cluster) is None
+    assert cluster_from_args(args)[1].coll_overhead_s == 0.0
 
 
 def test_pairs_follow_the_nodes_the_ranks_run_on():

@@ -15,6 +15,15 @@ trip / 2.
 All-reduce: every block of g consecutive ranks all-reduces together, for g = 2, 4, ... up to
 the world (all blocks at once, as data-parallel groups do); rank 0's group is reported.
 
+Calls as training makes them (gloo only): ranks 0 and 1 make each collective commpipe's runtime
+makes under tensor and context parallelism (all-reduce, all-gather, reduce-scatter; 8 KiB, an
+activation of a small model) `--calls` times, each after computing for 0.5 ms, as a layer's
+work separates its collectives, with no barrier between. The mean time of a call is what a step
+pays for it: the partner's late arrival, waking the rank that slept in the call and gloo's hand-off
+to its worker thread, none of which a barrier-timed all-reduce shows (on 2 vCPUs: 0.5-1.1 ms
+against the all-reduce's 0.3 ms median). The planner prices a gloo collective call's host time
+from it (commpipe.plan.cluster.probe_call_overhead).
+
 Each size series is fitted with t(bytes) = latency + bytes / bandwidth by least squares on the
 relative error (so small messages weigh as much as large ones): latency = fitted intercept,
 bandwidth = 1 / fitted slope, in ms and decimal GB/s.
@@ -25,7 +34,10 @@ JSON written by --out (schema "commpipe-probe/1", loadable by the cost model):
                             "sizes": [{"bytes", "time_ms", "bandwidth_gbps"}, ...]} | null,
              "inter_node": {...} | null},
    "allreduce": [{"group_size", "ranks", "latency_ms", "busbw_gbps", "bandwidth_from",
-                  "sizes": [{"bytes", "time_ms", "algbw_gbps", "busbw_gbps"}, ...]}, ...]}
+                  "sizes": [{"bytes", "time_ms", "algbw_gbps", "busbw_gbps"}, ...]}, ...],
+   "calls": {"ranks": [0, 1], "bytes", "gap_ms", "calls",
+             "ops": {"all_reduce": {"mean_ms", "median_ms"}, "all_gather": ..., "reduce_scatter": ...}}
+            | null (nccl, or an odd number of ranks)}
 A class is null when the layout has no such pair (one node, or one rank per node).
 ranks_per_node is the number of ranks on rank 0's node.
 """
@@ -38,6 +50,8 @@ import statistics
 import time
 
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
+CALLS, CALL_BYTES, CALL_GAP_S = 200, 8192, 0.5e-3
+CALL_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
           "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
 
@@ -51,6 +65,8 @@ def add_arguments(p) -> None:
     p.add_argument("--sizes", default=DEFAULT_SIZES, help=f"message sizes (default {DEFAULT_SIZES})")
     p.add_argument("--iters", type=int, default=5, help="timed repetitions per size (default 5)")
     p.add_argument("--warmup", type=int, default=1, help="untimed repetitions per size (default 1)")
+    p.add_argument("--calls", type=int, default=CALLS,
+                   help=f"timed collective calls per op after compute, gloo (default {CALLS}; 0: none)")
     p.add_argument("--backend", default=None, help="gloo | nccl (default: nccl with a GPU, else gloo)")
     p.add_argument("--out", default=None, help="write the results as JSON here")
 
@@ -205,6 +221,38 @@ def _allreduce(comm, nbytes: int, iters: int, warmup: int) -> float:
     return statistics.median(times)
 
 
+def _compute_for(seconds: float, a, b) -> None:
+    """Keep this rank's core busy for `seconds` with small matmuls, as a layer's work does."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        a @ b
+
+
+def calls_after_compute(comm, nbytes: int, calls: int, warmup: int, gap_s: float) -> dict:
+    """{op: {"mean_ms", "median_ms"}} of comm's dp group making each of CALL_OPS `calls` times,
+    every call after `gap_s` of compute and without a barrier (the module docstring)."""
+    import torch
+
+    a, b = torch.randn(32, 64), torch.randn(64, 64)
+    buf = torch.zeros(max(nbytes // 4, 2 * comm.size("dp")), dtype=torch.float32)
+    make = {"all_reduce": lambda: comm.all_reduce(buf, "dp"),
+            "all_gather": lambda: comm.all_gather(buf, "dp"),
+            "reduce_scatter": lambda: comm.reduce_scatter(buf, "dp")}
+    out = {}
+    for op in CALL_OPS:
+        times = []
+        comm.barrier("dp")
+        for i in range(warmup + calls):
+            _compute_for(gap_s, a, b)
+            t0 = time.perf_counter()
+            make[op]()
+            if i >= warmup:
+                times.append(time.perf_counter() - t0)
+        out[op] = {"mean_ms": statistics.fmean(times) * 1e3,
+                   "median_ms": statistics.median(times) * 1e3}
+    return out
+
+
 def _probe(args) -> None:
     import torch
 
@@ -262,6 +310,16 @@ def _probe(args) -> None:
                 "busbw_gbps": bw * f / 1e9, "bandwidth_from": how,
                 "sizes": [{"bytes": n, "time_ms": t * 1e3, "algbw_gbps": n / t / 1e9,
                            "busbw_gbps": n / t * f / 1e9} for n, t in zip(sizes, times)]})
+    result["calls"] = None
+    if result["backend"] == "gloo" and world % 2 == 0 and args.calls > 0:
+        # ranks 0 and 1 alone, the others idle: the host model adds contention for the cores
+        # itself (commpipe.plan.host)
+        pair = Comm(ParallelDims(dp=2, pp=world // 2), rank, device=device)
+        if rank < 2:
+            ops = calls_after_compute(pair, CALL_BYTES, args.calls, 10, CALL_GAP_S)
+            result["calls"] = {"ranks": [0, 1], "bytes": CALL_BYTES, "gap_ms": CALL_GAP_S * 1e3,
+                               "calls": args.calls, "ops": ops}
+        comm.barrier()
     if rank == 0:
         print(format_table(result))
         if args.out:
@@ -303,6 +361,12 @@ def format_table(result: dict) -> str:
         lines.append(f"{'all-reduce n=' + str(a['group_size']) + ' (busbw)':<22}"
                      f"{'0-' + str(a['group_size'] - 1):>8}{a['latency_ms']:>12.4f}"
                      f"{a['busbw_gbps']:>10.3f}   {per}")
+    calls = result.get("calls")
+    if calls:
+        per = "  ".join(f"{op} {v['mean_ms']:.3f} (median {v['median_ms']:.3f})"
+                        for op, v in calls["ops"].items())
+        lines.append(f"calls after {calls['gap_ms']:g} ms of compute, {_human(calls['bytes'])}, "
+                     f"ranks 0-1, mean ms: {per}")
     return "\n".join(lines)
 
 

@@ -18,7 +18,13 @@ import sys
 from dataclasses import replace
 
 from commpipe.models.family import family_for_model, layer_form, planner_of
-from commpipe.plan.cluster import apply_links, apply_probe, default_cluster, override_links
+from commpipe.plan.cluster import (
+    apply_links,
+    apply_probe,
+    default_cluster,
+    override_links,
+    probe_call_overhead,
+)
 from commpipe.plan.frameworks import FRAMEWORKS, default_framework, framework_job_fields
 from commpipe.plan.gpus import resolve_gpu
 from commpipe.plan.layout import PRECISIONS, RECOMPUTE, SCHEDULES, ZERO_STAGES, Job, runtime_job
@@ -80,8 +86,9 @@ def add_common_arguments(p, require_layout: bool = False) -> None:
                    help="GPU-pair bandwidth across nodes (per GPU/NIC), decimal GB/s")
     c.add_argument("--intra-node-latency-ms", type=float)
     c.add_argument("--inter-node-latency-ms", type=float)
-    c.add_argument("--backend", default="nccl", choices=("nccl", "gloo"),
-                   help="collective library, for its latency steps (default nccl)")
+    c.add_argument("--backend", default=None, choices=("nccl", "gloo"),
+                   help="collective library, for its latency steps and per-call cost (default: "
+                        "the --cluster probe's; else gloo on --gpu cpu, nccl on GPUs)")
     c.add_argument("--host-cores", type=host_cores_arg, default=None, metavar="N|auto",
                    help="CPU cores all ranks share (training on one CPU machine); a number, or "
                         "auto: what this machine's cores run at once, measured (~3 s; vCPUs "
@@ -249,7 +256,15 @@ def cluster_from_args(args, num_gpus: int | None = None, profile_path: str | Non
             cluster = apply_links(cluster, links, f"profile:{profile_path}")
     cluster = override_links(cluster, args.intra_node_gbps, args.inter_node_gbps,
                              args.intra_node_latency_ms, args.inter_node_latency_ms)
-    cluster = replace(cluster, backend=args.backend, host_cores=args.host_cores)
+    backend = args.backend or (cluster.backend if args.cluster else
+                               "gloo" if cluster.gpu.name == "cpu" else "nccl")
+    cluster = replace(cluster, backend=backend, host_cores=args.host_cores)
+    if args.cluster and not profile_path and cluster.backend == "gloo":
+        # a gloo call's host time as training pays it, measured by the probe (a profile's own
+        # calibrated terms win)
+        call = probe_call_overhead(args.cluster, cluster)
+        if call is not None:
+            eff = replace(eff, coll_overhead_s=call)
     if getattr(args, "precision", None):
         cluster.gpu.peak_tflops(args.precision)     # --precision fp8 on a GPU without FP8: fail early
     return cluster, eff

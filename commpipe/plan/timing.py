@@ -321,21 +321,24 @@ def stage_costs(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
     comp_f = host.forward(lc["gemm_f"] + lc["attn"] + lc["elem"] + lc["copy_f"] + host.fixed)
     tp_size = groups["tp"][0]
     call = eff.coll_overhead_s
-    # TP: AR per collective (RS+AG with SP has the same bus traffic)
-    tp_one = cluster.all_reduce(act_bytes, *groups["tp"]) + (call if tp_size > 1 else 0.0)
-    tp_f, tp_b = 2 * tp_one, 2 * tp_one
+    # TP, per layer and pass: two all-reduces' traffic (RS+AG with SP moves the same bytes in the
+    # same latency steps), made as 2 all-reduces, or with SP as 2 all-gathers and 2
+    # reduce-scatters: 4 calls, each paying the per-call host time
+    tp_calls = (4 if job.sequence_parallel else 2) if tp_size > 1 else 0
+    tp_one = cluster.all_reduce(act_bytes, *groups["tp"])
+    tp_f = tp_b = 2 * tp_one + tp_calls * call
     if job.tp_overlap and tp_size > 1:
         # TE's userbuffers (Megatron --tp-comm-overlap): each all-gather / reduce-scatter is split
         # into chunks pipelined with the GEMM it feeds or follows, so only the part longer than
         # the layer's GEMMs of that pass shows (forward: QKV, proj, fc1, fc2; backward: their
         # input-gradient GEMMs, the same shapes)
-        tp_f = tp_b = max(0.0, 2 * tp_one - lc["gemm"])
+        tp_f = tp_b = max(0.0, tp_f - lc["gemm"])
     elif job.tp_grad_overlap and tp_size > 1 and not schedule_info(layout.schedule).splits_backward \
             and not mla(spec):      # commpipe's runtime, which runs no MLA under TP
         # each entry's backward collective (AR, or SP's RS: half the layer's backward traffic)
         # travels while the weight-gradient GEMMs of the projections it feeds run: QKV for the
         # attention, gate and up for the MLP (dW has the forward GEMM's shape and FLOPs)
-        entry = tp_one if not job.sequence_parallel else tp_one / 2
+        entry = (tp_one if not job.sequence_parallel else tp_one / 2) + call
         shapes = layer_gemms(spec, layout, job, fused=fused_gemms(job, cluster.gpu))
         fed = (shapes[:1], shapes[2:3]) if len(shapes) == 4 else (shapes[:3], shapes[4:6])
         tp_b -= sum(min(entry, gemms_time(g, job, cluster.gpu, eff)) for g in fed)
@@ -382,7 +385,7 @@ def stage_costs(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
     head_gemm, loss, loss_b = head_compute(spec, layout, job, cluster, eff)
     head_f, head_b, embed_tp = _head_and_embedding_tp(spec, layout, job, cluster, act_bytes, call)
     # collective calls per layer and pass (host CPU time = calls * coll_overhead_s)
-    layer_calls = (2 if tp_size > 1 else 0) + (2 if cp_size > 1 and job.cp_comm == "allgather" else 0)
+    layer_calls = tp_calls + (2 if cp_size > 1 and job.cp_comm == "allgather" else 0)
     head_calls_f = (3 + job.sequence_parallel) if tp_size > 1 else 0
     head_calls_b = 1 if tp_size > 1 else 0
     re_calls = layer_calls if layout.recompute == "full" else 0
