@@ -91,9 +91,10 @@ def predict(name: str, spare: float, probe_file: Path | None, capacity: float) -
            "capacity": estimate(spec, lay, job, *on_spare_cores(cluster, measured, spare)).step_time_s,
            "op_us": measured.op_s * 1e6}
     if probe_file is not None:
-        probed = replace(measured, coll_overhead_s=probe_call_s(probe_file),
+        linked = apply_probe(cluster, probe_file)
+        probed = replace(measured, coll_overhead_s=probe_call_s(probe_file, linked),
                          wake_s=scheduler_wake_s(os.cpu_count()))
-        linked = apply_probe(cluster, probe_file) if ranks > 1 else cluster
+        linked = linked if ranks > 1 else cluster
         out["probed"] = estimate(spec, lay, job, *on_spare_cores(linked, probed, spare)).step_time_s
     return out
 

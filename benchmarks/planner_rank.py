@@ -236,14 +236,17 @@ def scheduler_wake_s(cores: int) -> float:
     return 0.75e-3 * (1 + int(math.log2(min(max(cores, 1), 8)))) / 2
 
 
-def probe_call_s(path: Path) -> float:
-    """Host time of one gloo collective call, from a probe of two ranks on one node: the fitted
-    latency of its 2-rank all-reduce less the two point-to-point latencies the planner already
-    prices for it (Cluster.latency_steps: a gloo ring all-reduce of 2 ranks takes 2 steps)."""
-    data = json.loads(path.read_text())
-    pair = data["pairs"]["intra_node"]["latency_ms"]
-    ar = next(a for a in data["allreduce"] if a["group_size"] == 2)["latency_ms"]
-    return max(0.0, ar - 2 * pair) / 1e3
+def probe_call_s(path: Path, cluster) -> float:
+    """Host time of one gloo collective call as `plan --cluster` takes it from a probe of two
+    ranks on one node (`cluster`, that probe applied): each op's mean time after compute less
+    its latency steps and bytes on the probed link (commpipe.plan.cluster.probe_call_overhead)."""
+    from commpipe.plan.cluster import probe_call_overhead
+
+    call = probe_call_overhead(path, cluster)
+    if call is None:
+        raise SystemExit(f"{path} holds no calls after compute (a probe from before they were "
+                         "measured): measure again without --reuse")
+    return call
 
 
 def pass_rates(out: Path, fresh: bool = False) -> dict:
@@ -286,7 +289,7 @@ def host_terms(out: Path, cores: int, wake_s: float = 0.0, fit: bool = False):
         spec, job, cluster = planner_inputs(out, f"calib{world}", world, cores)
         points += [(spec, plan_layout(c), job, cluster, c)
                    for c in measured_layouts(out / f"calib{world}", cores)]
-    call_s = probe_call_s(out / "probe-calib2.json")
+    call_s = probe_call_s(out / "probe-calib2.json", planner_inputs(out, "calib2", 2, cores)[2])
     meas = np.array([c["median_ms"] / 1e3 for *_, c in points])
     if not fit:
         split = pass_rates(out)
