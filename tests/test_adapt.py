@@ -169,6 +169,12 @@ def test_slow_rank_drill_moves_layers_off_the_slow_stage(four_ranks):
     assert first["to"]["stage_layers"][1] < 2
     assert first["switch_time_s"] > 0 and first["switch_cost_s"] > 0
     assert first["predicted_saving_s"] >= 2.0 * first["switch_cost_s"]
+    # the first evaluation timed a gloo collective call after compute (adapt/link_probe), once:
+    # a positive time below a second, in under a minute; no later evaluation measures it again
+    evals = [d for d in decisions if d["action"] in ("switch", "stay")]
+    timed = [d for d in evals if "call_ms" in (d.get("probed") or {})]
+    assert timed and timed[0] is evals[0] and len(timed) == 1, [d.get("probed") for d in evals]
+    assert 0.0 < timed[0]["probed"]["call_ms"] < 1e3 and timed[0]["probed"]["calls_seconds"] < 60
     layouts = [m["layout"] for m in metrics]
     assert layouts[0].endswith("m4x1") and "layers 3,1" in layouts[-1]
     # the switch was confirmed by measurement: each trialled candidate ran its warm-up and 3

@@ -407,3 +407,24 @@ def test_context_parallel_traffic_is_what_each_rank_receives():
     # the gradient all-reduce: 4 blocks of 36,992 and the embedding and head (256 x 64 each)
     # in fp32, 2 (n-1)/n of it over the link
     assert dp2 == pytest.approx((4 * 36_992 + 2 * 16_384) * 4 / 1e7 * 1e3, rel=1e-6)
+
+
+def test_each_tp_and_cp_call_pays_the_measured_call_time():
+    """On gloo a collective call costs more than its latency steps and bytes (the partner's
+    arrival, waking the rank that slept, gloo's hand-off: adapt/link_probe.measure_calls). With
+    0.5 ms a call, a one-stage candidate's 4 layers x 8 micro-batches x (F and B) pay, per layer
+    and pass, 2 CP calls (K and V): 64 ms more; TP's 2 all-reduces, or under sequence
+    parallelism 2 all-gathers and 2 reduce-scatters: 64 or 128 ms more."""
+    from commpipe.adapt.model import CostModel
+
+    tp2, cp2 = Plan(2, 1, 1, 1, (4,), "1f1b", 8, 1), Plan(1, 2, 1, 1, (4,), "1f1b", 8, 1)
+    comm = {}
+    for call_ms, sp in ((0.0, False), (0.5, False), (0.5, True)):
+        m = _measured()
+        m.links, m.call_ms, m.sequence_parallel = {(0, 1): (None, 0.01)}, call_ms, sp
+        model = CostModel(_cfg().spec, 16, 2, 2, m)
+        comm[call_ms, sp] = [model.components(p)[1] for p in (tp2, cp2)]
+    calls = 8 * 2 * 4 * 0.5
+    assert comm[0.5, False][0] - comm[0.0, False][0] == pytest.approx(2 * calls)
+    assert comm[0.5, True][0] - comm[0.0, False][0] == pytest.approx(4 * calls)
+    assert comm[0.5, False][1] - comm[0.0, False][1] == pytest.approx(2 * calls)

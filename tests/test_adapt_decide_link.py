@@ -209,7 +209,7 @@ def test_a_plan_that_left_the_slow_link_still_prices_it_at_its_last_measured_rat
     from commpipe.adapt.model import CostModel
     from commpipe.models.family import family_for_model
 
-    memory = SimpleNamespace(known_links={}, known_collective={})
+    memory = SimpleNamespace(known_links={}, known_collective={}, call_ms=None)
     Controller._recall_rates(memory, _degraded(), learn=True)
     assert memory.known_collective == {"inter_node": SLOW_GBPS}
     off = Plan(1, 1, 2, 2, (2, 2), "1f1b", 4, 1)          # DP inside the nodes

@@ -37,17 +37,42 @@ def _measure(rank: int, world: int) -> dict:
     from commpipe.parallel.comm import Comm
     from commpipe.parallel.dims import ParallelDims
 
-    rates, took = link_probe.measure(Comm(ParallelDims(dp=world), rank), [(0, 1)])
-    return {"rates": rates, "took": took}
+    comm = Comm(ParallelDims(dp=world), rank)
+    rates, took = link_probe.measure(comm, [(0, 1)])
+    ops, nbytes, calls_took = link_probe.measure_calls(comm)
+    total = comm.all_reduce_scalars([1.0], "world")     # the world carries on afterwards
+    return {"rates": rates, "took": took, "ops": ops, "nbytes": nbytes, "total": total,
+            "calls_took": calls_took}
 
 
 @pytest.mark.slow
-def test_two_ranks_measure_their_link():
-    """Rank 0 gets the pair's latency and rate from the ping-pong; rank 1 only answers."""
-    first, second = spawn(_measure, 2)
-    assert second["rates"] == {}
+def test_ranks_measure_their_link_and_a_calls_time():
+    """Rank 0 gets the pair's latency and rate from the ping-pong; rank 1 only answers. Ranks 0
+    and 1 then time collectives after compute in a group of their own while rank 2 waits."""
+    first, second, third = spawn(_measure, 3)
+    assert second["rates"] == third["rates"] == {}
     (pair, (latency_ms, gbps)), = first["rates"].items()
     assert pair == (0, 1)
     # a 1 MiB message between two processes of one host: between 1 MB/s and 100 GB/s
     assert 0.0 <= latency_ms < 100.0 and 1e-3 < gbps < 100.0
     assert 0.0 < first["took"] < 30.0
+    assert third["ops"] is None and first["nbytes"] == 8192
+    for ops in (first["ops"], second["ops"]):
+        assert set(ops) == {"all_reduce", "all_gather", "reduce_scatter"}
+        # each call follows 0.5 ms of compute that is not in its time; a call on one host
+        # takes more than nothing and less than a second
+        assert all(0.0 < v["median_ms"] and 0.0 < v["mean_ms"] < 1e3 for v in ops.values())
+    assert first["total"] == third["total"] == [3.0]
+    assert 0.0 < first["calls_took"] < 60.0
+
+
+def test_a_calls_time_is_its_mean_beyond_the_links_price():
+    """1.0, 0.8 and 0.6 ms means on a 0.1 ms, 1 GB/s link: all-reduce 2 steps, all-gather (of
+    2 x 8 KiB) and reduce-scatter 1 step each (commpipe.plan.cluster.call_overhead)."""
+    ops = {"all_reduce": {"mean_ms": 1.0}, "all_gather": {"mean_ms": 0.8},
+           "reduce_scatter": {"mean_ms": 0.6}}
+    ar = 1.0 - (8192 / 1e6 + 0.2)
+    ag = 0.8 - (8192 / 1e6 + 0.1)
+    rs = 0.6 - (4096 / 1e6 + 0.1)
+    assert link_probe.call_ms(ops, 8192, 0.1, 1.0) == pytest.approx((ar + ag + rs) / 3)
+    assert link_probe.call_ms({}, 8192, 0.1, 1.0) == 0.0

@@ -199,6 +199,10 @@ def test_each_decision_log_record_becomes_console_lines():
     assert record_lines(probed) == [lines[0], "adapt: step 14: measured link 0->2 (no rate from "
                                     "the run's own transfers): 0.118 GB/s, latency 0.21 ms, in "
                                     "0.08 s", lines[1]]
+    timed = switch | {"probed": {"call_ms": 0.83, "calls_seconds": 0.31}}
+    assert record_lines(timed) == [lines[0], "adapt: step 14: measured a gloo collective call "
+                                   "after compute (ranks 0-1): 0.83 ms beyond its link, added to "
+                                   "each TP and CP call a candidate makes, in 0.31 s", lines[1]]
     settle = {"step": 22, "action": "settle", "to": A, "measured_ms": 232.0, "kind": "resplit",
               "reason": "fastest measured (the plan before the trials)", "trial_cost_s": 2.74}
     assert record_lines(settle) == [f"adapt: step 22: settled on {A['name']} at 232 ms, fastest "

@@ -165,7 +165,8 @@ def test_a_runs_story_and_figure_tell_the_dropped_candidates_and_the_re_check(tm
         {"step": 6, "action": "switch", "from": START, "to": BEST, "measured_step_ms": 1000.0,
          "predicted_best_ms": 210.0, "trial_plans": [BEST, third], "switch_time_s": 0.4,
          "detections": [{"key": "dp_cp [0, 1, 2, 3] all_reduce"}],
-         "probed": {"seconds": 0.05, "links": {"0->2": {"latency_ms": 0.1, "gbps": 0.1177}}}},
+         "probed": {"seconds": 0.05, "links": {"0->2": {"latency_ms": 0.1, "gbps": 0.1177}},
+                    "call_ms": 0.83, "calls_seconds": 0.3}},
         {"step": 10, "action": "trial", "plan": BEST["name"], "predicted_ms": 210.0,
          "measured_ms": 200.0, "dropped": [third["name"]]},
         {"step": 10, "action": "settle", "to": BEST, "measured_ms": 200.0, "kind": None,
@@ -176,7 +177,9 @@ def test_a_runs_story_and_figure_tell_the_dropped_candidates_and_the_re_check(tm
     assert ("Trials (predicted → measured ms per step): tp1-cp1-pp2-dp2-1f1b 210 → 200. Dropped "
             "untried, as the measured trials ruled them out: tp1-cp1-pp4-dp1-1f1b.") in story
     assert story[-1] == "Re-checked on its own baselines: TP1/CP1/PP2/DP2 [2,2] at step 17, stayed."
-    assert story[-2] == ("Measured before planning, as nothing the run sent had given their rate: "
+    assert story[-3] == ("Measured before planning, as nothing the run sent had given their rate: "
                          "link 0->2 at step 6, 0.118 GB/s.")
+    assert story[-2] == ("A gloo collective call, timed after compute at step 6, cost 0.83 ms beyond "
+                         "its link; each TP and CP call of a candidate was priced with it.")
     png, caption = step_time_figure(run, tmp_path / "steps.png")
     assert png.stat().st_size > 0 and "re-checks of a plan on its own baselines (1)" in caption

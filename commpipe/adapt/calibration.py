@@ -10,6 +10,7 @@ import statistics
 from commpipe.adapt.model import Measured
 from commpipe.adapt.plan import Plan
 from commpipe.adapt.signals import collective_rates, link_rates
+from commpipe.models.family import family_for_model
 
 
 def measured(trainer, timelines: dict, entries: list, ranks_per_node: int,
@@ -40,7 +41,8 @@ def measured(trainer, timelines: dict, entries: list, ranks_per_node: int,
         element_bytes=element_bytes,
         backend="nccl" if trainer.device.type == "cuda" else "gloo",
         rebuild_s=trainer.build_s, groups_s=getattr(trainer.comm, "groups_s", 0.0),
-        op_work=op_work(trainer))
+        op_work=op_work(trainer),
+        sequence_parallel=cfg.sequence_parallel and family_for_model(cfg.model).sequence_parallel)
 
 
 def one_clock(timelines) -> list[dict]:

@@ -24,7 +24,7 @@ from pathlib import Path
 from commpipe.adapt import link_probe
 from commpipe.adapt.calibration import measured, one_clock
 from commpipe.adapt.describe import record_lines
-from commpipe.adapt.detect import Watch, record_levels
+from commpipe.adapt.detect import Watch, record_levels, where
 from commpipe.adapt.evaluate import evaluate
 from commpipe.adapt.model import Measured
 from commpipe.adapt.plan import Plan
@@ -81,6 +81,7 @@ class Controller:
         # plans (rank 0: the model prices a link the running plan does not use at it)
         self.known_links: dict = {}
         self.known_collective: dict[str, float] = {}
+        self.call_ms: float | None = None   # a gloo call's time beyond its link (link_probe)
         # the model's interval of relative error: which candidates a trial phase can drop
         self.trial_interval = trial_factors(trainer.device.type != "cuda")
         self.switch_phases: dict | None = None   # parts of the last switch, until recorded
@@ -285,8 +286,9 @@ class Controller:
         return decision
 
     def _measure_unrated(self, trainer) -> dict | None:
-        """Measure the link classes nothing the run sent gave a rate for (adapt/link_probe.py):
-        collective; rank 0 keeps the rates and returns what it measured (None elsewhere)."""
+        """Measure the link classes nothing the run sent gave a rate for and, once a run on gloo,
+        a collective call's time (adapt/link_probe.py): collective; rank 0 keeps what was
+        measured and returns it (None elsewhere, or when nothing was)."""
         comm = trainer.comm
         pairs = None
         if comm.rank == 0:
@@ -296,14 +298,19 @@ class Controller:
                 self.known_collective | collective_rates(window, self.rpn, least), self.rpn)
             pairs = link_probe.pairs_to_measure(self.world, self.rpn, rated)
         pairs = comm.broadcast_object(pairs, 0)
-        if not pairs:
-            return None
-        rates, took = link_probe.measure(comm, pairs)
-        if comm.rank != 0:
-            return None
-        self.known_links.update(rates)
-        return {"seconds": took, "links": {f"{a}->{b}": {"latency_ms": lat, "gbps": gbps}
-                                           for (a, b), (lat, gbps) in rates.items()}}
+        out = {}
+        if pairs:
+            rates, took = link_probe.measure(comm, pairs)
+            self.known_links.update(rates)
+            out = {"seconds": took, "links": {f"{a}->{b}": {"latency_ms": lat, "gbps": gbps}
+                                              for (a, b), (lat, gbps) in rates.items()}}
+        if self.call_ms is None and comm.backend == "gloo" and self.world > 1:
+            ops, nbytes, took = link_probe.measure_calls(comm)
+            lat, gbps = self.known_links.get((0, 1)) or (None, None)
+            self.call_ms = link_probe.call_ms(ops, nbytes, lat or 0.0, gbps or float("inf")) \
+                if ops else 0.0
+            out |= {"call_ms": self.call_ms, "calls_seconds": took}
+        return out if out and comm.rank == 0 else None
 
     def decide(self, trainer, step, found, signals, timelines: dict,
                reference: dict | None = None) -> Decision:
@@ -325,7 +332,7 @@ class Controller:
         return evaluate(cfg, self.acfg, measured, step=step, steps_left=cfg.steps - trainer.step,
                         world=self.world, ranks_per_node=self.rpn,
                         free_gb=available_gb(on_cpu, trainer.device.index or 0), on_cpu=on_cpu,
-                        detections=[d.to_dict() | self._where(d) for d in found],
+                        detections=[d.to_dict() | where(d, self.rpn) for d in found],
                         signals={f"{k} {n}": v for (k, n), v in sorted(signals.items())},
                         measured_cost=self.measured_cost)
 
@@ -341,19 +348,10 @@ class Controller:
         links.update({k: v for k, v in m.links.items() if v[1] or k not in links})
         m.links = links
         m.collective_gbps = self.known_collective | m.collective_gbps
+        m.call_ms = self.call_ms or 0.0
 
     def _measured(self, trainer, timelines: dict, entries: list) -> Measured:
         return measured(trainer, timelines, entries, self.rpn, self.acfg.collective_min_bytes)
-
-    def _where(self, d) -> dict:
-        """The nodes and link class a link or collective detection spans."""
-        import re
-
-        if d.kind not in ("link", "collective"):
-            return {}
-        ranks = [int(x) for x in re.findall(r"\d+", d.key.split(" ", 1)[1].split("]")[0])]
-        nodes = sorted({r // self.rpn for r in ranks})
-        return {"nodes": nodes, "link_class": "intra_node" if len(nodes) == 1 else "inter_node"}
 
     # -- switching (collective) -------------------------------------------------------------------
     def _switch(self, trainer, plan: Plan, metrics_file):

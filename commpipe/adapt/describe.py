@@ -80,9 +80,14 @@ def decision_line(rec: dict) -> str:
 def probe_lines(rec: dict) -> list[str]:
     """The link classes an evaluation measured first (commpipe.adapt.link_probe)."""
     probed = rec.get("probed") or {}
-    return [f"{PREFIX} step {rec['step']}: measured link {pair} (no rate from the run's own "
-            f"transfers): {v['gbps']:.3g} GB/s, latency {_ms(v['latency_ms'])}, in "
-            f"{probed['seconds']:.2f} s" for pair, v in (probed.get("links") or {}).items()]
+    lines = [f"{PREFIX} step {rec['step']}: measured link {pair} (no rate from the run's own "
+             f"transfers): {v['gbps']:.3g} GB/s, latency {_ms(v['latency_ms'])}, in "
+             f"{probed['seconds']:.2f} s" for pair, v in (probed.get("links") or {}).items()]
+    if "call_ms" in probed:
+        lines.append(f"{PREFIX} step {rec['step']}: measured a gloo collective call after compute "
+                     f"(ranks 0-1): {_ms(probed['call_ms'])} beyond its link, added to each TP "
+                     f"and CP call a candidate makes, in {probed['calls_seconds']:.2f} s")
+    return lines
 
 
 def record_lines(rec: dict) -> list[str]:

@@ -132,6 +132,17 @@ class Detector:
         return out
 
 
+def where(d: Detection, ranks_per_node: int) -> dict:
+    """The nodes and link class a link or collective detection spans ({} for other kinds)."""
+    import re
+
+    if d.kind not in ("link", "collective"):
+        return {}
+    ranks = [int(x) for x in re.findall(r"\d+", d.key.split(" ", 1)[1].split("]")[0])]
+    nodes = sorted({r // ranks_per_node for r in ranks})
+    return {"nodes": nodes, "link_class": "intra_node" if len(nodes) == 1 else "inter_node"}
+
+
 def worth_replanning(d: Detection, stragglers: set[str]) -> bool:
     """Whether a detection calls for re-planning. Links count both ways (a degrade, a repair).
     A rank whose compute got slower is a straggler. One that got faster only matters when it

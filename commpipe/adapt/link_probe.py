@@ -14,6 +14,14 @@ other rank on its node, the first rank on another node; `commpipe probe`'s pairs
 the rate, under whatever the link does now (a degraded link is measured degraded). Rank 0
 keeps it as a known link rate for the rest of the run, so each class is measured at most once;
 a rate the running plan measures itself later replaces it. About 0.1 s at 1 Gbit/s, once.
+
+On gloo the first evaluation also times collectives as training makes them: ranks 0 and 1, in
+a group of their own, make each call after 0.5 ms of compute with no barrier between
+(`commpipe probe`'s calls_after_compute, 30 of each op), the other ranks waiting. What a call
+costs beyond its latency steps and bytes (commpipe.plan.cluster.call_overhead) is the per-call
+time the model adds to each TP and CP collective of a candidate (commpipe.adapt.model). On 2
+vCPUs a call costs 0.6-1.0 ms there against a ping-pong's 0.05-0.1 ms latency; suite run L's
+tp2 trial measured 197 ms against the 43 predicted without it. About 0.3 s, once a run.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ import time
 
 SIZES = (1 << 16, 1 << 20)     # bytes: above collective_min_bytes, and large enough for the rate
 ITERS, WARMUP = 3, 1
+CALLS, CALLS_WARMUP = 30, 5
+PAIR = "call_pair"           # the group of ranks 0 and 1 that times calls (Comm.add_groups)
 
 
 def class_of(a: int, b: int, ranks_per_node: int) -> str:
@@ -57,3 +67,29 @@ def measure(comm, pairs: list[tuple[int, int]]) -> tuple[dict, float]:
             lat_s, bytes_per_s, _ = fit_latency_bandwidth(list(SIZES), times)
             out[(a, b)] = (lat_s * 1e3, bytes_per_s / 1e9)
     return out, time.perf_counter() - t0
+
+
+def measure_calls(comm) -> tuple[dict | None, int, float]:
+    """Collective: ranks 0 and 1, in a group of their own (`PAIR`, made here on every rank), time
+    each collective after compute while the others wait. Returns ({op: {"mean_ms",
+    "median_ms"}} on ranks 0 and 1, else None; the bytes of each call; seconds taken)."""
+    from commpipe.monitor.probe import CALL_BYTES, CALL_GAP_S, calls_after_compute
+
+    t0 = time.perf_counter()
+    world = comm.dims.world_size
+    if PAIR not in comm.groups:
+        comm.add_groups(PAIR, [[0, 1]] + [[r] for r in range(2, world)])
+    ops = (calls_after_compute(comm, CALL_BYTES, CALLS, CALLS_WARMUP, CALL_GAP_S, dim=PAIR)
+           if comm.rank < 2 else None)
+    return ops, CALL_BYTES, time.perf_counter() - t0
+
+
+def call_ms(ops: dict, nbytes: int, latency_ms: float, gbps: float) -> float:
+    """Per-call time (ms) of `measure_calls`' ops beyond what 2 ranks pay on a link of
+    `latency_ms` and `gbps` (commpipe.plan.cluster.call_overhead, gloo's rings)."""
+    from commpipe.adapt.model import MEASURED_RUN
+    from commpipe.plan.cluster import Cluster, Link, call_overhead
+
+    link = Link(gbps, latency_ms / 1e3)
+    cluster = Cluster(MEASURED_RUN, 2, 2, intra=link, inter=link, backend="gloo")
+    return 1e3 * (call_overhead(ops, nbytes, cluster, 2) or 0.0)

@@ -14,7 +14,9 @@ measured ratio, plus the host time. Point-to-point links are looked up per rank 
 monitor's measurements (else by node pair, else by link class); TP and CP collectives and the
 DP x CP gradient all-reduce are priced by the planner's `Cluster` (commpipe.plan.cluster: bus
 bytes and latency steps per backend) at the rate measured for their link class, activations at
-the run's element size (2 bytes under bf16), gradients in fp32 as GradReducer sums them.
+the run's element size (2 bytes under bf16), gradients in fp32 as GradReducer sums them; on
+gloo each TP and CP call adds the per-call time measured as training makes calls
+(`Measured.call_ms`, commpipe.adapt.link_probe), as `plan --cluster` adds a probe's.
 On a CPU the rank's one thread also issues every eager op, one at a time: that part of a
 micro-batch's F and B does not grow with its size. A stage's pass is k * unit * (b * work +
 ops * op_work): the ops its layers (and head) dispatch per micro-batch (commpipe.plan.
@@ -89,6 +91,10 @@ class Measured:
     # the part of a pass fixed per micro-batch, as units of FLOP work per counted op
     # (commpipe.plan.pass_split, measured on this host's CPU); 0: not separated (a GPU)
     op_work: float = 0.0
+    # a gloo collective call's time beyond its latency steps and bytes, measured as training
+    # makes calls (commpipe.adapt.link_probe.measure_calls); 0: not measured
+    call_ms: float = 0.0
+    sequence_parallel: bool = False  # TP candidates gather and scatter the sequence: 4 calls a pass
     # the same plan measured before the change (the steps its detector's baselines came from):
     # what the step cost outside the modelled compute and communication while healthy
     reference: Measured | None = None
@@ -347,11 +353,15 @@ class CostModel:
             f.append(busy * self.f_share + self.m.host_ms)
             b.append(busy * (1 - self.f_share) + self.m.host_ms)
             comm = 0.0
-            if plan.tp > 1:   # Megatron TP: 2 all-reduces of the activation per layer and pass
-                comm += 2 * layers * self.all_reduce_ms(act_bytes, dims.group_of("tp", group[0]))
-            if plan.cp > 1:   # this rank's K (and V): [b, s/cp, kv_dim/tp]
+            if plan.tp > 1:   # Megatron TP: 2 all-reduces' traffic per layer and pass, made as
+                # 2 calls, or under sequence parallelism as 2 all-gathers and 2 reduce-scatters
+                calls = 4 if self.m.sequence_parallel else 2
+                comm += layers * (2 * self.all_reduce_ms(act_bytes, dims.group_of("tp", group[0]))
+                                  + calls * self.m.call_ms)
+            if plan.cp > 1:   # this rank's K (and V): [b, s/cp, kv_dim/tp], 2 calls a pass
                 k_bytes = act_bytes * spec.kv_dim / spec.hidden / plan.tp
-                comm += layers * self.cp_ms(k_bytes, dims.group_of("cp", group[0]))
+                comm += layers * (self.cp_ms(k_bytes, dims.group_of("cp", group[0]))
+                                  + 2 * self.m.call_ms)
             comm += ep_stage_ms(self, plan, s, group)   # MoE: the EP all-to-alls
             tp_comm.append(comm)
             if s + 1 < n:

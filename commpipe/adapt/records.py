@@ -19,7 +19,9 @@ commpipe.report, commpipe.adapt.describe and the demo read:
                                        baselines were armed (commpipe.adapt.controller)
   probed                               the link classes no transfer had given a rate for,
                                        measured before planning: {seconds, links: {"a->b":
-                                       {latency_ms, gbps}}} (commpipe.adapt.link_probe)
+                                       {latency_ms, gbps}}}, and once a run on gloo a
+                                       collective call's time beyond its link: {call_ms,
+                                       calls_seconds} (commpipe.adapt.link_probe)
   steps_left, candidates_admitted, candidates_over_memory, planning_s, time
                                        the steps the payback could count on, how many
                                        candidates paid back, how many the planner's memory

@@ -228,20 +228,22 @@ def _compute_for(seconds: float, a, b) -> None:
         a @ b
 
 
-def calls_after_compute(comm, nbytes: int, calls: int, warmup: int, gap_s: float) -> dict:
-    """{op: {"mean_ms", "median_ms"}} of comm's dp group making each of CALL_OPS `calls` times,
-    every call after `gap_s` of compute and without a barrier (the module docstring)."""
+def calls_after_compute(comm, nbytes: int, calls: int, warmup: int, gap_s: float,
+                        dim: str = "dp") -> dict:
+    """{op: {"mean_ms", "median_ms"}} of comm's `dim` group making each of CALL_OPS `calls`
+    times, every call after `gap_s` of compute and without a barrier (the module docstring)."""
     import torch
 
     a, b = torch.randn(32, 64), torch.randn(64, 64)
-    buf = torch.zeros(max(nbytes // 4, 2 * comm.size("dp")), dtype=torch.float32)
-    make = {"all_reduce": lambda: comm.all_reduce(buf, "dp"),
-            "all_gather": lambda: comm.all_gather(buf, "dp"),
-            "reduce_scatter": lambda: comm.reduce_scatter(buf, "dp")}
+    n = comm.size(dim)
+    buf = torch.zeros(max(nbytes // 4, n) // n * n, dtype=torch.float32)   # n equal slices
+    make = {"all_reduce": lambda: comm.all_reduce(buf, dim),
+            "all_gather": lambda: comm.all_gather(buf, dim),
+            "reduce_scatter": lambda: comm.reduce_scatter(buf, dim)}
     out = {}
     for op in CALL_OPS:
         times = []
-        comm.barrier("dp")
+        comm.barrier(dim)
         for i in range(warmup + calls):
             _compute_for(gap_s, a, b)
             t0 = time.perf_counter()

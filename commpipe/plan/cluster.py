@@ -246,29 +246,34 @@ def apply_probe(cluster: Cluster, path: str | Path) -> Cluster:
                    source=f"probe:{path} ({intra_note}; {inter_note})")
 
 
+def call_overhead(ops: dict, nbytes: float, cluster: Cluster, size: int = 2) -> float | None:
+    """Host time of one gloo collective call (`Efficiency.coll_overhead_s`, seconds) from calls
+    timed as training makes them ({op: {"mean_ms", ...}}, `nbytes` each, over a group of `size`
+    ranks on `cluster`'s links; commpipe.monitor.probe.calls_after_compute): per op, its mean time
+    less what the cluster already prices for it (its latency steps and bytes, gloo's
+    algorithms), averaged over the ops measured (all-reduce; all-gather and reduce-scatter, which
+    sequence and context parallelism make in equal numbers). None when none was."""
+    gloo = replace(cluster, backend="gloo")
+    priced = {"all_reduce": gloo.all_reduce(nbytes, size, 1),
+              "all_gather": gloo.all_gather(size * nbytes, size, 1),   # every rank's input
+              "reduce_scatter": gloo.reduce_scatter(nbytes, size, 1)}
+    extra = [max(0.0, ops[op]["mean_ms"] / 1e3 - price) for op, price in priced.items() if op in ops]
+    return sum(extra) / len(extra) if extra else None
+
+
 def probe_call_overhead(path: str | Path, cluster: Cluster) -> float | None:
-    """Host time of one gloo collective call (`Efficiency.coll_overhead_s`, seconds) from a probe's
-    calls after compute (commpipe.monitor.probe): per op, its mean time less what the cluster
-    already prices for it (its latency steps and bytes on the probed link, gloo's algorithms),
-    averaged over the ops commpipe's runtime makes (all-reduce; all-gather and reduce-scatter,
-    which sequence and context parallelism make in equal numbers). None when the probe has no
-    such measurement (nccl, an odd world, or a probe from before it)."""
+    """`call_overhead` of a probe's calls after compute (commpipe.monitor.probe; ranks 0 and 1);
+    None when the probe has no such measurement (nccl, an odd world, or a probe from before it)."""
     calls = read_json_object(path, "probe").get("calls")
-    if not isinstance(calls, dict) or not calls.get("ops"):
+    if not isinstance(calls, dict) or not isinstance(calls.get("ops"), dict):
         return None
     where = f"probe file {path}: calls"
     nbytes = _probe_number(calls, "bytes", where, "bytes per call", positive=True)
-    gloo = replace(cluster, backend="gloo")
-    priced = {"all_reduce": gloo.all_reduce(nbytes, 2, 1),
-              "all_gather": gloo.all_gather(2 * nbytes, 2, 1),     # 2 ranks' inputs gathered
-              "reduce_scatter": gloo.reduce_scatter(nbytes, 2, 1)}
-    extra = []
-    for op, price in priced.items():
-        entry = calls["ops"].get(op)
-        if entry is not None:
-            mean = _probe_number(entry, "mean_ms", f"{where}.ops.{op}", "milliseconds", positive=True)
-            extra.append(max(0.0, mean / 1e3 - price))
-    return sum(extra) / len(extra) if extra else None
+    for op, entry in calls["ops"].items():
+        if not isinstance(entry, dict):
+            raise ValueError(f"{where}.ops.{op} = {json.dumps(entry)}: expected an object with mean_ms")
+        _probe_number(entry, "mean_ms", f"{where}.ops.{op}", "milliseconds", positive=True)
+    return call_overhead(calls["ops"], nbytes, cluster)
 
 
 def apply_links(cluster: Cluster, links: dict, source: str) -> Cluster:

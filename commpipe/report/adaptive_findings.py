@@ -73,6 +73,12 @@ def run_story(run: Path) -> list[str]:
         out.append("Measured before planning, as nothing the run sent had given their rate: " +
                    "; ".join(f"link {pair} at step {step}, {v['gbps']:.3g} GB/s"
                              for step, pair, v in probed) + ".")
+    calls = [(d["step"], d["probed"]["call_ms"]) for d in evals
+             if "call_ms" in (d.get("probed") or {})]
+    if calls:
+        step, ms = calls[0]
+        out.append(f"A gloo collective call, timed after compute at step {step}, cost {fmt(ms)} ms "
+                   "beyond its link; each TP and CP call of a candidate was priced with it.")
     rechecks = [d for d in decisions if d.get("recheck")]
     if rechecks:
         out.append("Re-checked on its own baselines: " + "; ".join(
