@@ -112,6 +112,31 @@ def test_a_trial_phase_drops_what_its_measured_bias_shows_cannot_win():
     assert t2.prune((0.9, 1.1)) == [b] and t2.done and t2.settle() == (x, 80.0)
 
 
+def test_a_trial_that_cannot_pay_for_itself_in_the_steps_left_is_dropped():
+    """A predicted 100 measured 90 (bias 0.9) after a 200 ms switch. B predicted 110: at best
+    110 x 0.9 x 0.9 = 89.1 ms, 0.9 ms a step below the fastest measured; expected 99 ms. Its
+    trial (a 200 ms switch, then 1 warm-up and 3 measured steps at 99 - 90 = 9 ms more each)
+    costs 236 ms: with 100 steps left it can save at most 0.9 x (100 - 4) = 86.4 ms and is
+    dropped; with 400 left, 356.4 ms, and it stays. Without the steps left only the interval
+    decides, as before."""
+    from commpipe.adapt.trial import Trials
+
+    a, b = (Plan(1, 1, 2, 1, split, "1f1b", 8, 1) for split in ((1, 3), (2, 2)))
+    x = Plan(1, 1, 1, 2, (4,), "1f1b", 4, 1)
+
+    def measured_a() -> Trials:
+        t = Trials([(a, 100.0), (b, 110.0)], (x, 200.0), steps=3, warmup=1)
+        t.switch_s.append(0.2)
+        for ms in (95.0, 90.0, 90.0, 90.0):
+            t.observe(ms)
+        t.finish()
+        return t
+
+    assert measured_a().prune((0.9, 1.1), steps_left=100) == [b]
+    assert measured_a().prune((0.9, 1.1), steps_left=400) == []
+    assert measured_a().prune((0.9, 1.1)) == []
+
+
 def test_the_trial_interval_is_the_suites_on_a_cpu_and_the_planners_on_a_gpu():
     from commpipe.plan.interval import TRIAL_QUANTILES, step_time_factors, trial_factors
 

@@ -221,7 +221,7 @@ class Controller:
         record = {"step": step, "action": "trial", "plan": running.name,
                   "predicted_ms": r["predicted_ms"], "measured_ms": r["measured_ms"],
                   "steps_ms": r["steps_ms"], "warmup_ms": r["warmup_ms"]}
-        dropped = t.prune(self.trial_interval)
+        dropped = t.prune(self.trial_interval, trainer.cfg.steps - trainer.step)
         if dropped:
             record["dropped"] = [p.name for p in dropped]
         if not t.done and trainer.step < trainer.cfg.steps:

@@ -19,7 +19,9 @@ Defaults and why:
                     the best prediction's high end lies below a candidate's low end, the model
                     is sure enough: trialling it would spend steps on a plan that loses. After
                     each trial the same test drops candidates against the fastest measured,
-                    their predictions corrected by the run's measured bias (`Trials.prune`).
+                    their predictions corrected by the run's measured bias (`Trials.prune`),
+                    and so does payback: a trial whose best case cannot save, over the steps
+                    left after it, what the trial is expected to cost (a switch and its steps).
   trial_steps=3     measured steps per candidate, after one warm-up step (the first step after a
                     switch rebuilds buffers and process-group state); the median of 3 survives
                     one noisy step.
@@ -145,12 +147,17 @@ class Trials:
                 best = (plan, med)
         return best
 
-    def prune(self, interval: tuple[float, float]) -> list:
+    def prune(self, interval: tuple[float, float], steps_left: int | None = None) -> list:
         """Drop the candidates not yet trialled that cannot beat the fastest measured so far:
         the trials measured how far this run lands from the model (the median of their
         measured over predicted, `bias`), and a candidate whose prediction, corrected by that,
         lies above the fastest measured even at the low end of the model's `interval` of
-        relative error would spend its steps on a plan that loses. Returns the dropped plans."""
+        relative error would spend its steps on a plan that loses. With `steps_left` (the
+        run's steps after this one), also one whose trial cannot pay for itself: the most it
+        can save, at that low end over the steps left after its trial, is no more than what
+        its trial is expected to cost (a switch, at the phase's measured switch time, and its
+        warm-up and measured steps at its corrected prediction beyond the fastest measured).
+        Returns the dropped plans."""
         if not self.results or self.done:
             return []
         ratios = [med / predicted for (_, predicted), (_, med, _) in
@@ -158,9 +165,21 @@ class Trials:
         bias = statistics.median(ratios)
         best = self.settle()[1]
         rest = self.plans[self.index:]
-        loses = [p * bias * interval[0] > best for _, p in rest]
-        self.plans = self.plans[:self.index] + [x for x, lost in zip(rest, loses) if not lost]
-        return [plan for (plan, _), lost in zip(rest, loses) if lost]
+        switch_ms = 1e3 * statistics.fmean(self.switch_s) if self.switch_s else 0.0
+        steps = self.warmup + self.steps
+
+        def loses(predicted: float) -> bool:
+            low, likely = predicted * bias * interval[0], predicted * bias
+            if low > best:
+                return True
+            if steps_left is None:
+                return False
+            saves = (best - low) * max(steps_left - steps, 0)
+            return saves <= switch_ms + steps * max(likely - best, 0.0)
+
+        lost = [loses(p) for _, p in rest]
+        self.plans = self.plans[:self.index] + [x for x, out in zip(rest, lost) if not out]
+        return [plan for (plan, _), out in zip(rest, lost) if out]
 
     def cost_s(self, best_ms: float) -> float:
         """Measured cost of the phase: the switches it made plus the time its measured steps
