@@ -20,8 +20,8 @@ a group of their own, make each call after 0.5 ms of compute with no barrier bet
 (`commpipe probe`'s calls_after_compute, 30 of each op), the other ranks waiting. What a call
 costs beyond its latency steps and bytes (commpipe.plan.cluster.call_overhead) is the per-call
 time the model adds to each TP and CP collective of a candidate (commpipe.adapt.model). On 2
-vCPUs a call costs 0.6-1.0 ms there against a ping-pong's 0.05-0.1 ms latency; suite run L's
-tp2 trial measured 197 ms against the 43 predicted without it. About 0.3 s, once a run.
+vCPUs a call costs 0.8-1.6 ms there (suite run M) against a ping-pong's 0.05-0.1 ms latency;
+run L's tp2 trial measured 197 ms against the 43 predicted without it. About 0.2 s, once a run.
 """
 
 from __future__ import annotations
