@@ -20,7 +20,7 @@ makes under tensor and context parallelism (all-reduce, all-gather, reduce-scatt
 activation of a small model) `--calls` times, each after computing for 0.5 ms, as a layer's
 work separates its collectives, with no barrier between. The mean time of a call is what a step
 pays for it: the partner's late arrival, waking the rank that slept in the call and gloo's hand-off
-to its worker thread, none of which a barrier-timed all-reduce shows (on 2 vCPUs: 0.5-1.1 ms
+to its worker thread, none of which a barrier-timed all-reduce shows (on 2 vCPUs: 0.4-1.6 ms
 against the all-reduce's 0.3 ms median). The planner prices a gloo collective call's host time
 from it (commpipe.plan.cluster.probe_call_overhead).
 
