@@ -300,9 +300,10 @@ def _probe(args) -> None:
         g *= 2
     if world not in group_sizes:
         group_sizes.append(world)
+    blocks = {}
     for g in group_sizes:
         # dp blocks of g consecutive ranks: ParallelDims puts dp inside pp
-        sub = Comm(ParallelDims(dp=g, pp=world // g), rank, device=device)
+        sub = blocks[g] = Comm(ParallelDims(dp=g, pp=world // g), rank, device=device)
         times = [_allreduce(sub, n, args.iters, args.warmup) for n in sizes]
         if rank == 0:
             f = busbw_factor("all_reduce", g)
@@ -316,9 +317,8 @@ def _probe(args) -> None:
     if result["backend"] == "gloo" and world % 2 == 0 and args.calls > 0:
         # ranks 0 and 1 alone, the others idle: the host model adds contention for the cores
         # itself (commpipe.plan.host)
-        pair = Comm(ParallelDims(dp=2, pp=world // 2), rank, device=device)
-        if rank < 2:
-            ops = calls_after_compute(pair, CALL_BYTES, args.calls, 10, CALL_GAP_S)
+        if rank < 2:      # the blocks of 2 the all-reduces above used (world is even)
+            ops = calls_after_compute(blocks[2], CALL_BYTES, args.calls, 10, CALL_GAP_S)
             result["calls"] = {"ranks": [0, 1], "bytes": CALL_BYTES, "gap_ms": CALL_GAP_S * 1e3,
                                "calls": args.calls, "ops": ops}
         comm.barrier()
