@@ -78,6 +78,9 @@ def test_gloo_call_time_is_what_a_call_costs_beyond_its_priced_link(tmp_path):
                               intra_node_latency_ms=None, inter_node_latency_ms=None)
     planned, eff = cluster_from_args(args)
     assert planned.backend == "gloo" and eff.coll_overhead_s == pytest.approx((ar + ag + rs) / 3)
+    # the plan's header says so, after the links
+    assert planned.source.endswith(f"; a gloo call after compute {(ar + ag + rs) / 3 * 1e3:.2f} ms "
+                                   "beyond its link")
     # a probe without the measurement (nccl, or written before it) leaves the per-call time alone
     del probe["calls"]
     path.write_text(json.dumps(probe))

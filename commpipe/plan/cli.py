@@ -265,6 +265,8 @@ def cluster_from_args(args, num_gpus: int | None = None, profile_path: str | Non
         call = probe_call_overhead(args.cluster, cluster)
         if call is not None:
             eff = replace(eff, coll_overhead_s=call)
+            cluster = replace(cluster, source=f"{cluster.source}; a gloo call after compute "
+                                              f"{call * 1e3:.2f} ms beyond its link")
     if getattr(args, "precision", None):
         cluster.gpu.peak_tflops(args.precision)     # --precision fp8 on a GPU without FP8: fail early
     return cluster, eff
