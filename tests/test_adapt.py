@@ -169,12 +169,18 @@ def test_slow_rank_drill_moves_layers_off_the_slow_stage(four_ranks):
     assert first["to"]["stage_layers"][1] < 2
     assert first["switch_time_s"] > 0 and first["switch_cost_s"] > 0
     assert first["predicted_saving_s"] >= 2.0 * first["switch_cost_s"]
-    # the first evaluation timed a gloo collective call after compute (adapt/link_probe), once:
-    # a positive time below a second, in under a minute; no later evaluation measures it again
+    # before the first step the controller timed gloo collective calls after compute and the
+    # pass split (adapt/link_probe.measure_host), once: positive times in under a minute; the
+    # first evaluation priced a call from them, below a second, and no later one again
+    host = [d for d in decisions if d["action"] == "host"]
+    assert len(host) == 1 and host[0] is decisions[0] and host[0]["step"] == -1, host
+    assert set(host[0]["calls"]) == {"all_reduce", "all_gather", "reduce_scatter"}
+    assert all(0.0 < v["mean_ms"] < 1e3 for v in host[0]["calls"].values())
+    assert host[0]["op_work"] > 0 and host[0]["calls_seconds"] + host[0]["op_work_seconds"] < 60
     evals = [d for d in decisions if d["action"] in ("switch", "stay")]
     timed = [d for d in evals if "call_ms" in (d.get("probed") or {})]
     assert timed and timed[0] is evals[0] and len(timed) == 1, [d.get("probed") for d in evals]
-    assert 0.0 < timed[0]["probed"]["call_ms"] < 1e3 and timed[0]["probed"]["calls_seconds"] < 60
+    assert 0.0 < timed[0]["probed"]["call_ms"] < 1e3
     layouts = [m["layout"] for m in metrics]
     assert layouts[0].endswith("m4x1") and "layers 3,1" in layouts[-1]
     # the switch was confirmed by measurement: each trialled candidate ran its warm-up and 3

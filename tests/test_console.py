@@ -199,10 +199,20 @@ def test_each_decision_log_record_becomes_console_lines():
     assert record_lines(probed) == [lines[0], "adapt: step 14: measured link 0->2 (no rate from "
                                     "the run's own transfers): 0.118 GB/s, latency 0.21 ms, in "
                                     "0.08 s", lines[1]]
-    timed = switch | {"probed": {"call_ms": 0.83, "calls_seconds": 0.31}}
-    assert record_lines(timed) == [lines[0], "adapt: step 14: measured a gloo collective call "
-                                   "after compute (ranks 0-1): 0.83 ms beyond its link, added to "
-                                   "each TP and CP call a candidate makes, in 0.31 s", lines[1]]
+    timed = switch | {"probed": {"call_ms": 0.83}}
+    assert record_lines(timed) == [lines[0], "adapt: step 14: a gloo collective call after "
+                                   "compute (ranks 0-1) costs 0.83 ms beyond its link, added to "
+                                   "each TP and CP call a candidate makes (timed at the start)",
+                                   lines[1]]
+    host = {"step": -1, "action": "host", "op_work": 253138.0, "op_work_seconds": 0.21,
+            "calls": {"all_reduce": {"mean_ms": 1.25, "median_ms": 0.71},
+                      "all_gather": {"mean_ms": 0.62, "median_ms": 0.37}},
+            "call_bytes": 8192, "calls_seconds": 0.16}
+    assert record_lines(host) == ["adapt: before step 0: measured this host for pricing "
+                                  "candidates: a gloo collective call after compute (ranks 0-1) "
+                                  "took all-reduce 1.25 ms, all-gather 0.62 ms (mean); issuing "
+                                  "an eager op takes as long as 2.53e+05 FLOPs of compute; in "
+                                  "0.37 s"]
     settle = {"step": 22, "action": "settle", "to": A, "measured_ms": 232.0, "kind": "resplit",
               "reason": "fastest measured (the plan before the trials)", "trial_cost_s": 2.74}
     assert record_lines(settle) == [f"adapt: step 22: settled on {A['name']} at 232 ms, fastest "

@@ -179,7 +179,8 @@ def test_a_runs_story_and_figure_tell_the_dropped_candidates_and_the_re_check(tm
     assert story[-1] == "Re-checked on its own baselines: TP1/CP1/PP2/DP2 [2,2] at step 17, stayed."
     assert story[-3] == ("Measured before planning, as nothing the run sent had given their rate: "
                          "link 0->2 at step 6, 0.118 GB/s.")
-    assert story[-2] == ("A gloo collective call, timed after compute at step 6, cost 0.83 ms beyond "
-                         "its link; each TP and CP call of a candidate was priced with it.")
+    assert story[-2] == ("A gloo collective call, timed after compute, cost 0.83 ms beyond its "
+                         "link (priced at step 6); each TP and CP call of a candidate was priced "
+                         "with it.")
     png, caption = step_time_figure(run, tmp_path / "steps.png")
     assert png.stat().st_size > 0 and "re-checks of a plan on its own baselines (1)" in caption

@@ -82,6 +82,7 @@ class Controller:
         self.known_links: dict = {}
         self.known_collective: dict[str, float] = {}
         self.call_ms: float | None = None   # a gloo call's time beyond its link (link_probe)
+        self.host: dict | None = None       # what rank 0 measured of this host at the start
         # the model's interval of relative error: which candidates a trial phase can drop
         self.trial_interval = trial_factors(trainer.device.type != "cuda")
         self.switch_phases: dict | None = None   # parts of the last switch, until recorded
@@ -102,7 +103,11 @@ class Controller:
         if trainer.comm.rank == 0:
             self.out.mkdir(parents=True, exist_ok=True)
             self.log = open(self.out / "adapt.jsonl", "a")
+        with unmonitored(trainer):   # once, before the first step: what pricing needs of the host
+            self.host = trainer.comm.broadcast_object(link_probe.measure_host(trainer), 0)
         self.prepare(trainer)
+        if self.host is not None:
+            self._write(self.host)
         if resumed:
             self._write({"step": trainer.step - 1, "action": "resumed", "to": self.running.to_dict(),
                          "baselines": len(self.plan_baselines.get(self.running.name, {})),
@@ -286,9 +291,10 @@ class Controller:
         return decision
 
     def _measure_unrated(self, trainer) -> dict | None:
-        """Measure the link classes nothing the run sent gave a rate for and, once a run on gloo,
-        a collective call's time (adapt/link_probe.py): collective; rank 0 keeps what was
-        measured and returns it (None elsewhere, or when nothing was)."""
+        """Measure the link classes nothing the run sent gave a rate for (adapt/link_probe.py)
+        and, once a run on gloo, price a collective call from the calls timed at the start:
+        collective; rank 0 keeps what was measured and returns it (None elsewhere, or when
+        nothing was)."""
         comm = trainer.comm
         pairs = None
         if comm.rank == 0:
@@ -304,12 +310,12 @@ class Controller:
             self.known_links.update(rates)
             out = {"seconds": took, "links": {f"{a}->{b}": {"latency_ms": lat, "gbps": gbps}
                                               for (a, b), (lat, gbps) in rates.items()}}
-        if self.call_ms is None and comm.backend == "gloo" and self.world > 1:
-            ops, nbytes, took = link_probe.measure_calls(comm)
+        if self.call_ms is None and (self.host or {}).get("calls"):
+            # the calls timed at the start, less what they paid on the link known now
             lat, gbps = self.known_links.get((0, 1)) or (None, None)
-            self.call_ms = link_probe.call_ms(ops, nbytes, lat or 0.0, gbps or float("inf")) \
-                if ops else 0.0
-            out |= {"call_ms": self.call_ms, "calls_seconds": took}
+            self.call_ms = link_probe.call_ms(self.host["calls"], self.host["call_bytes"],
+                                              lat or 0.0, gbps or float("inf"))
+            out["call_ms"] = self.call_ms
         return out if out and comm.rank == 0 else None
 
     def decide(self, trainer, step, found, signals, timelines: dict,

@@ -9,6 +9,8 @@ the decision. Records:
   settle         the end of a trial phase (`to`, `measured`, `reason`)
   relaunched     a switch finished by checkpoint and relaunch
   resumed        a --resume of an adaptive run: the plan it continues in (`to`) and why
+  host           what the controller measured of the host before the first step (on a CPU
+                 `op_work`; on gloo the `calls` timed after compute: commpipe.adapt.link_probe)
 """
 
 from __future__ import annotations
@@ -71,10 +73,27 @@ def decision_line(rec: dict) -> str:
                 f"{_ms(rec['measured_ms'])}, {rec.get('reason', 'fastest measured')}{moved}{cost}")
     if action == "resumed":
         return f"{PREFIX} step {step}: resumed in {_plan(rec['to'])} ({rec.get('reason')})"
+    if action == "host":
+        return host_line(rec)
     if action == "relaunched":
         return (f"{PREFIX} step {step}: relaunched under {_plan(rec['to'])} "
                 f"({rec['switch_time_s']:.1f} s after the request)")
     return f"{PREFIX} step {step}: {action}"
+
+
+def host_line(rec: dict) -> str:
+    """The `host` record: what pricing candidates needs of the host, measured at the start."""
+    parts = []
+    if rec.get("calls"):
+        parts.append("a gloo collective call after compute (ranks 0-1) took " + ", ".join(
+            f"{op.replace('_', '-')} {_ms(v['mean_ms'])}" for op, v in rec["calls"].items())
+            + " (mean)")
+    if rec.get("op_work"):
+        parts.append(f"issuing an eager op takes as long as {rec['op_work']:.3g} FLOPs of "
+                     "compute")
+    took = (rec.get("op_work_seconds") or 0.0) + (rec.get("calls_seconds") or 0.0)
+    return (f"{PREFIX} before step {rec['step'] + 1}: measured this host for pricing "
+            f"candidates: {'; '.join(parts) or 'nothing'}; in {took:.2f} s")
 
 
 def probe_lines(rec: dict) -> list[str]:
@@ -84,9 +103,11 @@ def probe_lines(rec: dict) -> list[str]:
              f"transfers): {v['gbps']:.3g} GB/s, latency {_ms(v['latency_ms'])}, in "
              f"{probed['seconds']:.2f} s" for pair, v in (probed.get("links") or {}).items()]
     if "call_ms" in probed:
-        lines.append(f"{PREFIX} step {rec['step']}: measured a gloo collective call after compute "
-                     f"(ranks 0-1): {_ms(probed['call_ms'])} beyond its link, added to each TP "
-                     f"and CP call a candidate makes, in {probed['calls_seconds']:.2f} s")
+        took = (f", in {probed['calls_seconds']:.2f} s" if "calls_seconds" in probed
+                else " (timed at the start)")
+        lines.append(f"{PREFIX} step {rec['step']}: a gloo collective call after compute "
+                     f"(ranks 0-1) costs {_ms(probed['call_ms'])} beyond its link, added to each "
+                     f"TP and CP call a candidate makes{took}")
     return lines
 
 

@@ -15,13 +15,20 @@ the rate, under whatever the link does now (a degraded link is measured degraded
 keeps it as a known link rate for the rest of the run, so each class is measured at most once;
 a rate the running plan measures itself later replaces it. About 0.1 s at 1 Gbit/s, once.
 
-On gloo the first evaluation also times collectives as training makes them: ranks 0 and 1, in
-a group of their own, make each call after 0.5 ms of compute with no barrier between
-(`commpipe probe`'s calls_after_compute, 30 of each op), the other ranks waiting. What a call
-costs beyond its latency steps and bytes (commpipe.plan.cluster.call_overhead) is the per-call
-time the model adds to each TP and CP collective of a candidate (commpipe.adapt.model). On 2
-vCPUs a call costs 0.8-1.6 ms there (suite run M) against a ping-pong's 0.05-0.1 ms latency;
-run L's tp2 trial measured 197 ms against the 43 predicted without it. About 0.2 s, once a run.
+What does not depend on a link is measured once, before the first step (`measure_host`), so
+that the evaluation answering a fault pays only for the link it measures. On gloo, collectives
+are timed as training makes them: ranks 0 and 1, in a group of their own, make each call after
+0.5 ms of compute with no barrier between (`commpipe probe`'s calls_after_compute, 30 of each
+op), the other ranks waiting. What a call costs beyond its latency steps and bytes
+(commpipe.plan.cluster.call_overhead, at the link rate known at the first evaluation) is the
+per-call time the model adds to each TP and CP collective of a candidate
+(commpipe.adapt.model). On 2 vCPUs a call costs 0.8-1.6 ms there (suite run M) against a
+ping-pong's 0.05-0.1 ms latency; run L's tp2 trial measured 197 ms against the 43 predicted
+without it. On a CPU, rank 0 also measures how an eager pass splits into a part fixed per
+micro-batch and a part that grows with it (commpipe.plan.pass_split, `Measured.op_work`).
+Together about 0.3-0.5 s on 2 vCPUs, once a run; at the first evaluation, where they were
+measured until then, they lengthened the step that answered the fault by as much (suite runs
+M and N: 0.5-0.7 s against 0.1 s steps).
 """
 
 from __future__ import annotations
@@ -82,6 +89,24 @@ def measure_calls(comm) -> tuple[dict | None, int, float]:
     ops = (calls_after_compute(comm, CALL_BYTES, CALLS, CALLS_WARMUP, CALL_GAP_S, dim=PAIR)
            if comm.rank < 2 else None)
     return ops, CALL_BYTES, time.perf_counter() - t0
+
+
+def measure_host(trainer) -> dict | None:
+    """Collective, once before the first step: on a CPU, rank 0 measures the pass split's
+    `op_work` (commpipe.adapt.calibration.op_work, kept for the run); on gloo, ranks 0 and 1
+    time collective calls after compute (`measure_calls`). Returns the `host` record of the
+    decision log on rank 0 (None elsewhere, or when neither applies)."""
+    from commpipe.adapt.calibration import op_work
+
+    comm = trainer.comm
+    record = {"step": trainer.step - 1, "action": "host"}
+    if trainer.device.type != "cuda" and comm.rank == 0:
+        t0 = time.perf_counter()
+        record |= {"op_work": op_work(trainer), "op_work_seconds": time.perf_counter() - t0}
+    if comm.backend == "gloo" and comm.dims.world_size > 1:
+        ops, nbytes, took = measure_calls(comm)
+        record |= {"calls": ops, "call_bytes": nbytes, "calls_seconds": took}
+    return record if comm.rank == 0 and len(record) > 2 else None
 
 
 def call_ms(ops: dict, nbytes: int, latency_ms: float, gbps: float) -> float:

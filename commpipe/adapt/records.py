@@ -20,8 +20,9 @@ commpipe.report, commpipe.adapt.describe and the demo read:
   probed                               the link classes no transfer had given a rate for,
                                        measured before planning: {seconds, links: {"a->b":
                                        {latency_ms, gbps}}}, and once a run on gloo a
-                                       collective call's time beyond its link: {call_ms,
-                                       calls_seconds} (commpipe.adapt.link_probe)
+                                       collective call's time beyond its link, from the
+                                       calls the `host` record timed at the start: {call_ms}
+                                       (commpipe.adapt.link_probe)
   steps_left, candidates_admitted, candidates_over_memory, planning_s, time
                                        the steps the payback could count on, how many
                                        candidates paid back, how many the planner's memory
@@ -29,8 +30,8 @@ commpipe.report, commpipe.adapt.describe and the demo read:
                                        the wall-clock time (Unix seconds) of the record
 
 Keys of the optional groups are left out when they do not apply, as before. The phase records
-that follow a switch (`trial`, `settle`, `relaunched`) are plain objects described in
-commpipe.adapt.describe.
+that follow a switch (`trial`, `settle`, `relaunched`) and the `host` record written before
+the first step are plain objects described in commpipe.adapt.describe.
 """
 
 from __future__ import annotations

@@ -77,8 +77,9 @@ def run_story(run: Path) -> list[str]:
              if "call_ms" in (d.get("probed") or {})]
     if calls:
         step, ms = calls[0]
-        out.append(f"A gloo collective call, timed after compute at step {step}, cost {fmt(ms)} ms "
-                   "beyond its link; each TP and CP call of a candidate was priced with it.")
+        out.append(f"A gloo collective call, timed after compute, cost {fmt(ms)} ms beyond its "
+                   f"link (priced at step {step}); each TP and CP call of a candidate was priced "
+                   "with it.")
     rechecks = [d for d in decisions if d.get("recheck")]
     if rechecks:
         out.append("Re-checked on its own baselines: " + "; ".join(
