@@ -9,15 +9,6 @@ Defaults and why:
   min_shift=0.25  a relative shift of 25% against the baseline. Step and compute times on a
                   shared host wander by ~5-10% step to step (measured on our 2-core CI box), so
                   25% stays clear of noise; a change smaller than that rarely pays for a switch.
-  straggler_step_shift=0.10
-                  a rank's slowdown is acted on only when the step time rose with it by at least
-                  10% over the steps it held (against the plan's first step baseline): margin x
-                  min_gain, since below that no switch answering it could win back min_gain with
-                  the payback margin. A rank whose busy time rose while the step did not (its
-                  compute filled a bubble, or the host descheduled it where it would have waited)
-                  stays below it. It was min_shift (25%) until suite runs N and O: a 1.5x
-                  straggler moved the adaptive run's step by 15-26% and was not acted on for
-                  15-20 steps, until the pipeline link's wait was.
   warmup_steps=2  the first 2 steps of a plan (at the start, after a switch or a resume) are not
                   observed: they carry one-off costs (allocations, first process-group calls).
   baseline_steps=4 observations (their median) that set the reference level, at the start and
@@ -75,7 +66,6 @@ from dataclasses import dataclass
 class AdaptConfig:
     min_steps: int = 5
     min_shift: float = 0.25
-    straggler_step_shift: float = 0.10  # the step's least rise for a straggler to be acted on
     baseline_steps: int = 4
     warmup_steps: int = 2
     horizon: int = 100
@@ -110,9 +100,6 @@ class AdaptConfig:
     def validate(self) -> AdaptConfig:
         if self.min_steps < 1:
             raise ValueError(f"--adapt-min-steps {self.min_steps} must be >= 1")
-        if not 0.0 <= self.straggler_step_shift < 10.0:
-            raise ValueError(f"straggler_step_shift {self.straggler_step_shift} must be a "
-                             "fraction >= 0 (0.1 means the step rose by 10%)")
         if not 0.0 < self.min_shift < 10.0:
             raise ValueError(f"--adapt-min-shift {self.min_shift} must be a fraction > 0 "
                              "(0.25 means a 25% change)")

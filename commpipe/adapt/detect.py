@@ -180,14 +180,10 @@ def slower_than_peers(d: Detection, signals: dict[tuple[str, str], float | None]
 
 
 def moved_the_job(d: Detection, step_ms: dict[int, float], first_step_ms: float | None,
-                  min_shift: float, least: int = 1) -> bool:
+                  min_shift: float) -> bool:
     """Whether the steps over which `d` held (`d.onset_step` to `d.step`) moved with it: their
-    median step time at least `min_shift` above the steps' level before the onset for a series
-    that got slower, at least `min_shift` below it for one that got faster. That level is the
-    median of the steps before the onset in `step_ms` when it holds at least `least` of them,
-    else the plan's first step-time baseline: the step series' own baseline follows its level
-    within the detector's band, so a fault that moved the step by less than `min_shift` of
-    the detector had already pulled it halfway up by the time `d` was confirmed. A change
+    median step time at least `min_shift` above the plan's first step-time baseline for a
+    series that got slower, at least `min_shift` below it for one that got faster. A change
     costs or saves the job what it moves the step: a rank whose busy time rose while the step
     did not is waiting less elsewhere (its compute filled a pipeline bubble, or the host
     descheduled it where it would have waited anyway), and a link whose transfers got faster
@@ -195,11 +191,9 @@ def moved_the_job(d: Detection, step_ms: dict[int, float], first_step_ms: float 
     send whose time is mostly the host's scheduling); no layout wins back time that was not
     lost. A run with no step baseline yet counts the change."""
     during = [ms for s, ms in step_ms.items() if d.onset_step <= s <= d.step]
-    before = [ms for s, ms in step_ms.items() if s < d.onset_step]
-    level = statistics.median(before) if len(before) >= least else first_step_ms
-    if not level or not during:
+    if not first_step_ms or not during:
         return True
-    change = statistics.median(during) / level - 1
+    change = statistics.median(during) / first_step_ms - 1
     return change >= min_shift if d.shift > 0 else change <= -min_shift
 
 
@@ -222,8 +216,7 @@ class Watch:
     """What the controller acts on, from the per-step signals of the running plan: nothing in
     the first `warmup_steps` steps of a plan, links smoothed over `link_smooth_steps`, then the
     detections that call for re-planning (`worth_replanning`), a rank's slowdown only when it is
-    slower than its peers (`slower_than_peers`) and the step slowed with it (by
-    `straggler_step_shift`), and a link or
+    slower than its peers (`slower_than_peers`) and the step slowed with it, and a link or
     collective that got faster only when it recovers from a slowdown detected before or the
     step got faster with it (`moved_the_job`). Pure: the controller feeds it the same numbers
     on every rank, so every rank reaches the same verdict."""
@@ -243,21 +236,18 @@ class Watch:
         ms = signals.get(("step", "step"))
         if ms:
             self.step_ms[step] = ms
-            # a change's steps, and before them as many as a baseline's level follows
-            keep = self.acfg.min_steps + 2 * self.acfg.baseline_steps
-            self.step_ms = {s: v for s, v in self.step_ms.items() if s > step - keep}
+            self.step_ms = {s: v for s, v in self.step_ms.items()
+                            if s > step - 2 * self.acfg.min_steps}
         found = self.detector.observe_all(step, signals, {"link": self.acfg.link_smooth_steps})
         first = self.detector.firsts() if found else {}
         return [d for d in found if self._acts_on(d, signals, first)]
 
     def _acts_on(self, d: Detection, signals: dict, first: dict) -> bool:
-        a = self.acfg
-        shift, step_ms, least = a.min_shift, first.get(("step", "step")), a.baseline_steps
+        shift = self.acfg.min_shift
+        moved = moved_the_job(d, self.step_ms, first.get(("step", "step")), shift)
         if d.kind == "compute" and d.shift > 0 and not (
-                slower_than_peers(d, signals, first, shift)
-                and moved_the_job(d, self.step_ms, step_ms, a.straggler_step_shift, least)):
+                slower_than_peers(d, signals, first, shift) and moved):
             return False
-        moved = moved_the_job(d, self.step_ms, step_ms, shift, least)
         if d.kind in ("link", "collective"):
             if d.shift > 0:
                 self.slow_links.add(d.key)
