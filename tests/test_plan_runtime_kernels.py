@@ -108,32 +108,67 @@ def test_estimate_prices_bf16_saved_tensors(recompute, schedule):
 # -- ops the host dispatches (commpipe/plan/runtime_ops.py) -----------------------------------------
 class _Ops(TorchDispatchMode):
     """Every aten call, by phase: inside autograd's backward, with grad enabled (the forward, and
-    the clip's norm), or without (the optimizer)."""
+    the clip's norm), or without (the optimizer). Collective calls (c10d) are not counted:
+    they are priced per call (`Efficiency.coll_overhead_s`)."""
 
     def __init__(self):
         super().__init__()
         self.counts = {"forward": 0, "backward": 0, "no_grad": 0}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if torch._C._current_graph_task_id() != -1:
+        if func.namespace == "c10d":
+            pass
+        elif torch._C._current_graph_task_id() != -1:
             self.counts["backward"] += 1
         else:
             self.counts["forward" if torch.is_grad_enabled() else "no_grad"] += 1
         return func(*args, **(kwargs or {}))
 
 
-def _step_ops(layers: int, microbatches: int, precision: str) -> dict:
+def _step_ops(layers: int, microbatches: int, precision: str, dims=None, rank: int = 0,
+              seq_len: int = 8) -> dict:
     # a shape the counts were not taken on (they were on hidden 16, 4 tokens, one sequence)
     model = f"arch=llama,layers={layers},hidden=32,heads=4,kv_heads=2,ffn_hidden=48,vocab=40"
-    cfg = TrainConfig(model=model, seq_len=8, global_batch=2 * microbatches, micro_batch_size=2,
-                      steps=3, device="cpu", seed=0, precision=precision)
-    cfg.resolve(1)
-    trainer = Trainer.build(cfg, Comm(ParallelDims(), 0, device=torch.device("cpu")))
+    cfg = TrainConfig(model=model, seq_len=seq_len, global_batch=2 * microbatches,
+                      micro_batch_size=2, steps=3, device="cpu", seed=0, precision=precision,
+                      dims=dims or ParallelDims())
+    cfg.resolve(cfg.dims.world_size)
+    trainer = Trainer.build(cfg, Comm(cfg.dims, rank, device=torch.device("cpu")))
     trainer.train_step()                         # optimizer state exists from here on
     mode = _Ops()
     with mode:
         trainer.train_step()
     return mode.counts
+
+
+def _layer_ops(counts: dict) -> tuple[int, int]:
+    """(forward, backward) ops per layer and micro-batch: the second difference of steps of 1-2
+    layers and 1-2 micro-batches. A forward's ops run with grad, or without it inside an
+    autograd Function (CP's attention): both are the forward's (the optimizer's no-grad ops
+    do not grow with layers and micro-batches, and cancel)."""
+    def diff(phase):
+        return counts[2, 2][phase] - counts[1, 2][phase] - counts[2, 1][phase] + counts[1, 1][phase]
+    return diff("forward") + diff("no_grad"), diff("backward")
+
+
+def _parallel_layer_ops(rank: int, world: int, precision: str) -> dict:
+    shapes = ((1, 1), (2, 1), (1, 2), (2, 2))
+    return {name: _layer_ops({lm: _step_ops(*lm, precision, dims, rank, seq_len=16)
+                              for lm in shapes})
+            for name, dims in (("cp", ParallelDims(cp=2)), ("tp", ParallelDims(tp=2)))}
+
+
+def test_context_and_tensor_parallel_layers_dispatch_the_ops_counted():
+    """On a rank of cp=2 and of tp=2 (sequence parallel), a layer's ops per micro-batch are
+    layer_ops(precision, tp, cp): what CP's attention (two partial attentions and their merge,
+    the backward's recompute) and SP's reshapes add to the plain layer's."""
+    from dist_harness import spawn
+
+    from commpipe.plan.runtime_ops import layer_ops
+
+    got = spawn(_parallel_layer_ops, 2, "fp32")[0]
+    assert got["cp"] == layer_ops("fp32", cp=2) and got["tp"] == layer_ops("fp32", tp=2), got
+    assert got["cp"][0] > layer_ops("fp32")[0] + 50     # not the plain layer's count
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])

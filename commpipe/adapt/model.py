@@ -184,7 +184,13 @@ class CostModel:
         as units of work (0: not separated)."""
         if not self.m.op_work:
             return 0.0
-        return sum(stage_ops(plan.stage_layers, s, self._precision)) * self.m.op_work
+        return sum(stage_ops(plan.stage_layers, s, self._precision, *self._op_group(plan))) \
+            * self.m.op_work
+
+    def _op_group(self, plan: Plan) -> tuple[int, int]:
+        """(tp, cp) whose ops a layer of `plan` adds (commpipe.plan.runtime_ops.layer_ops): TP's
+        are counted with sequence parallelism, as commpipe's runtime runs it."""
+        return (plan.tp if self.m.sequence_parallel else 1), plan.cp
 
     def _fit(self, step: float) -> None:
         """The calibration without a healthy reference: the running plan's step as measured."""
@@ -403,7 +409,8 @@ class CostModel:
         per_sample = self.seq_len * plan.micro_batch_size / (plan.tp * plan.cp)
         ms = [self.unit * c * per_sample for c in costs]
         if self.m.op_work:
-            ms = [x + self.unit * sum(layer_ops(self._precision)) * self.m.op_work for x in ms]
+            ops = sum(layer_ops(self._precision, *self._op_group(plan)))
+            ms = [x + self.unit * ops * self.m.op_work for x in ms]
             ms[-1] += self.unit * sum(microbatch_ops(self._precision)) * self.m.op_work
         return ms
 

@@ -31,7 +31,7 @@ SOURCES = 5
 # Regenerate:
 #     python benchmarks/planner_rank.py --reuse --write-interval
 # -- begin: written by benchmarks/planner_rank.py --write-interval
-CPU_STEP_QUANTILES = {10: 0.8931, 50: 1.1118, 90: 1.3456}
+CPU_STEP_QUANTILES = {10: 0.882, 50: 1.0368, 90: 1.2315}
 CPU_LAYOUTS = 75
 # -- end
 

@@ -17,9 +17,13 @@ step's ops are
   + STEP_OPS                                     the step's own (loss, norm reduction, counters)
 
 with 9 parameter tensors per layer (two norm weights, seven linear maps) and 3 outside them
-(embedding, final norm, head). Tensor, context and pipeline parallelism add the ops around
-their collectives and messages; those calls are priced per call (`Efficiency.coll_overhead_s`),
-not here.
+(embedding, final norm, head). Context and tensor parallelism add ops to every layer
+(CP_LAYER_OPS, TP_LAYER_OPS: counted on ranks of cp=2 and 4 and of tp=2 the same way): under
+CP the forward attends its own chunk and the others' gathered K and V apart and merges the two
+(inside an autograd Function, so without grad), and the backward recomputes attention over the
+gathered K and V; under TP with sequence parallelism the gathers and scatters reshape their
+inputs and outputs. The collective calls themselves are priced per call
+(`Efficiency.coll_overhead_s`), not here, and so are pipeline messages.
 
 The host time of a pass is its ops times `Efficiency.op_s`, the host seconds one op takes,
 measured on the planning host (commpipe.plan.cpu.measure_op_seconds: a few layers' forward,
@@ -38,6 +42,11 @@ from commpipe.models.spec import ModelSpec
 LAYER_OPS = {"fp32": (102, 179), "bf16": (113, 199)}
 # per micro-batch outside the layers: embedding, final norm, head, cross-entropy, loss scaling
 MICROBATCH_OPS = {"fp32": (21, 42), "bf16": (23, 45)}
+# added per layer and micro-batch under cp > 1 (commpipe.parallel.context's default, overlapped
+# exchange; its forward also builds one index per CP rank: + cp) and under tp > 1 with sequence
+# parallelism (commpipe.parallel.tensor); ranks of cp=2 and cp=4, tp=2 counted
+CP_LAYER_OPS = {"fp32": (84, 39), "bf16": (84, 39)}
+TP_LAYER_OPS = {"fp32": (25, 12), "bf16": (40, 17)}
 TENSOR_STEP_OPS = 16        # per parameter tensor a step: clip 6 + single-tensor AdamW 10
 WEIGHT_CAST_OPS = 1         # bf16: per linear weight a step (autocast's cache holds the cast)
 STEP_OPS = 18               # per step, whatever the model
@@ -50,9 +59,16 @@ def _key(precision: str) -> str:
     return "fp32" if precision == "fp32" else "bf16"
 
 
-def layer_ops(precision: str) -> tuple[int, int]:
-    """(forward, backward) ops of one layer for one micro-batch."""
-    return LAYER_OPS[_key(precision)]
+def layer_ops(precision: str, tp: int = 1, cp: int = 1) -> tuple[int, int]:
+    """(forward, backward) ops of one layer for one micro-batch on a rank of a `tp` x `cp`
+    group."""
+    key = _key(precision)
+    f, b = LAYER_OPS[key]
+    if cp > 1:
+        f, b = f + CP_LAYER_OPS[key][0] + cp, b + CP_LAYER_OPS[key][1]
+    if tp > 1:
+        f, b = f + TP_LAYER_OPS[key][0], b + TP_LAYER_OPS[key][1]
+    return f, b
 
 
 def microbatch_ops(precision: str) -> tuple[int, int]:
@@ -60,11 +76,11 @@ def microbatch_ops(precision: str) -> tuple[int, int]:
     return MICROBATCH_OPS[_key(precision)]
 
 
-def stage_ops(stage_layers, s: int, precision: str) -> tuple[int, int]:
+def stage_ops(stage_layers, s: int, precision: str, tp: int = 1, cp: int = 1) -> tuple[int, int]:
     """(forward, backward) ops stage s of the split `stage_layers` dispatches per micro-batch:
     its layers', and on the last stage the ones outside the layers (MICROBATCH_OPS: embedding,
     head and loss, counted together there)."""
-    f, b = (n * stage_layers[s] for n in layer_ops(precision))
+    f, b = (n * stage_layers[s] for n in layer_ops(precision, tp, cp))
     if s == len(stage_layers) - 1:
         mf, mb = microbatch_ops(precision)
         f, b = f + mf, b + mb
@@ -105,18 +121,23 @@ class HostOps:
     counted ops replace the per-layer `overhead_s` fitted on Megatron's runs; on a CPU that term
     stays, added (0 by default: a --profile may fit it)."""
 
-    def __init__(self, job, gpu, eff):
+    def __init__(self, job, gpu, eff, tp: int = 1, cp: int = 1):
         self.on = job.runtime == "commpipe" and eff.op_s > 0
         self.cpu = gpu.name == "cpu"
         self.op_s = eff.op_s
         self.precision = job.precision
+        # a layer's ops on a rank of a tp x cp group (TP's without sequence parallelism are
+        # not counted: commpipe's runtime runs TP with it)
+        self.tp = tp if job.sequence_parallel else 1
+        self.cp = cp
         self.fixed = 0.0 if self.on and not self.cpu else eff.overhead_s
 
     def forward(self, device_s: float, outer: bool = False) -> float:
         """A layer's forward (`outer`: the head, loss and embedding's) of one micro-batch."""
         if not self.on:
             return device_s
-        ops = (microbatch_ops if outer else layer_ops)(self.precision)[0]
+        ops = (microbatch_ops(self.precision) if outer
+               else layer_ops(self.precision, self.tp, self.cp))[0]
         return host_bound(device_s, ops, self.op_s, self.cpu)
 
     def backward(self, device_i: float, device_w: float, outer: bool = False) -> float:
@@ -125,7 +146,8 @@ class HostOps:
         i.e. I = max(I, host - W)."""
         if not self.on:
             return device_i
-        ops = (microbatch_ops if outer else layer_ops)(self.precision)[1]
+        ops = (microbatch_ops(self.precision) if outer
+               else layer_ops(self.precision, self.tp, self.cp))[1]
         if self.cpu:
             return device_i + ops * self.op_s
         return max(device_i, ops * self.op_s - device_w)

@@ -317,7 +317,7 @@ def stage_costs(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
     tokens = layout.micro_batch_size * s / layout.cp
     act_bytes = job.activation_bytes * tokens * h                   # [b, s/cp, h]
     lc = layer_compute(spec, layout, job, cluster, eff)
-    host = HostOps(job, cluster.gpu, eff)
+    host = HostOps(job, cluster.gpu, eff, layout.tp, layout.cp)
     comp_f = host.forward(lc["gemm_f"] + lc["attn"] + lc["elem"] + lc["copy_f"] + host.fixed)
     tp_size = groups["tp"][0]
     call = eff.coll_overhead_s
