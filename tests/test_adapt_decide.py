@@ -414,7 +414,9 @@ def test_each_tp_and_cp_call_pays_the_measured_call_time():
     arrival, waking the rank that slept, gloo's hand-off: adapt/link_probe.measure_calls). With
     0.5 ms a call, a one-stage candidate's 4 layers x 8 micro-batches x (F and B) pay, per layer
     and pass, 2 CP calls (K and V): 64 ms more; TP's 2 all-reduces, or under sequence
-    parallelism 2 all-gathers and 2 reduce-scatters: 64 or 128 ms more."""
+    parallelism 2 all-gathers and 2 reduce-scatters: 64 or 128 ms more. The CP candidate's
+    gradient all-reduce over its 2 ranks (0.72 MB, one 25 MB bucket) is one call more; at 0.2
+    MB buckets it is four."""
     from commpipe.adapt.model import CostModel
 
     tp2, cp2 = Plan(2, 1, 1, 1, (4,), "1f1b", 8, 1), Plan(1, 2, 1, 1, (4,), "1f1b", 8, 1)
@@ -427,4 +429,8 @@ def test_each_tp_and_cp_call_pays_the_measured_call_time():
     calls = 8 * 2 * 4 * 0.5
     assert comm[0.5, False][0] - comm[0.0, False][0] == pytest.approx(2 * calls)
     assert comm[0.5, True][0] - comm[0.0, False][0] == pytest.approx(4 * calls)
-    assert comm[0.5, False][1] - comm[0.0, False][1] == pytest.approx(2 * calls)
+    assert comm[0.5, False][1] - comm[0.0, False][1] == pytest.approx(2 * calls + 0.5)
+    m = _measured()
+    m.links, m.call_ms, m.dp_bucket_bytes = {(0, 1): (None, 0.01)}, 0.5, 0.2e6
+    fine = CostModel(_cfg().spec, 16, 2, 2, m).components(cp2)[1]
+    assert fine - comm[0.5, False][1] == pytest.approx(3 * 0.5)

@@ -41,7 +41,7 @@ def measured(trainer, timelines: dict, entries: list, ranks_per_node: int,
         element_bytes=element_bytes,
         backend="nccl" if trainer.device.type == "cuda" else "gloo",
         rebuild_s=trainer.build_s, groups_s=getattr(trainer.comm, "groups_s", 0.0),
-        op_work=op_work(trainer),
+        op_work=op_work(trainer), dp_bucket_bytes=cfg.dp_bucket_mb * 1e6,
         sequence_parallel=cfg.sequence_parallel and family_for_model(cfg.model).sequence_parallel)
 
 

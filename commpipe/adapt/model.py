@@ -15,8 +15,9 @@ monitor's measurements (else by node pair, else by link class); TP and CP collec
 DP x CP gradient all-reduce are priced by the planner's `Cluster` (commpipe.plan.cluster: bus
 bytes and latency steps per backend) at the rate measured for their link class, activations at
 the run's element size (2 bytes under bf16), gradients in fp32 as GradReducer sums them; on
-gloo each TP and CP call adds the per-call time measured as training makes calls
-(`Measured.call_ms`, commpipe.adapt.link_probe), as `plan --cluster` adds a probe's.
+gloo each TP and CP call, and each bucket of the gradient reduction, adds the per-call time
+measured as training makes calls (`Measured.call_ms`, commpipe.adapt.link_probe), as
+`plan --cluster` adds a probe's.
 On a CPU the rank's one thread also issues every eager op, one at a time: that part of a
 micro-batch's F and B does not grow with its size. A stage's pass is k * unit * (b * work +
 ops * op_work): the ops its layers (and head) dispatch per micro-batch (commpipe.plan.
@@ -38,6 +39,7 @@ re-batching (`--adapt-resplit-only`).
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 
@@ -95,6 +97,7 @@ class Measured:
     # makes calls (commpipe.adapt.link_probe.measure_calls); 0: not measured
     call_ms: float = 0.0
     sequence_parallel: bool = False  # TP candidates gather and scatter the sequence: 4 calls a pass
+    dp_bucket_bytes: float = 25e6    # the DP reduction's bucket (GradReducer): one call each
     # the same plan measured before the change (the steps its detector's baselines came from):
     # what the step cost outside the modelled compute and communication while healthy
     reference: Measured | None = None
@@ -390,10 +393,19 @@ class CostModel:
             shared, experts = max((stage_params(self.spec, plan, s) for s in range(n)), key=sum)
             if plan.ep == 1:     # edp is the dp x cp group: one reduction
                 shared, experts = shared + experts, 0.0
-            dp_ms = self.all_reduce_ms(4.0 * shared / plan.tp, dims.group_of("dp_cp", 0))
+            dp_ms = self._reduction_ms(4.0 * shared / plan.tp, dims.group_of("dp_cp", 0))
             if experts:
-                dp_ms += self.all_reduce_ms(4.0 * experts / plan.ep, edp_group(plan))
+                dp_ms += self._reduction_ms(4.0 * experts / plan.ep, edp_group(plan))
         return dp_ms
+
+    def _reduction_ms(self, nbytes: float, ranks: list[int]) -> float:
+        """A gradient all-reduce of `nbytes` over `ranks`, made as one call per bucket of
+        `Measured.dp_bucket_bytes` (commpipe.parallel.data.GradReducer), each paying the
+        measured call time on gloo."""
+        if len(ranks) < 2 or nbytes <= 0:
+            return 0.0
+        calls = math.ceil(nbytes / self.m.dp_bucket_bytes)
+        return self.all_reduce_ms(nbytes, ranks) + calls * self.m.call_ms
 
     def stage_rate(self, plan: Plan, s: int) -> float:
         """Stage s's slowdown under `plan`: its slowest rank's measured factor."""
