@@ -27,11 +27,12 @@ SOURCES = 5
 # Measured over predicted *step time* of commpipe on CPU ranks: every tp x cp x pp x dp layout of 4
 # and 8 ranks of a 2-core machine, local and on the emulated cluster at 50 and 500 Mbit/s, priced
 # by `estimate` from a probe, the cores left to the ranks, and each pass at the rates measured on
-# the model's first layer (docs/planner.md, "Ranking this machine's layouts", fourth session).
+# the model's first layer (docs/planner.md, "Ranking this machine's layouts", sixth session:
+# the runs measured afresh after the op counts of CP and TP layers).
 # Regenerate:
 #     python benchmarks/planner_rank.py --reuse --write-interval
 # -- begin: written by benchmarks/planner_rank.py --write-interval
-CPU_STEP_QUANTILES = {10: 0.882, 50: 1.0368, 90: 1.2315}
+CPU_STEP_QUANTILES = {10: 0.7816, 50: 0.9792, 90: 1.2012}
 CPU_LAYOUTS = 75
 # -- end
 
