@@ -10,7 +10,6 @@ import statistics
 from commpipe.adapt.model import Measured
 from commpipe.adapt.plan import Plan
 from commpipe.adapt.signals import collective_rates, link_rates
-from commpipe.models.family import family_for_model
 
 
 def measured(trainer, timelines: dict, entries: list, ranks_per_node: int,
@@ -42,7 +41,7 @@ def measured(trainer, timelines: dict, entries: list, ranks_per_node: int,
         backend="nccl" if trainer.device.type == "cuda" else "gloo",
         rebuild_s=trainer.build_s, groups_s=getattr(trainer.comm, "groups_s", 0.0),
         op_work=op_work(trainer), dp_bucket_bytes=cfg.dp_bucket_mb * 1e6,
-        sequence_parallel=cfg.sequence_parallel and family_for_model(cfg.model).sequence_parallel)
+        sequence_parallel=cfg.sequence_parallel_capable())
 
 
 def one_clock(timelines) -> list[dict]:

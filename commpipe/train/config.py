@@ -218,15 +218,20 @@ class TrainConfig:
             raise ValueError("--precision bf16: this GPU has no bfloat16 support (it predates "
                              "Ampere); use --precision fp32")
 
+    def sequence_parallel_capable(self) -> bool:
+        """Whether this run's TP layers, at any tp > 1, gather and scatter the sequence: asked
+        for, and the model's family runs it (LLaMA's stages do; blip's towers keep whole
+        sequences)."""
+        from commpipe.models.family import family_for_model
+
+        return self.sequence_parallel and family_for_model(self.model).sequence_parallel
+
     def features(self):
         """The runtime features this run uses (validated): the one definition the trainer
         reads and the planner prices."""
-        from commpipe.models.family import family_for_model
         from commpipe.runtime.features import Overlap, RuntimeFeatures
 
-        # LLaMA's stages run sequence-parallel TP; blip's towers keep whole sequences
-        sp = self.sequence_parallel and self.dims.tp > 1 and \
-            family_for_model(self.model).sequence_parallel
+        sp = self.dims.tp > 1 and self.sequence_parallel_capable()
         if sp and self.seq_len % (self.dims.cp * self.dims.tp):
             fits = [t for t in (1, 2, 4, 8) if self.seq_len % (self.dims.cp * t) == 0]
             raise ValueError(f"sequence parallelism splits the {self.seq_len // self.dims.cp} "
