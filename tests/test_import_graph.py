@@ -190,6 +190,34 @@ def test_nothing_outside_models_branches_on_the_architecture():
                        + "\n".join(found))
 
 
+# -- replaced forwards: runtime features change a module through its class (DeferrableLinear,
+# Recomputed) or a designated slot (Attention.core), never by assigning a `forward` attribute
+
+def forward_assignments(source: str) -> list[tuple[int, str]]:
+    """(line, code) of each assignment to an attribute named `forward`."""
+    return sorted((node.lineno, ast.unparse(node)) for node in ast.walk(ast.parse(source))
+                  if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign))
+                  for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                  if isinstance(t, ast.Attribute) and t.attr == "forward")
+
+
+def test_finds_planted_forward_assignment():
+    src = ("block.forward = wrap(block.forward)\n"
+           "m.forward: object = f\n"
+           "forward = 1\n"
+           "block.core = wrap(block.core)\n")
+    assert [line for line, _ in forward_assignments(src)] == [1, 2]
+
+
+def test_no_module_forward_is_replaced_at_run_time():
+    found = [f"{path.relative_to(ROOT).as_posix()}:{line}: {code}"
+             for path in sorted(ROOT.rglob("*.py"))
+             for line, code in forward_assignments(path.read_text())]
+    assert not found, ("a module's forward is replaced by assignment; give the module a class "
+                       "(commpipe.runtime.recompute.Recomputed, parallel.weight_grad."
+                       "DeferrableLinear):\n" + "\n".join(found))
+
+
 if __name__ == "__main__":
     graph = room_edges()
     print("cycles with every import:", "; ".join(" <-> ".join(c) for c in find_cycles(graph)))

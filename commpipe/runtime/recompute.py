@@ -4,6 +4,10 @@ what the backward holds.
     apply_recompute(stage, "selective")   # the attention core (Korthikanti et al. 2022, sec. 5)
     apply_recompute(stage, "full")        # each whole layer; only its input is kept
 
+Selective puts a `RecomputedCore` in the attention's `core` slot (where context parallelism puts
+its own core); full gives each layer the `Recomputed` forward by swapping its class. Nothing
+replaces a module's `forward` attribute.
+
 Both use reentrant checkpointing: the wrapped forward runs without building a graph, its inputs
 are saved with `ctx.save_for_backward` (so the saved-tensor hooks below see them), and the
 backward recomputes the forward and back-propagates through it. The deferred weight-gradient
@@ -22,23 +26,49 @@ from torch.utils.checkpoint import checkpoint
 from commpipe.runtime.features import RECOMPUTE_MODES
 
 
-def _recomputed(fn):
-    def run(*args):
-        return checkpoint(fn, *args, use_reentrant=True)
-    return run
+class RecomputedCore:
+    """An attention core (the model's `Attention.core` method, or context parallelism's
+    `CPOverlappedCore`) run under recomputation: `inner` is the core it replays."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __call__(self, *args):
+        return checkpoint(self.inner, *args, use_reentrant=True)
+
+
+class Recomputed:
+    """Mixin of a layer whose whole forward is recomputed; `recomputed_class` puts it in front
+    of the layer's own class (the way FSDP2's `fully_shard` swaps a module's class), so the
+    layer keeps its parameters, names and `isinstance` and only `forward` changes."""
+
+    def forward(self, *args):
+        return checkpoint(super().forward, *args, use_reentrant=True)
+
+
+_RECOMPUTED: dict[type, type] = {}
+
+
+def recomputed_class(cls: type) -> type:
+    """`cls` with its forward recomputed (one class per layer class)."""
+    if issubclass(cls, Recomputed):
+        return cls
+    if cls not in _RECOMPUTED:
+        _RECOMPUTED[cls] = type(f"Recomputed{cls.__name__}", (Recomputed, cls), {})
+    return _RECOMPUTED[cls]
 
 
 def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
-    """Wrap the attention cores (selective) or the layers (full) of `model` in recomputation."""
+    """Recompute the attention cores (selective) or the layers (full) of `model`."""
     if mode not in RECOMPUTE_MODES:
         raise ValueError(f"--recompute {mode!r}: use one of {', '.join(RECOMPUTE_MODES)}")
     if mode == "none":
         return model
     for block in model.layers.values():
         if mode == "full":
-            block.forward = _recomputed(block.forward)
-        else:
-            block.attention.core = _recomputed(block.attention.core)
+            block.__class__ = recomputed_class(type(block))
+        elif not isinstance(block.attention.core, RecomputedCore):
+            block.attention.core = RecomputedCore(block.attention.core)
     return model
 
 
