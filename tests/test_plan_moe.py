@@ -235,3 +235,99 @@ def test_tp_splits_every_expert_and_leaves_the_all_to_all(tp):
         4 * tokens * E + copies * (2 * H + 3 * F / tp) * a + tokens * 2 * F * 3 / tp * a,
         rel=1e-12)
     assert a2a_bytes(spec, layout, job) == pytest.approx(copies * H * a, rel=1e-12)
+
+
+def test_fp8_prices_expert_gemms_in_fp8_the_router_in_bf16_and_the_casts():
+    """--precision fp8 on a MoE model: each MoE layer's forward MLP compute is its router GEMM at
+    the bf16 rate plus every shared and routed expert GEMM at the FP8 rate (kernels.fp8_gemm_time)
+    plus the HBM-bound work, which gains the FP8 casts of those GEMMs' inputs (4 bytes per M*K
+    element); the dense layer likewise without a router. Worked against bf16 on the same layout."""
+    from commpipe.plan.kernels import fp8_gemm_time, hbm_rate
+    from commpipe.plan.moe import mlp_activation_bytes
+    from commpipe.plan.moe_costs import mlp_gemms
+    from commpipe.plan.timing import gemm_time
+
+    spec = resolve(SMALL + ",shared_experts=1,dense_layers=1,dense_ffn=1024")
+    cluster = default_cluster(resolve_gpu("h100"), 8, 8)
+    gpu, eff = cluster.gpu, default_efficiency(cluster.gpu)
+    layout = Layout(tp=1, cp=1, pp=1, dp=8, micro_batch_size=2, zero=1, ep=2)
+    bf16, fp8 = (Job(global_batch=32, seq_len=128, precision=p, expert_imbalance=1.0)
+                 for p in ("bf16", "fp8"))
+    peak, ridge, hbm = gpu.achievable_tflops("bf16") * 1e12, gpu.ridge_flop_per_byte, hbm_rate(gpu)
+
+    def bf16_gemms(shapes):
+        return sum(gemm_time(2 * m * k * n, m, k, n, peak, eff, ridge) for m, k, n in shapes)
+
+    def by_hand(job, i):
+        shapes = mlp_gemms(spec, i, layout, job, fused=True)
+        router = shapes[:1] if i >= 1 else []
+        rest = shapes[len(router):]
+        gemm = bf16_gemms(router) + (sum(fp8_gemm_time(*s, gpu, eff) for s in rest)
+                                     if job.precision == "fp8" else bf16_gemms(rest))
+        elem = eff.elementwise * mlp_activation_bytes(spec, i, layout, job, "none") / hbm
+        if job.precision == "fp8":
+            elem += 4.0 * sum(m * k for m, k, _ in rest) / hbm
+        return gemm, elem
+
+    for job in (bf16, fp8):
+        on = stage_costs(spec, layout, job, cluster, eff)
+        (g0, e0), (g1, e1) = by_hand(job, 0), by_hand(job, 1)
+        mlp_f = g0 + e0 + g1 + e1
+        # the MLP part of the stage's forward: the stage priced with these MLPs, minus the layer
+        # machinery's (attention) part, which is the same in both precisions' own terms
+        attention_only = _attention_forward(spec, layout, job, cluster, eff)
+        assert on.comp_f[0] - attention_only == pytest.approx(mlp_f, rel=1e-9), job.precision
+    # FP8 makes the expert GEMMs faster, not the whole MLP twice as fast
+    assert by_hand(fp8, 1)[0] < by_hand(bf16, 1)[0] < 2 * by_hand(fp8, 1)[0]
+
+
+def _attention_forward(spec, layout, job, cluster, eff):
+    """The stage's forward compute without the MoE MLPs (what add_routed_costs adds to)."""
+    from unittest import mock
+
+    with mock.patch("commpipe.plan.timing.add_routed_costs"):
+        return stage_costs(spec, layout, job, cluster, eff).comp_f[0]
+
+
+def test_fp8_memory_keeps_fp8_inputs_and_caches_weight_copies_without_fp8_params():
+    """Under fp8 the routed rows' fc1 inputs and products are saved as FP8 (1 byte instead of 2),
+    and without FP8 parameters TE caches an FP8 weight and its transpose (2 bytes) beside every
+    routed, shared and dense MLP weight; the router has none. With FP8 parameters: no copy."""
+    from commpipe.plan.moe import mlp_activation_bytes, mlp_fp8_copy_bytes
+
+    spec = resolve(SMALL + ",shared_experts=1,dense_layers=1,dense_ffn=1024")
+    layout = Layout(tp=1, cp=1, pp=1, dp=8, micro_batch_size=2, zero=1, ep=2)
+    bf16 = Job(global_batch=32, seq_len=128, expert_imbalance=1.0)
+    cached = Job(global_batch=32, seq_len=128, precision="fp8", fp8_params=False, expert_imbalance=1.0)
+    fp8w = Job(global_batch=32, seq_len=128, precision="fp8", fp8_params=True, expert_imbalance=1.0)
+    tokens = 2 * 128
+    rows = tokens * K
+    # fused SwiGLU keeps gate, up and the product; the fc1 input and the product lose a byte
+    assert mlp_activation_bytes(spec, 1, layout, bf16) - mlp_activation_bytes(spec, 1, layout, cached) \
+        == pytest.approx(rows * (H + F) + tokens * F, rel=1e-12)
+    assert mlp_activation_bytes(spec, 0, layout, bf16) - mlp_activation_bytes(spec, 0, layout, cached) \
+        == pytest.approx(tokens * 1024, rel=1e-12)
+    experts = E / 2 * 3 * H * F                    # layer 1's routed experts on this EP rank
+    linears = experts + 3 * H * F + 3 * H * 1024   # + its shared expert + layer 0's dense MLP
+    assert mlp_fp8_copy_bytes(spec, layout, cached, 0) == pytest.approx(2 * linears, rel=1e-12)
+    assert mlp_fp8_copy_bytes(spec, layout, fp8w, 0) == 0.0
+    assert mlp_fp8_copy_bytes(spec, layout, bf16, 0) == 0.0
+    mem = {j.fp8_params: stage_memory(spec, layout, j, [1.0])[0].weights_gb for j in (cached, fp8w)}
+    assert (mem[False] - mem[True]) * GIB == pytest.approx(
+        2 * linears + _attention_linear_copies(spec, layout, cached), rel=1e-9)
+
+
+def _attention_linear_copies(spec, layout, job):
+    from commpipe.plan.memory import linear_params_per_layer
+
+    return 2.0 * spec.layers * linear_params_per_layer(spec, layout.tp)
+
+
+def test_mixtral_fp8_is_priced_and_faster_than_bf16_by_less_than_twice():
+    cluster = default_cluster(resolve_gpu("h100"), 64, 8)
+    spec = resolve("mixtral-8x7b")
+    layout = Layout(tp=1, cp=1, pp=4, dp=16, vpp=8, micro_batch_size=1, schedule="interleaved",
+                    zero=1, ep=8)
+    steps = {p: estimate(spec, layout, Job(256, 4096, precision=p, expert_imbalance=1.0),
+                         cluster).step_time_s for p in ("bf16", "fp8")}
+    assert steps["fp8"] < steps["bf16"] < 2 * steps["fp8"]

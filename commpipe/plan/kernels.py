@@ -245,6 +245,8 @@ FP8_CAST_BYTES = 4.0
 def fp8_gemm_time(m: float, k: float, n: float, gpu, eff) -> float:
     """An FP8 GEMM: 1-byte operands double the arithmetic intensity, and the ridge point moves
     with the FP8 ceiling (the FP8 MAMF), so the curve's shape carries over; `fp8_rel` scales it."""
+    if m * k * n <= 0:      # an empty GEMM: a MoE layer's dense MLP of width 0 (plan/moe.py)
+        return 0.0
     peak = gpu.achievable_tflops("fp8") * 1e12
     ridge = peak / (gpu.hbm_gbps * 1e9)
     ai = 2 * m * k * n / (m * k + k * n + m * n)
@@ -260,6 +262,6 @@ def fp8_cast_time(spec: ModelSpec, layout: Layout, job: Job, gpu) -> float:
     h, f = spec.hidden, spec.ffn_hidden
     f_in = 2 * f if layer_form(spec).gated_mlp else f
     # inputs of QKV and fc1 (gathered [T, h] under SP), of the output projection [T, h/t] and of
-    # fc2 [T, f/t]
-    elements = tokens * (2 * h + h / t + f_in / 2 / t)
+    # fc2 [T, f/t]; a MoE layer (f = 0 here) casts its MLP inputs in plan.moe_costs
+    elements = tokens * (h + h / t + (h + f_in / 2 / t if f else 0.0))
     return FP8_CAST_BYTES * elements / hbm_rate(gpu)

@@ -64,6 +64,7 @@ from commpipe.plan.kernels import op_sac_activation_bytes
 from commpipe.plan.layout import Job, Layout, zero_stage
 from commpipe.plan.moe import (
     expert_state_bytes,
+    mlp_fp8_copy_bytes,
     rank_activation_bytes,
     rank_layer_ids,
     replicated_mlp_params,
@@ -300,7 +301,7 @@ def stage_memory(spec: ModelSpec, layout: Layout, job: Job, inflight: list[float
         w, g, o = states[layers, params]
         # a MoE rank's routed experts: E/ep per layer, optimizer sharded over edp (moe.py)
         ew, eg, eo = expert_state_bytes(spec, layout, job, rank, zero_stage(layout, job))
-        w, g, o = w + ew, g + eg, o + eo
+        w, g, o = w + ew + mlp_fp8_copy_bytes(spec, layout, job, rank), g + eg, o + eo
         tensors = w + g + o + act + logits + transient
         reserve = _reserve_bytes(tensors, persistent_state_bytes(layout, job, params, w + g + o))
         out.append(StageMemory(rank, layers, params, w / GIB, g / GIB, o / GIB, act / GIB,
@@ -315,7 +316,8 @@ def static_memory_gb(spec: ModelSpec, layout: Layout, job: Job) -> float:
         states = sum(state_bytes(spec, layout, job, n, p)) + experts
         return states + _reserve_bytes(states, persistent_state_bytes(layout, job, p, states))
     z = zero_stage(layout, job)
-    experts = [sum(expert_state_bytes(spec, layout, job, r, z)) for r in range(layout.pp)]
+    experts = [sum(expert_state_bytes(spec, layout, job, r, z)) + mlp_fp8_copy_bytes(spec, layout, job, r)
+               for r in range(layout.pp)]
     return max(bound(n, p, e) for (n, p), e in set(zip(stage_params(spec, layout, job), experts))) / GIB
 
 

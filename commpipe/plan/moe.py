@@ -85,8 +85,6 @@ def model_problem(spec, job) -> str | None:
         return ("MoE layers are priced for GPU frameworks (--framework megatron, the default on "
                 "GPUs); commpipe's own runtime's MoE tensors are not counted yet (drop "
                 "--framework commpipe, use a GPU for --gpu)")
-    if job.precision == "fp8":
-        return "MoE layers are priced in bf16 or fp32; FP8 expert GEMMs are not priced yet"
     if job.expert_imbalance < 1:
         return f"--expert-imbalance {job.expert_imbalance} must be >= 1 (busiest rank over the mean)"
     return None
@@ -167,6 +165,24 @@ def expert_state_bytes(spec, layout, job, rank: int, zero: int) -> tuple[float, 
     return n * w_b, n * g_b, n * o_b / (edp_size(layout) if zero >= 1 else 1)
 
 
+def mlp_fp8_copy_bytes(spec, layout, job, rank: int) -> float:
+    """Bytes of the FP8 weight copies (FP8 and its transpose, 2 bytes per parameter) Transformer
+    Engine caches beside bf16 weights for the MLPs of pipeline rank `rank` under --precision fp8
+    without FP8 parameters (memory.state_bytes does the same for the attention's linears): routed
+    experts, shared experts and dense MLPs; the router runs in bf16. 0 for a dense model, other
+    precisions, or FP8 parameters (which replace the bf16 weight)."""
+    moe = routed_spec(spec)
+    if moe is None or job.precision != "fp8" or job.fp8_params:
+        return 0.0
+    ids = rank_layer_ids(moe.layers, layout.schedule, layout.pp, layout.vpp)[rank]
+    shared = M.swiglu_params(moe.hidden, moe.shared_experts * moe.expert_ffn)
+    routers = sum(M.layer_param_count(moe, i) - M.attention_param_count(moe) - 2 * moe.hidden
+                  - moe.experts * M.swiglu_params(moe.hidden, moe.expert_ffn) - shared
+                  for i in ids if moe.is_moe_layer(i))
+    linears = replicated_mlp_params(moe, ids, layout.tp) - routers
+    return 2.0 * (expert_params(spec, layout, rank) + linears)
+
+
 def routed_rows(layout, job, moe) -> float:
     """Token copies the busiest rank's experts process per micro-batch and MoE layer: its
     T = b*s/cp tokens times top_k (each rank sends T*top_k copies and, balanced, receives as
@@ -186,12 +202,16 @@ def mlp_activation_bytes(moe, i: int, layout, job, recompute: str | None = None)
     # intermediates of f columns kept per row: gate and up, the product (fc2's input), SiLU's
     # output when plain autograd keeps it; selective recompute keeps gate and up only
     per_f = 2 if rc == "selective" else (3 if job.fused_swiglu else 4)
+    # under fp8 TE keeps the GEMM inputs it saves as FP8 (1 byte): fc1's routed rows and, when
+    # kept, the product fc2 reads (memory.py does the same for the dense layers)
+    fp8 = a - 1 if job.precision == "fp8" else 0.0
+    prod = fp8 if per_f > 2 else 0.0
     if not moe.is_moe_layer(i):
-        return tokens * moe.dense_ffn * per_f * a / layout.tp
+        return tokens * moe.dense_ffn * (per_f * a - prod) / layout.tp
     rows = routed_rows(layout, job, moe)
     f = moe.expert_ffn / layout.tp                        # this TP rank's columns of an expert
-    routed = rows * (2 * moe.hidden + per_f * f) * a
-    shared = tokens * moe.shared_experts * f * per_f * a
+    routed = rows * (2 * moe.hidden * a - moe.hidden * fp8 + f * (per_f * a - prod))
+    shared = tokens * moe.shared_experts * f * (per_f * a - prod)
     return 4 * tokens * moe.experts + routed + shared
 
 

@@ -20,6 +20,14 @@ the bytes the MLP keeps for backward, over the HBM rate, forward; twice that bac
 recompute replays the MLP's forward in the backward; selective recompute's SwiGLU replay (one
 HBM-bound product per row) is not charged.
 
+FP8 (--precision fp8; Transformer Engine's Linear and GroupedLinear, as Megatron-Core runs MoE
+layers under --fp8-format): every routed, shared and dense MLP GEMM at the FP8 rate
+(timing.gemms_time), its input cast first (kernels.FP8_CAST_BYTES per M*K element, HBM-bound,
+backward twice, as timing.py's dense layers); the router stays bf16 (Megatron's TopKRouter is a
+plain linear, not a TE module); the experts' new weights are cast once per step beside Adam. What
+FP8 changes in memory (saved inputs, weight copies): commpipe.plan.moe. Dispatch and combine
+move bf16 activations (Megatron's all-to-all dispatcher casts nothing).
+
 Communication, per MoE layer and micro-batch: dispatch and combine all-to-alls in the forward,
 their transposes in the backward (commpipe.parallel.expert._AllToAll), two more under full
 recompute (the forward replayed). Each moves, per rank, its T k token copies of h activations,
@@ -48,7 +56,7 @@ from dataclasses import replace
 from commpipe.models import moe_spec as M
 from commpipe.parallel.dims import split_layers
 from commpipe.plan.cluster import Cluster
-from commpipe.plan.kernels import hbm_rate
+from commpipe.plan.kernels import FP8_CAST_BYTES, hbm_rate
 from commpipe.plan.moe import edp_size, expert_params, mlp_activation_bytes, routed_rows, routed_spec
 
 
@@ -79,6 +87,12 @@ def a2a_bytes(spec, layout, job) -> float:
 def a2a_seconds(spec, layout, job, cluster: Cluster) -> float:
     """One dispatch (or combine) all-to-all of one MoE layer and micro-batch on the busiest rank."""
     return all_to_all(cluster, a2a_bytes(spec, layout, job), layout.ep, layout.tp)
+
+
+def fp8_cast_bytes(shapes: list[tuple], job) -> float:
+    """HBM bytes of casting the inputs of (M, K, N) GEMMs to FP8 (M*K elements each); 0 unless
+    --precision fp8."""
+    return FP8_CAST_BYTES * sum(m * k for m, k, _ in shapes) if job.precision == "fp8" else 0.0
 
 
 def mlp_gemms(moe, i: int, layout, job, fused: bool) -> list[tuple]:
@@ -116,8 +130,14 @@ def add_routed_costs(spec, layout, job, cluster: Cluster, eff, costs, fused: boo
     for i in range(moe.layers):
         key = moe.is_moe_layer(i)
         if key not in per_layer:
-            gemm = gemms_time(mlp_gemms(moe, i, layout, job, fused), job, cluster.gpu, eff)
+            shapes = mlp_gemms(moe, i, layout, job, fused)
+            router = shapes[:1] if key else []
+            gemm = (gemms_time(router, job, cluster.gpu, eff, fp8=False)
+                    + gemms_time(shapes[len(router):], job, cluster.gpu, eff))
             elem = eff.elementwise * mlp_activation_bytes(moe, i, layout, job, "none") / hbm
+            # under fp8 every expert and MLP GEMM's input is cast first (kernels.FP8_CAST_BYTES
+            # per element, HBM-bound, as timing.py's dense layers); backward: twice, as there
+            elem += fp8_cast_bytes(shapes[len(router):], job) / hbm
             calls = 2 if key and layout.ep > 1 else 0
             per_layer[key] = (gemm, elem, calls * a2a)
     ep_f, ep_b = [], []
@@ -159,7 +179,9 @@ def expert_optimizer_seconds(spec, layout, job, cluster: Cluster, rank: int, zer
     if not n:
         return 0.0
     shard = edp_size(layout) if zero >= 1 else 1
-    return n / shard * (28 if job.mixed else 24) / hbm_rate(cluster.gpu)
+    # under fp8 the new weights are cast to FP8 and transposed once per step, as timing.py's
+    cast = FP8_CAST_BYTES if job.precision == "fp8" else 0.0
+    return n / shard * ((28 if job.mixed else 24) + cast) / hbm_rate(cluster.gpu)
 
 
 def summary(spec, layout, job, cluster: Cluster) -> dict:

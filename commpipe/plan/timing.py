@@ -277,9 +277,10 @@ def fused_gemms(job: Job, gpu) -> bool:
     return not (job.eager_ops or own_runtime_on_gpu(job, gpu))
 
 
-def gemms_time(shapes: list[tuple], job: Job, gpu, eff: Efficiency) -> float:
-    """Seconds of a list of (M, K, N) weight GEMMs, in FP8 under --precision fp8."""
-    if job.precision == "fp8":
+def gemms_time(shapes: list[tuple], job: Job, gpu, eff: Efficiency, fp8: bool | None = None) -> float:
+    """Seconds of a list of (M, K, N) weight GEMMs, in FP8 under --precision fp8 (`fp8` False:
+    in bf16 whatever the precision, as a MoE router runs)."""
+    if job.precision == "fp8" if fp8 is None else fp8:
         return sum(fp8_gemm_time(m, k, n, gpu, eff) for m, k, n in shapes)
     peak, ridge = gpu.achievable_tflops("bf16") * 1e12, gpu.ridge_flop_per_byte
     return sum(gemm_time(2 * m * k * n, m, k, n, peak, eff, ridge) for m, k, n in shapes)
