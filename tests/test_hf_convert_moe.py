@@ -29,17 +29,21 @@ from tests.dist_harness import first_losses, spawn  # noqa: E402
 from tests.test_hf_convert import save_and_convert  # noqa: E402
 
 SEQ, GLOBAL_BATCH, SEED = 16, 4, 3
-KINDS = ("mixtral", "mixtral-aux")
+KINDS = ("mixtral", "mixtral-aux", "mixtral-wide-heads")
 
 
 def mixtral_config(kind: str = "mixtral", **kw):
     """'mixtral': 2 layers, no balancing loss in the objective (output_router_logits false, as
-    Mixtral's published config); 'mixtral-aux': 1 layer whose loss adds the balancing term."""
+    Mixtral's published config); 'mixtral-aux': 1 layer whose loss adds the balancing term;
+    'mixtral-wide-heads': heads of 32 where hidden / heads is 16 (a head_dim set apart from the
+    hidden size, as Qwen3-MoE's 128 at hidden 2048 and 32 heads)."""
     aux = kind == "mixtral-aux"
     args = dict(vocab_size=256, hidden_size=64, intermediate_size=32,
                 num_hidden_layers=1 if aux else 2, num_attention_heads=4, num_key_value_heads=2,
                 num_local_experts=4, num_experts_per_tok=2, rms_norm_eps=1e-5,
                 rope_theta=10000.0, output_router_logits=aux, router_aux_loss_coef=0.02)
+    if kind == "mixtral-wide-heads":
+        args["head_dim"] = 32
     return transformers.MixtralConfig(**(args | kw))
 
 
@@ -102,6 +106,10 @@ def test_config_maps_to_the_spec(saved):
     assert (spec.rope_theta, spec.aux_loss_coef) == (10000.0, 0.0)
     assert state["layers.1.feed_forward.experts.w2"].shape == (4, 64, 32)
     assert read_weights(saved["mixtral-aux"][1])[1].aux_loss_coef == pytest.approx(0.04)
+    wide = read_weights(saved["mixtral-wide-heads"][1])
+    assert (wide[1].head_dim, wide[1].q_width, spec.head_dim) == (32, 128, 16)
+    assert wide[2]["layers.0.attention.wq.weight"].shape == (128, 64)
+    assert wide[2]["layers.0.attention.wo.weight"].shape == (64, 128)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -177,7 +185,6 @@ def test_planted_mapping_bugs_are_caught(saved, monkeypatch, plant):
     (dict(router_jitter_noise=0.1), "router_jitter_noise=0.1"),
     (dict(attention_dropout=0.1), "attention_dropout=0.1"),
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),
-    (dict(head_dim=32), "head_dim=32"),
     (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope type 'linear'"),
 ])
 def test_what_commpipe_cannot_compute_is_refused(edit, message):
@@ -257,16 +264,18 @@ def test_cli_init_from_trains_the_converted_model(saved, tmp_path):
 # -- pp=2 and tp=2: the first step's loss from --init-from equals Hugging Face's ----------------
 @pytest.mark.slow
 def test_pp2_and_tp2_first_step_from_init_equals_hugging_face(saved):
-    """The 2-layer model split over two pipeline stages (four micro-batches, 1F1B), and the
-    1-layer model with its balancing term under tp=2 (one micro-batch: Hugging Face's balancing
-    loss is over the whole batch of one forward)."""
+    """The 2-layer model split over two pipeline stages (four micro-batches, 1F1B), the 1-layer
+    model with its balancing term under tp=2 (one micro-batch: Hugging Face's balancing loss is
+    over the whole batch of one forward), and the wide-headed model under tp=2 (its 32-wide heads
+    split two a rank)."""
     from commpipe.parallel.dims import ParallelDims
     from commpipe.train.config import TrainConfig
     from commpipe.train.weights import init_model
 
     jobs = []
     for kind, dims, mbs in (("mixtral", ParallelDims(pp=2), 1),
-                            ("mixtral-aux", ParallelDims(tp=2), GLOBAL_BATCH)):
+                            ("mixtral-aux", ParallelDims(tp=2), GLOBAL_BATCH),
+                            ("mixtral-wide-heads", ParallelDims(tp=2), 1)):
         ckpt = str(saved[kind][1])
         jobs.append((kind, TrainConfig(model=init_model(ckpt, None), init_from=ckpt, dims=dims,
                                        steps=1, seq_len=SEQ, global_batch=GLOBAL_BATCH,

@@ -27,6 +27,8 @@ TINY_V3 = dataclasses.replace(
     TINY, name="v3-tiny", layers=3, dense_layers=1, dense_ffn=96, experts=8, top_k=3,
     gate="sigmoid", route_scale=2.5, attention="mla", heads=4, kv_heads=4, q_lora_rank=24,
     kv_lora_rank=16, qk_nope_dim=16, qk_rope_dim=8, v_head_dim=12)
+# heads 32 wide where hidden / heads is 16: a head_dim set apart from the hidden size (Qwen3-MoE)
+TINY_WIDE = dataclasses.replace(TINY, name="wide-tiny", head_dim=32)
 GATES = {
     "mixtral": dict(gate="softmax", norm_topk=True),
     "switch": dict(gate="softmax", norm_topk=False),
@@ -163,7 +165,7 @@ def test_aux_loss_trains_the_router_and_crosses_stage_boundaries():
 
 # ---- parameter counts ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("spec", [TINY, TINY_V3], ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", [TINY, TINY_V3, TINY_WIDE], ids=lambda s: s.name)
 def test_param_count_equals_built_model(spec):
     model = build_moe(spec)
     assert param_count(spec) == sum(p.numel() for p in model.parameters())
@@ -205,9 +207,27 @@ def test_deepseek_v3_counts_match_published():
     assert round(total / 1e9) == 671 and round(active / 1e9) in (37, 38)
 
 
+@pytest.mark.parametrize("fields,total,active", [
+    # Qwen3-30B-A3B and Qwen3-235B-A22B (their model cards on Hugging Face: "30.5B in total and
+    # 3.3B activated", "235B in total and 22B activated"; config.json: head_dim 128 against
+    # hidden / heads = 64); their per-head q/k RMSNorms (256 weights a layer) are not modelled
+    ("layers=48,hidden=2048,heads=32,kv_heads=4,head_dim=128,vocab=151936,experts=128,top_k=8,"
+     "expert_ffn=768", 30.5, 3.3),
+    ("layers=94,hidden=4096,heads=64,kv_heads=4,head_dim=128,vocab=151936,experts=128,top_k=8,"
+     "expert_ffn=1536", 235, 22),
+])
+def test_qwen3_moe_counts_match_published(fields, total, active):
+    spec = resolve_moe("arch=moe," + fields)
+    assert spec.q_width == 2 * spec.hidden
+    # the cards' figures carry two or three digits: within 2% of each
+    assert param_count(spec) / 1e9 == pytest.approx(total, rel=0.02)
+    assert active_param_count(spec) / 1e9 == pytest.approx(active, rel=0.02)
+
+
 # ---- FLOPs ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("spec,batch,seq", [(TINY, 2, 32), (TINY_V3, 3, 16)], ids=["tiny", "v3"])
+@pytest.mark.parametrize("spec,batch,seq", [(TINY, 2, 32), (TINY_V3, 3, 16), (TINY_WIDE, 2, 16)],
+                         ids=["tiny", "v3", "wide"])
 def test_flops_equal_flop_counter(spec, batch, seq):
     """Forward + backward of a training step, active experts only. Dropless routing sends every
     token to exactly top_k experts, so the count does not depend on which experts (the routing

@@ -331,3 +331,29 @@ def test_mixtral_fp8_is_priced_and_faster_than_bf16_by_less_than_twice():
     steps = {p: estimate(spec, layout, Job(256, 4096, precision=p, expert_imbalance=1.0),
                          cluster).step_time_s for p in ("bf16", "fp8")}
     assert steps["fp8"] < steps["bf16"] < 2 * steps["fp8"]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_wide_heads_are_priced_at_their_width(fused):
+    """A head_dim set apart from hidden / heads (Qwen3-MoE: 128 at hidden 2048, 32 heads): the
+    attention GEMMs the layer machinery prices carry the family's projection FLOPs, and the Q and
+    O the layer keeps for backward are heads * head_dim wide."""
+    from commpipe.plan.kernels import layer_gemms
+    from commpipe.plan.memory import layer_activation_bytes
+
+    narrow = resolve(SMALL)
+    wide = resolve(SMALL + ",head_dim=128")                # q width 512 at hidden 256
+    layout = Layout(tp=2, dp=4, micro_batch_size=2, ep=2)
+    job = Job(global_batch=16, seq_len=128, expert_imbalance=1.0)
+    tokens = 2 * 128
+    for spec in (narrow, wide):
+        attention = layer_gemms(spec, layout, job, fused=fused)
+        flops = sum(2 * m * k * n for m, k, n in attention) * layout.tp / tokens
+        projections = M.attention_flops_per_token(spec, 128) - 2 * 128 * spec.heads * 2 * spec.head_dim
+        assert flops == pytest.approx(projections, rel=1e-12)
+    assert wide.q_width == 2 * H and narrow.q_width == H
+    # Q and O (2 bytes each per q-width element), K and V, split by TP: only Q and O widen
+    grow = layer_activation_bytes(wide, layout, job) - layer_activation_bytes(narrow, layout, job)
+    kv_grow = 4 * tokens * (wide.kv_dim - narrow.kv_dim) / layout.tp
+    assert grow == pytest.approx(4 * tokens * (wide.q_width - narrow.q_width) / layout.tp + kv_grow,
+                                 rel=1e-12)

@@ -105,10 +105,8 @@ def spec_from_config(config: dict, name: str) -> MoESpec:
             f"attention is full causal; the two agree on sequences of at most {window} tokens: "
             "if you train on those, set sliding_window to null in config.json")
     hidden, heads = _get(config, "hidden_size"), _get(config, "num_attention_heads")
-    if config.get("head_dim") not in (None, hidden // heads):
-        raise ValueError(f"config.json has head_dim={config['head_dim']}, commpipe's MoE decoder "
-                         f"uses hidden_size / num_attention_heads = {hidden // heads}")
     return MoESpec(name=name, layers=_get(config, "num_hidden_layers"), hidden=hidden,
+                   head_dim=config.get("head_dim") or 0,
                    heads=heads, kv_heads=_get(config, "num_key_value_heads"),
                    vocab=_get(config, "vocab_size"), experts=_get(config, "num_local_experts"),
                    top_k=_get(config, "num_experts_per_tok"),
@@ -142,7 +140,7 @@ def config_from_spec(spec: MoESpec, origin: dict | None) -> dict:
                   num_attention_heads=spec.heads, num_key_value_heads=spec.kv_heads,
                   num_local_experts=spec.experts, num_experts_per_tok=spec.top_k,
                   rms_norm_eps=spec.norm_eps)
-    if config.get("head_dim") is not None:
+    if config.get("head_dim") is not None or spec.q_width != spec.hidden:
         config["head_dim"] = spec.head_dim
     if isinstance(config.get("rope_parameters"), dict):
         config["rope_parameters"]["rope_theta"] = spec.rope_theta

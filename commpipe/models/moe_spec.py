@@ -62,12 +62,19 @@ class MoESpec:
     v_head_dim: int = 0
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
+    head_dim: int = 0              # grouped-query head width; 0: hidden / heads (Qwen3-MoE: 128)
 
     arch = "moe"
 
+    def __post_init__(self):
+        if not self.head_dim and self.heads and self.hidden % self.heads == 0:
+            object.__setattr__(self, "head_dim", self.hidden // self.heads)
+
     @property
-    def head_dim(self) -> int:
-        return self.hidden // self.heads
+    def q_width(self) -> int:
+        """Width of the grouped-query attention's queries and its output projection's input:
+        heads * head_dim (the hidden size unless head_dim is set apart from it)."""
+        return self.heads * self.head_dim
 
     @property
     def kv_dim(self) -> int:
@@ -117,10 +124,11 @@ class MoESpec:
             raise ValueError(f"moe attention={self.attention!r} is unknown; "
                              f"use one of {', '.join(ATTENTIONS)}")
         if self.attention == "gqa":
-            if self.hidden % self.heads or self.heads % self.kv_heads or self.head_dim % 2:
+            if self.head_dim < 1 or self.head_dim % 2 or self.heads % self.kv_heads:
                 raise ValueError(f"moe hidden={self.hidden}, heads={self.heads}, "
                                  f"kv_heads={self.kv_heads}: heads must divide hidden into an even "
-                                 "head dim and kv_heads must divide heads")
+                                 "head dim (or give an even head_dim=) and kv_heads must divide "
+                                 "heads")
         else:
             for key in ("kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim"):
                 if getattr(self, key) < 1:
@@ -243,7 +251,7 @@ def spec_from_dict(d: dict) -> MoESpec:
 def attention_param_count(spec: MoESpec) -> int:
     h = spec.hidden
     if spec.attention == "gqa":
-        return h * (h + 2 * spec.kv_dim) + h * h
+        return h * (spec.q_width + 2 * spec.kv_dim) + spec.q_width * h
     nh, qk = spec.heads, spec.qk_head_dim
     q = h * spec.q_lora_rank + spec.q_lora_rank + spec.q_lora_rank * nh * qk if spec.q_lora_rank \
         else h * nh * qk

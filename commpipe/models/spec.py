@@ -43,6 +43,12 @@ class ModelSpec:
     def kv_dim(self) -> int:
         return self.kv_heads * self.head_dim
 
+    @property
+    def q_width(self) -> int:
+        """Width of the queries and of the output projection's input: the hidden size here (a
+        MoE shape may set its head_dim apart from it: moe_spec.MoESpec)."""
+        return self.heads * self.head_dim
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -156,8 +162,8 @@ def with_vocab(spec: ModelSpec, vocab: int) -> ModelSpec:
 
 def layer_param_count(spec: ModelSpec) -> int:
     """Parameters of one transformer block."""
-    h = spec.hidden
-    attn = h * (h + 2 * spec.kv_dim) + h * h
+    h, q = spec.hidden, spec.q_width
+    attn = h * (q + 2 * spec.kv_dim) + q * h
     if spec.arch == "gpt":
         # biases on QKV, out, both MLP matrices; two LayerNorms with weight and bias
         return attn + 3 * h + h + 2 * h * spec.ffn_hidden + spec.ffn_hidden + h + 4 * h
@@ -179,10 +185,10 @@ def layer_flops_per_token(spec: ModelSpec, seq_len: int) -> float:
     values (the full s x s product, causal or not), the output projection and the MLP (SwiGLU
     has three matrices, GPT two). The one definition every consumer prices work with: the
     planner, stage balancing (commpipe.parallel.balance) and the adaptive controller."""
-    h = spec.hidden
-    qkv = 2 * h * (h + 2 * spec.kv_dim)
-    attn = 2 * 2 * seq_len * h
-    out = 2 * h * h
+    h, q = spec.hidden, spec.q_width
+    qkv = 2 * h * (q + 2 * spec.kv_dim)
+    attn = 2 * 2 * seq_len * q
+    out = 2 * q * h
     mlp = 2 * (3 if spec.arch == "llama" else 2) * h * spec.ffn_hidden
     return float(qkv + attn + out + mlp)
 

@@ -59,13 +59,14 @@ def layer_gemms(spec: ModelSpec, layout: Layout, job: Job, fused: bool = True) -
     t, h = layout.tp, spec.hidden
     tokens = layout.micro_batch_size * job.seq_len / layout.cp
     kv, f = spec.kv_dim, spec.ffn_hidden
+    q = spec.q_width                     # h, unless a MoE shape sets head_dim apart from it
     if mla(spec):
         return mla_gemms(spec, tokens, t) + [(tokens, h, 2 * f / t), (tokens, f / t, h)]
     if not layer_form(spec).gated_mlp:
-        return [(tokens, h, (h + 2 * kv) / t), (tokens, h / t, h), (tokens, h, f / t), (tokens, f / t, h)]
+        return [(tokens, h, (q + 2 * kv) / t), (tokens, q / t, h), (tokens, h, f / t), (tokens, f / t, h)]
     if fused:
-        return [(tokens, h, (h + 2 * kv) / t), (tokens, h / t, h), (tokens, h, 2 * f / t), (tokens, f / t, h)]
-    return [(tokens, h, h / t), (tokens, h, kv / t), (tokens, h, kv / t), (tokens, h / t, h),
+        return [(tokens, h, (q + 2 * kv) / t), (tokens, q / t, h), (tokens, h, 2 * f / t), (tokens, f / t, h)]
+    return [(tokens, h, q / t), (tokens, h, kv / t), (tokens, h, kv / t), (tokens, q / t, h),
             (tokens, h, f / t), (tokens, h, f / t), (tokens, f / t, h)]
 
 
@@ -263,5 +264,5 @@ def fp8_cast_time(spec: ModelSpec, layout: Layout, job: Job, gpu) -> float:
     f_in = 2 * f if layer_form(spec).gated_mlp else f
     # inputs of QKV and fc1 (gathered [T, h] under SP), of the output projection [T, h/t] and of
     # fc2 [T, f/t]; a MoE layer (f = 0 here) casts its MLP inputs in plan.moe_costs
-    elements = tokens * (h + h / t + (h + f_in / 2 / t if f else 0.0))
+    elements = tokens * (h + spec.q_width / t + (h + f_in / 2 / t if f else 0.0))
     return FP8_CAST_BYTES * elements / hbm_rate(gpu)

@@ -202,7 +202,8 @@ def layer_activation_bytes(spec: ModelSpec, layout: Layout, job: Job, recompute:
     # output projection's weight gradient (flash attention's backward needs O in bf16)
     # (multi-head latent attention: its own Q, K, V, O and latents, plan/attention.py)
     latent = mla_activation_bytes(spec, tokens, t) if mla(spec) else None
-    split = (0.0 if latent else 4 + 4 * kv / h) + mlp_act + (1 if fp8 else 0)
+    q = spec.q_width / h                # 1 unless a MoE shape sets head_dim apart from hidden
+    split = (0.0 if latent else 4 * q + 4 * kv / h) + mlp_act + (q if fp8 else 0)
     # norm inputs 2 + 2 and the QKV and MLP inputs, split only by SP: the GEMM inputs are kept as
     # FP8 copies (1 byte) under fp8
     repl = 6.0 if fp8 else 8.0
