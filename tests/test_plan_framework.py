@@ -39,6 +39,24 @@ def test_plan_prints_and_carries_the_interval(capsys):
     assert "80% interval" in capsys.readouterr().out
 
 
+def test_moe_estimate_carries_the_range_of_published_moe_runs(capsys):
+    """A MoE model's prediction is not covered by the dense runs' interval: it carries the range
+    measured/predicted took on the published MoE runs (benchmarks/plan_moe_public.py)."""
+    argv = ["estimate", "--model", "mixtral-8x7b", "--gpu", "h100", "--gpus", "64", "--tp", "1",
+            "--pp", "4", "--vpp", "8", "--schedule", "interleaved", "--ep", "8", "--zero", "1",
+            "--global-batch", "256", "--seq-len", "4096"]
+    d = _json(capsys, argv)
+    lo, hi = iv.MOE_RATIO_RANGE
+    assert d["interval"]["runs"] == "moe" and d["interval"]["from_public_rows"] == iv.MOE_ROWS
+    assert d["interval"]["tflops_per_gpu_low"] == pytest.approx(d["tflops_per_gpu"] * lo)
+    assert d["interval"]["tflops_per_gpu_high"] == pytest.approx(d["tflops_per_gpu"] * hi)
+    assert lo < 1 < hi       # the published runs fall on both sides of their predictions
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "published MoE runs" in out and "80% interval" not in out
+    assert "runs" not in _json(capsys, EST)["interval"]     # a dense model's: the 80% interval
+
+
 def test_cpu_estimate_has_no_interval_from_gpu_runs(capsys):
     d = _json(capsys, ["estimate", "--model", "tiny", "--gpu", "cpu", "--gpus", "2", "--pp", "2",
                        "--global-batch", "4", "--seq-len", "64"])

@@ -301,7 +301,7 @@ def add_intervals(estimates, cluster) -> None:
 
     for e in estimates:
         if e.tflops_per_gpu == e.tflops_per_gpu:
-            e.interval = interval_dict(e.tflops_per_gpu)
+            e.interval = interval_dict(e.tflops_per_gpu, moe=bool(e.moe))
 
 
 def run(args) -> int:

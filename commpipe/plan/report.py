@@ -71,6 +71,11 @@ def print_plan(result: SearchResult, spec, job, cluster) -> None:
 def interval_line(e: Estimate) -> str:
     """"412 TFLOP/s, 80% interval 350-440 ..." from the held-out public runs (plan.interval)."""
     iv = e.interval
+    if iv.get("runs") == "moe":
+        lo, hi = iv["tflops_per_gpu_low"], iv["tflops_per_gpu_high"]
+        return (f"{e.tflops_per_gpu:.0f} TFLOP/s, range {lo:.0f}-{hi:.0f} (measured over predicted "
+                f"spans {lo / e.tflops_per_gpu:.2f}-{hi / e.tflops_per_gpu:.2f} on "
+                f"{iv['from_public_rows']} published MoE runs; docs/moe.md)")
     return (f"{e.tflops_per_gpu:.0f} TFLOP/s, {iv['level']:.0%} interval {iv['tflops_per_gpu_low']:.0f}-"
             f"{iv['tflops_per_gpu_high']:.0f} (from {iv['from_public_rows']} published runs the "
             "planner was not fitted on)")
