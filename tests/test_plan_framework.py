@@ -47,14 +47,15 @@ def test_moe_estimate_carries_the_range_of_published_moe_runs(capsys):
             "--global-batch", "256", "--seq-len", "4096"]
     d = _json(capsys, argv)
     lo, hi = iv.MOE_RATIO_RANGE
-    assert d["interval"]["runs"] == "moe" and d["interval"]["from_public_rows"] == iv.MOE_ROWS
+    assert d["interval"]["range_of_published_moe_runs"] and "level" not in d["interval"]
+    assert d["interval"]["from_public_rows"] == iv.MOE_ROWS
     assert d["interval"]["tflops_per_gpu_low"] == pytest.approx(d["tflops_per_gpu"] * lo)
     assert d["interval"]["tflops_per_gpu_high"] == pytest.approx(d["tflops_per_gpu"] * hi)
     assert lo < 1 < hi       # the published runs fall on both sides of their predictions
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "published MoE runs" in out and "80% interval" not in out
-    assert "runs" not in _json(capsys, EST)["interval"]     # a dense model's: the 80% interval
+    assert "range_of_published_moe_runs" not in _json(capsys, EST)["interval"]   # dense: the 80%
 
 
 def test_cpu_estimate_has_no_interval_from_gpu_runs(capsys):

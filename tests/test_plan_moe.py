@@ -357,3 +357,45 @@ def test_wide_heads_are_priced_at_their_width(fused):
     kv_grow = 4 * tokens * (wide.kv_dim - narrow.kv_dim) / layout.tp
     assert grow == pytest.approx(4 * tokens * (wide.q_width - narrow.q_width) / layout.tp + kv_grow,
                                  rel=1e-12)
+
+
+def test_wide_heads_under_fp8_cast_and_keep_their_output_at_its_width():
+    """Under fp8 the output projection's input is cast at heads * head_dim (kernels.fp8_cast_time)
+    and its FP8 copy kept at that width: both grow with the head width, not the hidden size. MLA
+    casts and keeps heads * v_head_dim (DeepSeek-V3: 16,384 at hidden 7,168)."""
+    from commpipe.plan.kernels import fp8_cast_time, hbm_rate
+    from commpipe.plan.memory import layer_activation_bytes
+
+    narrow, wide = resolve(SMALL), resolve(SMALL + ",head_dim=128")
+    layout = Layout(tp=2, dp=4, micro_batch_size=2, ep=2)
+    bf16 = Job(global_batch=16, seq_len=128, expert_imbalance=1.0)
+    fp8 = Job(global_batch=16, seq_len=128, precision="fp8", expert_imbalance=1.0)
+    gpu = resolve_gpu("h100")
+    tokens, o_grow = 2 * 128, (wide.o_width - narrow.o_width) / layout.tp
+    assert (fp8_cast_time(wide, layout, fp8, gpu) - fp8_cast_time(narrow, layout, fp8, gpu)) \
+        * hbm_rate(gpu) == pytest.approx(4.0 * tokens * o_grow, rel=1e-12)
+
+    def fp8_extra(spec):    # what fp8 changes in the saved bytes of one layer
+        return layer_activation_bytes(spec, layout, fp8) - layer_activation_bytes(spec, layout, bf16)
+    # the FP8 copy of O (1 byte per element) widens with it
+    assert fp8_extra(wide) - fp8_extra(narrow) == pytest.approx(tokens * o_grow, rel=1e-12)
+    v3 = resolve("deepseek-v3")
+    assert (v3.q_width, v3.o_width) == (7168, 128 * 128)
+
+
+def test_fp8_optimizer_casts_every_mlp_weight_once_per_step():
+    """The per-step FP8 cast of new weights covers routed experts (sharded over edp), shared
+    experts and dense MLPs (over the ZeRO group), not the router: 4 bytes of HBM traffic each."""
+    from commpipe.plan.kernels import hbm_rate
+    from commpipe.plan.moe_costs import expert_optimizer_seconds
+
+    spec = resolve(SMALL + ",shared_experts=1,dense_layers=1,dense_ffn=1024")
+    cluster = default_cluster(resolve_gpu("h100"), 8, 8)
+    layout = Layout(tp=1, cp=1, pp=1, dp=8, micro_batch_size=2, zero=1, ep=2)
+    bf16 = Job(global_batch=32, seq_len=128, expert_imbalance=1.0)
+    fp8 = Job(global_batch=32, seq_len=128, precision="fp8", expert_imbalance=1.0)
+    extra = (expert_optimizer_seconds(spec, layout, fp8, cluster, 0, 1)
+             - expert_optimizer_seconds(spec, layout, bf16, cluster, 0, 1)) * hbm_rate(cluster.gpu)
+    experts = E / 2 * 3 * H * F                   # layer 1's routed experts on this EP rank
+    linears = 3 * H * F + 3 * H * 1024            # its shared expert + layer 0's dense MLP
+    assert extra == pytest.approx(4.0 * (experts / (8 // 2) + linears / 8), rel=1e-12)

@@ -62,7 +62,8 @@ class MoESpec:
     v_head_dim: int = 0
     norm_eps: float = 1e-5
     rope_theta: float = 500000.0
-    head_dim: int = 0              # grouped-query head width; 0: hidden / heads (Qwen3-MoE: 128)
+    head_dim: int = 0              # grouped-query head width; 0: hidden / heads (Qwen3-MoE: 128),
+    #                                filled in at construction (dataclasses.replace keeps it)
 
     arch = "moe"
 
@@ -72,9 +73,15 @@ class MoESpec:
 
     @property
     def q_width(self) -> int:
-        """Width of the grouped-query attention's queries and its output projection's input:
-        heads * head_dim (the hidden size unless head_dim is set apart from it)."""
+        """Width of the grouped-query attention's queries: heads * head_dim (the hidden size
+        unless head_dim is set apart from it). MLA's queries are its own (plan.attention)."""
         return self.heads * self.head_dim
+
+    @property
+    def o_width(self) -> int:
+        """Width of the attention's output, the output projection's input: heads times the
+        value head width (MLA: v_head_dim; grouped-query: head_dim)."""
+        return self.heads * self.value_head_dim
 
     @property
     def kv_dim(self) -> int:
@@ -124,12 +131,20 @@ class MoESpec:
             raise ValueError(f"moe attention={self.attention!r} is unknown; "
                              f"use one of {', '.join(ATTENTIONS)}")
         if self.attention == "gqa":
-            if self.head_dim < 1 or self.head_dim % 2 or self.heads % self.kv_heads:
-                raise ValueError(f"moe hidden={self.hidden}, heads={self.heads}, "
-                                 f"kv_heads={self.kv_heads}: heads must divide hidden into an even "
-                                 "head dim (or give an even head_dim=) and kv_heads must divide "
-                                 "heads")
+            if self.heads % self.kv_heads:
+                raise ValueError(f"moe heads={self.heads}, kv_heads={self.kv_heads}: kv_heads must "
+                                 "divide heads")
+            if self.head_dim < 1 or self.head_dim % 2:
+                given = (f"head_dim={self.head_dim}" if self.head_dim
+                         else f"hidden / heads = {self.hidden}/{self.heads}")
+                raise ValueError(f"moe {given}: the head dim must be a positive even number "
+                                 "(rotary embeddings rotate pairs); give head_dim= or make heads "
+                                 "divide hidden into one")
         else:
+            if self.heads and self.head_dim not in (0, self.hidden // self.heads):
+                raise ValueError(f"moe head_dim={self.head_dim} is for grouped-query attention; "
+                                 "attention=mla sizes its heads with qk_nope_dim, qk_rope_dim and "
+                                 "v_head_dim: drop head_dim")
             for key in ("kv_lora_rank", "qk_nope_dim", "qk_rope_dim", "v_head_dim"):
                 if getattr(self, key) < 1:
                     raise ValueError(f"attention=mla needs {key} > 0")

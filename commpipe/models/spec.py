@@ -45,8 +45,13 @@ class ModelSpec:
 
     @property
     def q_width(self) -> int:
-        """Width of the queries and of the output projection's input: the hidden size here (a
-        MoE shape may set its head_dim apart from it: moe_spec.MoESpec)."""
+        """Width of the queries: the hidden size here (a MoE shape may set its head_dim apart
+        from it: moe_spec.MoESpec)."""
+        return self.heads * self.head_dim
+
+    @property
+    def o_width(self) -> int:
+        """Width of the attention's output, the output projection's input: the hidden size here."""
         return self.heads * self.head_dim
 
     def to_dict(self) -> dict:

@@ -1,6 +1,7 @@
 """A decoder layer's attention as the planner prices it, for the two forms a spec can have.
 
-Grouped-query attention (LLaMA, GPT, Mixtral; `heads`, `kv_heads`, head_dim = hidden / heads):
+Grouped-query attention (LLaMA, GPT, Mixtral; `heads`, `kv_heads`, head_dim = hidden / heads, or
+a MoE shape's own head_dim, queries `q_width` = heads * head_dim wide):
 the layer machinery's own formulas (kernels.layer_gemms, memory.layer_activation_bytes), which
 this module leaves as they are.
 

@@ -68,12 +68,12 @@ MOE_ROWS = 5
 
 def interval_dict(tflops: float, moe: bool = False) -> dict:
     """What --json carries: the interval of TFLOP/s per GPU, and where it comes from. For a MoE
-    model: the range measured/predicted took on the published MoE runs (`level` 1.0, `runs`
-    "moe"), which the dense runs' interval does not describe."""
+    model: the whole range measured/predicted took on the published MoE runs (no `level`;
+    `range_of_published_moe_runs` true), which the dense runs' interval does not describe."""
     if moe:
         lo, hi = MOE_RATIO_RANGE
-        return {"level": 1.0, "tflops_per_gpu_low": tflops * lo, "tflops_per_gpu_high": tflops * hi,
-                "from_public_rows": MOE_ROWS, "runs": "moe"}
+        return {"range_of_published_moe_runs": True, "tflops_per_gpu_low": tflops * lo,
+                "tflops_per_gpu_high": tflops * hi, "from_public_rows": MOE_ROWS}
     lo, hi = interval(tflops)
     return {"level": LEVEL / 100, "tflops_per_gpu_low": lo, "tflops_per_gpu_high": hi,
             "from_public_rows": ROWS}

@@ -202,8 +202,9 @@ def layer_activation_bytes(spec: ModelSpec, layout: Layout, job: Job, recompute:
     # output projection's weight gradient (flash attention's backward needs O in bf16)
     # (multi-head latent attention: its own Q, K, V, O and latents, plan/attention.py)
     latent = mla_activation_bytes(spec, tokens, t) if mla(spec) else None
-    q = spec.q_width / h                # 1 unless a MoE shape sets head_dim apart from hidden
-    split = (0.0 if latent else 4 * q + 4 * kv / h) + mlp_act + (q if fp8 else 0)
+    # Q and O widths over h: 1 unless a MoE shape sets head_dim apart (MLA: its O, heads * v)
+    q, o = spec.q_width / h, spec.o_width / h
+    split = (0.0 if latent else 2 * q + 2 * o + 4 * kv / h) + mlp_act + (o if fp8 else 0)
     # norm inputs 2 + 2 and the QKV and MLP inputs, split only by SP: the GEMM inputs are kept as
     # FP8 copies (1 byte) under fp8
     repl = 6.0 if fp8 else 8.0

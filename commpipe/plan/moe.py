@@ -171,16 +171,24 @@ def mlp_fp8_copy_bytes(spec, layout, job, rank: int) -> float:
     without FP8 parameters (memory.state_bytes does the same for the attention's linears): routed
     experts, shared experts and dense MLPs; the router runs in bf16. 0 for a dense model, other
     precisions, or FP8 parameters (which replace the bf16 weight)."""
-    moe = routed_spec(spec)
-    if moe is None or job.precision != "fp8" or job.fp8_params:
+    if job.precision != "fp8" or job.fp8_params:
         return 0.0
+    return 2.0 * sum(mlp_fp8_params(spec, layout, rank))
+
+
+def mlp_fp8_params(spec, layout, rank: int) -> tuple[float, float]:
+    """(routed-expert parameters, shared-expert and dense-MLP parameters) of pipeline rank
+    `rank` on one TP rank: the MLP weights FP8 runs in FP8 (the routers stay bf16); (0, 0) for a
+    dense model."""
+    moe = routed_spec(spec)
+    if moe is None:
+        return 0.0, 0.0
     ids = rank_layer_ids(moe.layers, layout.schedule, layout.pp, layout.vpp)[rank]
     shared = M.swiglu_params(moe.hidden, moe.shared_experts * moe.expert_ffn)
     routers = sum(M.layer_param_count(moe, i) - M.attention_param_count(moe) - 2 * moe.hidden
                   - moe.experts * M.swiglu_params(moe.hidden, moe.expert_ffn) - shared
                   for i in ids if moe.is_moe_layer(i))
-    linears = replicated_mlp_params(moe, ids, layout.tp) - routers
-    return 2.0 * (expert_params(spec, layout, rank) + linears)
+    return expert_params(spec, layout, rank), replicated_mlp_params(moe, ids, layout.tp) - routers
 
 
 def routed_rows(layout, job, moe) -> float:

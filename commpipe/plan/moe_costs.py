@@ -57,7 +57,14 @@ from commpipe.models import moe_spec as M
 from commpipe.parallel.dims import split_layers
 from commpipe.plan.cluster import Cluster
 from commpipe.plan.kernels import FP8_CAST_BYTES, hbm_rate
-from commpipe.plan.moe import edp_size, expert_params, mlp_activation_bytes, routed_rows, routed_spec
+from commpipe.plan.moe import (
+    edp_size,
+    expert_params,
+    mlp_activation_bytes,
+    mlp_fp8_params,
+    routed_rows,
+    routed_spec,
+)
 
 
 def all_to_all(cluster: Cluster, nbytes: float, size: int, stride: int) -> float:
@@ -179,9 +186,16 @@ def expert_optimizer_seconds(spec, layout, job, cluster: Cluster, rank: int, zer
     if not n:
         return 0.0
     shard = edp_size(layout) if zero >= 1 else 1
-    # under fp8 the new weights are cast to FP8 and transposed once per step, as timing.py's
-    cast = FP8_CAST_BYTES if job.precision == "fp8" else 0.0
-    return n / shard * ((28 if job.mixed else 24) + cast) / hbm_rate(cluster.gpu)
+    adam = n / shard * (28 if job.mixed else 24)
+    if job.precision != "fp8":
+        return adam / hbm_rate(cluster.gpu)
+    # under fp8 the new weights of every FP8 GEMM are cast and transposed once per step, as
+    # timing.py's attention linears: the experts over edp, shared experts and dense MLPs over
+    # the ZeRO shard group (their Adam is timing.py's, with the rest of the rank's parameters)
+    experts, linears = mlp_fp8_params(spec, layout, rank)
+    dense_shard = layout.shard_size if zero >= 1 else 1
+    cast = FP8_CAST_BYTES * (experts / shard + linears / dense_shard)
+    return (adam + cast) / hbm_rate(cluster.gpu)
 
 
 def summary(spec, layout, job, cluster: Cluster) -> dict:

@@ -71,7 +71,7 @@ def print_plan(result: SearchResult, spec, job, cluster) -> None:
 def interval_line(e: Estimate) -> str:
     """"412 TFLOP/s, 80% interval 350-440 ..." from the held-out public runs (plan.interval)."""
     iv = e.interval
-    if iv.get("runs") == "moe":
+    if iv.get("range_of_published_moe_runs"):
         lo, hi = iv["tflops_per_gpu_low"], iv["tflops_per_gpu_high"]
         return (f"{e.tflops_per_gpu:.0f} TFLOP/s, range {lo:.0f}-{hi:.0f} (measured over predicted "
                 f"spans {lo / e.tflops_per_gpu:.2f}-{hi / e.tflops_per_gpu:.2f} on "
