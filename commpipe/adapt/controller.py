@@ -34,6 +34,7 @@ from commpipe.adapt.signals import (
     collective_rates,
     link_rates,
     rank_summary,
+    step_calls,
     step_signals,
 )
 from commpipe.adapt.trial import Trials, present_ms
@@ -156,7 +157,7 @@ class Controller:
         self.window.append((signals, summaries))
         if self.trials is not None:     # the slowest rank's step time: the same on every rank
             return self._trial_step(trainer, step, signals[("step", "step")], metrics_file)
-        found = self.watch.observe(step, signals)
+        found = self.watch.observe(step, signals, step_calls(summaries))
         armed = False
         if self.reference is None and self.watch.detector.baseline("step", "step") is not None:
             n = self.acfg.baseline_steps

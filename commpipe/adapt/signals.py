@@ -74,7 +74,7 @@ def rank_summary(trainer, step: int, ranks_per_node: int, timer: CollectiveTimer
             links[(r["dim"], int(r["peer"]), rank)] = {
                 "transfer_ms": float(r["transfer_ms"]),
                 "bandwidth_gbps": r.get("bandwidth_gbps"),
-                "bytes": per_call_bytes, "sampled": calls,
+                "bytes": per_call_bytes, "sampled": calls, "calls": r.get("calls") or calls,
                 "link_class": _link_class(r, rank, int(r["peer"]), ranks_per_node)}
         elif r.get("group") and timer is None:
             colls[(r["dim"], r.get("op"), tuple(r["group"]))] = {
@@ -115,6 +115,21 @@ def step_signals(summaries: list[dict]) -> dict[tuple[str, str], float | None]:
             colls[key] = max(colls.get(key, 0.0), v["transfer_ms"])
     for key, v in colls.items():
         out[("collective", key)] = v
+    return out
+
+
+def step_calls(summaries: list[dict]) -> dict[tuple[str, str], int]:
+    """Calls per step of each link and timed collective series of `step_signals` (the keys
+    match): a link's receives in the step, a collective's calls timed on every member."""
+    out: dict[tuple[str, str], int] = {}
+    members: dict[str, list[int]] = {}
+    for s in summaries:
+        for (dim, src, dst), v in s["links"].items():
+            out[("link", f"{dim} {src}->{dst}")] = int(v.get("calls") or v.get("sampled") or 1)
+        for (dim, op, group), calls in (s.get("timed") or {}).items():
+            members.setdefault(f"{dim} {list(group)} {op}", []).append(len(calls))
+    for key, counts in members.items():
+        out[("collective", key)] = max(min(counts), 1)
     return out
 
 
