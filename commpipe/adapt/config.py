@@ -22,7 +22,9 @@ Defaults and why:
                   (the cost estimate and the predictions are uncertain; a 2x margin keeps a
                   wrong prediction from costing more than it could gain).
   min_gain=0.05   a candidate predicted less than 5% faster is not worth a switch whatever the
-                  horizon: that is within the simulator's error on measured costs.
+                  horizon: that is within the simulator's error on measured costs. A slower
+                  link or collective adding less than this share to the step is not acted on
+                  (detect.costs_the_step): it cannot be what makes a switch worth it.
   trials=3, trial_steps=3
                   an admitted switch is confirmed by measurement: up to 2 x 3 candidates whose
                   prediction interval overlaps the best prediction's run 3 steps each after a
