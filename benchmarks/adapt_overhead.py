@@ -125,6 +125,8 @@ def rank_main(args) -> None:
     if comm.rank == 0:
         report(args, comm.dims.world_size, everyone)
         for d in controller.decisions:    # what the controller saw, if it acted at all
+            if d.get("action") == "host":    # the host measured before step 0, not a decision
+                continue
             found = "; ".join(f"{x['kind']} {x['key']} {x['shift']:+.0%}"
                               for x in d.get("detections") or ())
             print(f"  step {d.get('step')}: {d.get('action')} ({found}) {d.get('reason', '')}")
