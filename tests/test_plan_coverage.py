@@ -231,6 +231,25 @@ def test_plan_explains_an_infeasible_request(capsys):
     assert why["feasible"] is False and "tp=3" in why["reason"]
 
 
+def test_a_slower_layouts_compute_is_blamed_on_what_differs():
+    """`plan`'s "why common alternatives lose" names the cause of a longer compute from what
+    differs from the best: selective recompute under flash attention replays nothing, so a TP2
+    selective layout loses to TP1 on its smaller GEMMs, not on recompute; full recompute is
+    blamed when it is what replays the forward."""
+    from commpipe.plan.search import compute_cause
+
+    spec, cluster, job = resolve_model("llama3-8b"), default_cluster(H100, 8, 8), Job(64, 4096)
+
+    def est(**kw):
+        return estimate(spec, Layout(dp=8 // kw.get("tp", 1), zero=1, **kw), job, cluster)
+
+    best = est(tp=1, recompute="none")
+    tp2 = compute_cause(est(tp=2, recompute="selective"), best)
+    assert tp2 == "smaller GEMMs per GPU (tp2 cp1)"
+    assert compute_cause(est(tp=1, recompute="full"), best) == "full recompute replays the forward"
+    assert compute_cause(est(tp=1, recompute="none", micro_batch_size=2), best) == "mbs=2 against 1"
+
+
 # -- calibration -------------------------------------------------------------------------------------
 def _synthetic(models, truth, c):
     pts = []

@@ -232,9 +232,28 @@ def explain_loss(alt: Estimate, best: Estimate, cluster: Cluster) -> str:
         return head + f"CP{lay.cp} ring exchange {group_place(lay, cluster, 'cp')} exposes {x} ms"
     if term == "optimizer":
         return head + f"optimizer step {x} ms (states not sharded or more parameters per GPU)"
-    why = {"full": "full recompute replays the forward", "selective": "selective recompute",
-           "none": "smaller GEMMs per GPU", "op": "per-op selective recompute"}[lay.recompute]
-    return head + f"compute {x} ms per step on the busiest rank ({why}, mbs={lay.micro_batch_size})"
+    return head + f"compute {x} ms per step on the busiest rank ({compute_cause(alt, best)})"
+
+
+def compute_cause(alt: Estimate, best: Estimate) -> str:
+    """Why `alt` computes longer than `best`, from what differs between them: recomputation
+    only when it replays more (its hardware over model FLOPs is higher: flash attention leaves
+    selective recompute nothing to replay), then a finer split of the GEMMs, a different
+    micro-batch size, more layers on the busiest rank."""
+    a, b = alt.layout, best.layout
+    causes = []
+    replay = alt.hw_tflops_per_gpu / alt.tflops_per_gpu if alt.tflops_per_gpu else 1.0
+    replay_best = best.hw_tflops_per_gpu / best.tflops_per_gpu if best.tflops_per_gpu else 1.0
+    if replay > replay_best * (1 + 1e-9):
+        causes.append({"full": "full recompute replays the forward", "op": "per-op selective "
+                       "recompute", "selective": "selective recompute"}.get(a.recompute, "recompute"))
+    if a.tp * a.cp > b.tp * b.cp:
+        causes.append(f"smaller GEMMs per GPU (tp{a.tp} cp{a.cp})")
+    if a.micro_batch_size != b.micro_batch_size:
+        causes.append(f"mbs={a.micro_batch_size} against {b.micro_batch_size}")
+    if a.pp < b.pp:
+        causes.append(f"more layers per stage (pp{a.pp})")
+    return ", ".join(causes) or f"mbs={a.micro_batch_size}"
 
 
 def _ms(seconds: float) -> str:
