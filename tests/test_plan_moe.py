@@ -399,3 +399,13 @@ def test_fp8_optimizer_casts_every_mlp_weight_once_per_step():
     experts = E / 2 * 3 * H * F                   # layer 1's routed experts on this EP rank
     linears = 3 * H * F + 3 * H * 1024            # its shared expert + layer 0's dense MLP
     assert extra == pytest.approx(4.0 * (experts / (8 // 2) + linears / 8), rel=1e-12)
+
+
+def test_estimate_says_ep1_has_no_all_to_all(capsys):
+    argv = ["estimate", "--model", "moe-tiny", "--gpu", "h100", "--gpus", "8", "--global-batch",
+            "8", "--seq-len", "512"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "no all-to-all (ep 1)" in out and "per MoE layer" not in out
+    assert main(argv + ["--ep", "4"]) == 0
+    assert "4 per MoE layer and micro-batch, exposed" in capsys.readouterr().out

@@ -106,8 +106,12 @@ def print_estimate(e: Estimate, cluster) -> None:
                   f"busy ranks slowed {e.host_contention:.2f}x by sharing them (commpipe.plan.host)")
     if e.moe is not None:
         m = e.moe
-        print(f"experts: ep {m['ep']}, edp {m['edp']}, {m['tokens_per_expert']:.0f} token copies per "
-              f"local expert per micro-batch (imbalance {m['expert_imbalance']:g}); all-to-all "
-              f"{m['a2a_bytes_per_call'] / 1e6:.1f} MB, {m['a2a_s_per_call'] * 1e3:.3f} ms per call, "
-              "4 per MoE layer and micro-batch, "
-              + ("in flight behind the other pass of a braid" if m.get("a2a_braided") else "exposed"))
+        head = (f"experts: ep {m['ep']}, edp {m['edp']}, {m['tokens_per_expert']:.0f} token copies "
+                f"per local expert per micro-batch (imbalance {m['expert_imbalance']:g}); ")
+        if m["ep"] == 1:      # every expert on every rank: tokens never leave it
+            print(head + "no all-to-all (ep 1)")
+        else:
+            print(head + f"all-to-all {m['a2a_bytes_per_call'] / 1e6:.1f} MB, "
+                  f"{m['a2a_s_per_call'] * 1e3:.3f} ms per call, 4 per MoE layer and micro-batch, "
+                  + ("in flight behind the other pass of a braid" if m.get("a2a_braided")
+                     else "exposed"))
