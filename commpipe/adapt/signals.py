@@ -125,7 +125,7 @@ def step_calls(summaries: list[dict]) -> dict[tuple[str, str], int]:
     members: dict[str, list[int]] = {}
     for s in summaries:
         for (dim, src, dst), v in s["links"].items():
-            out[("link", f"{dim} {src}->{dst}")] = int(v.get("calls") or v.get("sampled") or 1)
+            out[("link", f"{dim} {src}->{dst}")] = int(v["calls"])
         for (dim, op, group), calls in (s.get("timed") or {}).items():
             members.setdefault(f"{dim} {list(group)} {op}", []).append(len(calls))
     for key, counts in members.items():

@@ -279,6 +279,11 @@ def swiglu_params(hidden: int, ffn: int) -> int:
     return 3 * hidden * ffn
 
 
+def router_param_count(spec: MoESpec) -> int:
+    """The router of one MoE layer: a hidden x experts linear, no bias."""
+    return spec.hidden * spec.experts
+
+
 def layer_param_count(spec: MoESpec, i: int, active: bool = False) -> int:
     """Parameters of block i; active=True counts only what one token uses (its top_k routed
     experts, every shared expert, the router)."""
@@ -287,7 +292,8 @@ def layer_param_count(spec: MoESpec, i: int, active: bool = False) -> int:
     if not spec.is_moe_layer(i):
         return base + swiglu_params(h, spec.dense_ffn)
     routed = spec.top_k if active else spec.experts
-    return base + h * spec.experts + (routed + spec.shared_experts) * swiglu_params(h, spec.expert_ffn)
+    experts = (routed + spec.shared_experts) * swiglu_params(h, spec.expert_ffn)
+    return base + router_param_count(spec) + experts
 
 
 def param_count(spec: MoESpec, seq_len: int = 0) -> int:

@@ -255,6 +255,13 @@ def fp8_gemm_time(m: float, k: float, n: float, gpu, eff) -> float:
     return 2 * m * k * n / (peak * eff.e_max * eff.fp8_rel * ai / (ai + x_half))
 
 
+def fp8_cast_bytes(shapes: list[tuple], job: Job) -> float:
+    """HBM bytes of casting the inputs of (M, K, N) GEMMs to FP8 (M*K elements each), as
+    `fp8_cast_time` counts a dense layer's; 0 unless --precision fp8 (a MoE layer's MLPs:
+    plan.moe_costs)."""
+    return FP8_CAST_BYTES * sum(m * k for m, k, _ in shapes) if job.precision == "fp8" else 0.0
+
+
 def fp8_cast_time(spec: ModelSpec, layout: Layout, job: Job, gpu) -> float:
     """Forward seconds of one layer's FP8 casts (the backward casts its output gradients, about
     as many elements; `stage_costs` charges it again there)."""

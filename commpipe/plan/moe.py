@@ -129,12 +129,10 @@ def replicated_mlp_params(moe, layer_ids, tp: int) -> float:
     total = 0.0
     shared = M.swiglu_params(moe.hidden, moe.shared_experts * moe.expert_ffn)
     for i in layer_ids:
-        mlp = M.layer_param_count(moe, i) - M.attention_param_count(moe) - 2 * moe.hidden
         if moe.is_moe_layer(i):
-            router = mlp - moe.experts * M.swiglu_params(moe.hidden, moe.expert_ffn) - shared
-            total += router + shared / tp
-        else:
-            total += mlp / tp
+            total += M.router_param_count(moe) + shared / tp
+        else:             # the dense MLP: the layer less its attention and two norms
+            total += (M.layer_param_count(moe, i) - M.attention_param_count(moe) - 2 * moe.hidden) / tp
     return total
 
 
@@ -184,10 +182,7 @@ def mlp_fp8_params(spec, layout, rank: int) -> tuple[float, float]:
     if moe is None:
         return 0.0, 0.0
     ids = rank_layer_ids(moe.layers, layout.schedule, layout.pp, layout.vpp)[rank]
-    shared = M.swiglu_params(moe.hidden, moe.shared_experts * moe.expert_ffn)
-    routers = sum(M.layer_param_count(moe, i) - M.attention_param_count(moe) - 2 * moe.hidden
-                  - moe.experts * M.swiglu_params(moe.hidden, moe.expert_ffn) - shared
-                  for i in ids if moe.is_moe_layer(i))
+    routers = M.router_param_count(moe) * sum(1 for i in ids if moe.is_moe_layer(i))
     return expert_params(spec, layout, rank), replicated_mlp_params(moe, ids, layout.tp) - routers
 
 

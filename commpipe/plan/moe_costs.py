@@ -56,7 +56,7 @@ from dataclasses import replace
 from commpipe.models import moe_spec as M
 from commpipe.parallel.dims import split_layers
 from commpipe.plan.cluster import Cluster
-from commpipe.plan.kernels import FP8_CAST_BYTES, hbm_rate
+from commpipe.plan.kernels import FP8_CAST_BYTES, fp8_cast_bytes, hbm_rate
 from commpipe.plan.moe import (
     edp_size,
     expert_params,
@@ -94,12 +94,6 @@ def a2a_bytes(spec, layout, job) -> float:
 def a2a_seconds(spec, layout, job, cluster: Cluster) -> float:
     """One dispatch (or combine) all-to-all of one MoE layer and micro-batch on the busiest rank."""
     return all_to_all(cluster, a2a_bytes(spec, layout, job), layout.ep, layout.tp)
-
-
-def fp8_cast_bytes(shapes: list[tuple], job) -> float:
-    """HBM bytes of casting the inputs of (M, K, N) GEMMs to FP8 (M*K elements each); 0 unless
-    --precision fp8."""
-    return FP8_CAST_BYTES * sum(m * k for m, k, _ in shapes) if job.precision == "fp8" else 0.0
 
 
 def mlp_gemms(moe, i: int, layout, job, fused: bool) -> list[tuple]:
