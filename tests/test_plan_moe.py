@@ -399,6 +399,11 @@ def test_fp8_optimizer_casts_every_mlp_weight_once_per_step():
     experts = E / 2 * 3 * H * F                   # layer 1's routed experts on this EP rank
     linears = 3 * H * F + 3 * H * 1024            # its shared expert + layer 0's dense MLP
     assert extra == pytest.approx(4.0 * (experts / (8 // 2) + linears / 8), rel=1e-12)
+    # split over two stages, the first holds only the dense layer: its MLP is cast all the same
+    pp2 = Layout(tp=1, cp=1, pp=2, dp=4, micro_batch_size=2, zero=1, ep=2)
+    first = (expert_optimizer_seconds(spec, pp2, fp8, cluster, 0, 1)
+             - expert_optimizer_seconds(spec, pp2, bf16, cluster, 0, 1)) * hbm_rate(cluster.gpu)
+    assert first == pytest.approx(4.0 * 3 * H * 1024 / 4, rel=1e-12)
 
 
 def test_estimate_says_ep1_has_no_all_to_all(capsys):

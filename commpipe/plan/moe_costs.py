@@ -177,8 +177,6 @@ def expert_optimizer_seconds(spec, layout, job, cluster: Cluster, rank: int, zer
     """HBM-bound Adam over the rank's expert parameters (timing.py's 28 or 24 bytes each),
     sharded over edp under ZeRO-1."""
     n = expert_params(spec, layout, rank)
-    if not n:
-        return 0.0
     shard = edp_size(layout) if zero >= 1 else 1
     adam = n / shard * (28 if job.mixed else 24)
     if job.precision != "fp8":
