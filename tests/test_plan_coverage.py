@@ -72,6 +72,19 @@ def test_fp8_time_of_one_layer_by_hand():
     assert bf16["attn"] == lc["attn"]                                   # attention stays bf16
 
 
+def test_fp8_casts_of_a_plain_mlp_by_hand():
+    # GPT's MLP is not gated: fc1 maps h -> f, fc2 maps f -> h, so fc2's input is [T, f] as in a
+    # gated MLP (whose fc1 is 2f wide). At tp=2 under SP, per GPU: QKV and fc1 inputs gathered
+    # [T, h] x2, output projection input [T, h/2], fc2 input [T, f/2], f = 4h = 4096:
+    #   2048 * (2*1024 + 512 + 2048) = 9,437,184 elements x 4 bytes / (3350e9 * 0.8)
+    from commpipe.plan.kernels import fp8_cast_time
+
+    gpt = resolve_model("arch=gpt,layers=4,hidden=1024,heads=16,vocab=32000")
+    assert gpt.ffn_hidden == 4096
+    seconds = fp8_cast_time(gpt, Layout(tp=2), Job(1, 2048, precision="fp8"), H100)
+    assert seconds == pytest.approx(9_437_184 * 4 / (3350e9 * 0.8), rel=1e-9)
+
+
 def test_fp8_needs_a_gpu_with_fp8_and_the_table_has_the_peaks(capsys):
     assert (resolve_gpu("h100").fp8_tflops, resolve_gpu("h200").fp8_tflops,
             resolve_gpu("b200").fp8_tflops) == (1979.0, 1979.0, 4500.0)

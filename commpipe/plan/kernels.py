@@ -268,8 +268,8 @@ def fp8_cast_time(spec: ModelSpec, layout: Layout, job: Job, gpu) -> float:
     t = layout.tp
     tokens = layout.micro_batch_size * job.seq_len / layout.cp
     h, f = spec.hidden, spec.ffn_hidden
-    f_in = 2 * f if layer_form(spec).gated_mlp else f
     # inputs of QKV and fc1 (gathered [T, h] under SP), of the output projection [T, h/t] and of
-    # fc2 [T, f/t]; a MoE layer (f = 0 here) casts its MLP inputs in plan.moe_costs
-    elements = tokens * (h + spec.o_width / t + (h + f_in / 2 / t if f else 0.0))
+    # fc2 [T, f/t] (a gated MLP's fc1 is 2f wide, its fc2 input f wide, as a plain MLP's); a MoE
+    # layer (f = 0 here) casts its MLP inputs in plan.moe_costs
+    elements = tokens * (h + spec.o_width / t + (h + f / t if f else 0.0))
     return FP8_CAST_BYTES * elements / hbm_rate(gpu)
