@@ -9,8 +9,10 @@ controller on and off every few steps, alternating which mode goes first in each
 so that drift in machine load hits both alike. "on" is what `--adapt` adds to a run: the step's
 timeline, the collective timer, the monitor's exchange every step and the controller's turn
 after each step (its gather, detection and, were anything found, a decision). "off" is the same
-trainer without them. Each block starts with a barrier (untimed) and lasts until its slowest rank
-is done, so its wall time per step holds everything between steps too.
+trainer without them. Both agree on a stop request after every step, as `train` does: "off" in
+an all-reduce of the ranks' flags, "on" in the controller's gather. Each block starts with a
+barrier (untimed) and lasts until its slowest rank is done, so its wall time per step holds
+everything between steps too.
 
 Prints the median over pairs of on/off time per step, with its interquartile range, the medians
 of each mode, and where an "on" step's extra time goes (inside the step, in the controller's
@@ -68,9 +70,11 @@ class Modes:
 
 def rank_main(args) -> None:
     from commpipe.adapt.config import AdaptConfig
+    from commpipe.adapt.controller import unmonitored
     from commpipe.adapt.demo import MODEL
     from commpipe.parallel.dims import ParallelDims
     from commpipe.train.config import TrainConfig
+    from commpipe.train.failures import StopSignals
     from commpipe.train.loop import Trainer
 
     out = Path(tempfile.mkdtemp(prefix="adapt_overhead_"))
@@ -82,6 +86,7 @@ def rank_main(args) -> None:
     comm = trainer.comm
     controller = cfg.adapt.step_hook(trainer, out, None)
     modes = Modes(trainer, controller)
+    stop_flags = StopSignals()
     inside = {"on": [], "off": []}     # train_step's own time (step_time_s)
     turn = []                          # the controller's after_step
     switched = None
@@ -93,13 +98,18 @@ def rank_main(args) -> None:
         rec = trainer.train_step()
         if timed:
             inside[modes.mode].append(rec["step_time_s"])
+        # as commpipe.train.loop: the ranks agree every step on whether one was asked to stop,
+        # in the controller's gather when it runs, else in an all-reduce of their flags
         if modes.mode == "on":
             t0 = time.perf_counter()
-            new, _ = controller.after_step(trainer, rec, None)
+            new, _ = controller.after_step(trainer, rec, None, stop=False)
             if timed:
                 turn.append(time.perf_counter() - t0)
             if new is not trainer:
                 switched = rec["step"]
+        else:
+            with unmonitored(trainer):
+                stop_flags.agreed(comm)
 
     modes.set("on")
     for _ in range(args.warmup_steps):
@@ -160,7 +170,8 @@ def report(args, world, everyone) -> None:
               f"{statistics.median(everyone[0][1][m]) * 1e3:7.2f} ms (rank 0)")
     turns = [t for r in everyone for t in r[2]]
     print(f"  controller's turn after a step: median {statistics.median(turns) * 1e3:.2f} ms "
-          f"(all ranks; includes waiting for the slowest rank at its gather)")
+          f"(all ranks; reading the last step's gathered summaries, the monitor's records, "
+          "detection, posting this step's)")
     med = statistics.median(ratios)
     print(f"  overhead, wall (median of per-pair on/off - 1): {med - 1:+.1%}  "
           f"IQR {_q(ratios, 0) - 1:+.1%} to {_q(ratios, 2) - 1:+.1%}")

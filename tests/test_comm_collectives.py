@@ -64,6 +64,20 @@ def _worker(rank, world):
                "after": comm.gather_objects((rank, None), "world")}
     got["objects"] = objects | {"dp_group": list(comm.groups["dp"]),
                                 "dp_width": comm._object_capacity.get(comm.groups["dp"])}
+    # gathers in flight while the ranks run collectives of their own, read one "step" later
+    # (the adaptive controller's way); rank 2's third object outgrows the row when read
+    inflight, read = None, []
+    for step in range(4):
+        total = torch.full((4,), float(rank + step))
+        comm.all_reduce(total, "tp")
+        big = step == 2 and rank == 2
+        posted = comm.start_gather_objects({"step": step, "rank": rank, "sum": total[0].item(),
+                                            "pad": "x" * (9000 if big else 0)})
+        if inflight is not None:
+            read.append(inflight.result())
+        inflight = posted
+    read.append(inflight.result())
+    got["started"] = {"read": read, "width": comm._object_capacity.get(("control",))}
     return json.loads(json.dumps(got))      # plain lists, as the checks below compare them
 
 
@@ -111,3 +125,17 @@ def test_gather_objects_returns_every_ranks_object_in_group_order(results):
         assert o["after"] == [[g, None] for g in range(WORLD)]
         # the group holding rank 1 widened its rows to hold its 40 KB pickle; the other did not
         assert o["dp_width"] == (64 << 10 if 1 in group else None)
+
+
+def test_started_gathers_are_read_later_in_rank_order_and_widen_when_read(results):
+    """Comm.start_gather_objects: posted after a step's collectives and read after the next
+    one's, every step's objects come back whole, in rank order, on every rank; the one a rank's
+    9 KB object overflowed is gathered again wider (16 KiB rows), on every rank alike."""
+    for res in results:
+        r = res["started"]
+        for step, objs in enumerate(r["read"]):
+            # tp pairs are (0, 1) and (2, 3): the sum of the pair's rank + step
+            want = [{"step": step, "rank": g, "sum": float(2 * step + 1 + 2 * (g // 2) * 2),
+                     "pad": "x" * (9000 if (step, g) == (2, 2) else 0)} for g in range(WORLD)]
+            assert objs == want
+        assert r["width"] == 16 << 10

@@ -57,6 +57,11 @@ Defaults and why:
                   shared memory between processes of a host, a 10 Gbit/s network.
   logged_candidates=20
                   the decision record lists the 20 best predicted candidates (all are counted).
+  lagged=True     each step's summaries are gathered in the background and read after the
+                  next step: a rank that finishes a step first goes on instead of waiting at
+                  the gather for the slowest (what made --adapt cost ~3% of a healthy step on
+                  2 ranks, benchmarks/adapt_overhead.py), for one step more of detection
+                  latency. False gathers them at once.
 """
 
 from __future__ import annotations
@@ -90,6 +95,7 @@ class AdaptConfig:
     default_intra_gbps: float = 10.0
     default_inter_gbps: float = 1.0
     logged_candidates: int = 20
+    lagged: bool = True               # read each step's summaries after the next step
     resumed_from: dict | None = None  # set at start when resuming a relaunch request
     resume_state: dict | None = None  # the checkpoint's adaptive state (commpipe.adapt.resume)
 

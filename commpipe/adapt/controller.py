@@ -26,6 +26,7 @@ from commpipe.adapt.calibration import measured, one_clock
 from commpipe.adapt.describe import record_lines
 from commpipe.adapt.detect import Watch, record_levels, where
 from commpipe.adapt.evaluate import evaluate
+from commpipe.adapt.exchange import Exchange
 from commpipe.adapt.model import Measured
 from commpipe.adapt.plan import Plan
 from commpipe.adapt.records import Decision
@@ -33,7 +34,6 @@ from commpipe.adapt.signals import (
     CollectiveTimer,
     collective_rates,
     link_rates,
-    rank_summary,
     step_calls,
     step_signals,
 )
@@ -76,6 +76,7 @@ class Controller:
         self.say = log                      # console lines of each record (logging rank only)
         self.is_logger = False
         self.timer = CollectiveTimer(a.collective_min_bytes)
+        self.exchange = Exchange(self.rpn, self.timer)   # every rank's summary of every step
         self.trials: Trials | None = None   # the running trial phase, if any
         self.recheck = False                # evaluate once more when the new plan is armed
         # the last rate measured per pipeline link and per link class's collectives, across
@@ -132,29 +133,60 @@ class Controller:
             # records of step s are ready after step s, at no collective of their own
             trainer.monitor.exchange_by_caller = True
 
-    def close(self) -> None:
+    def close(self, together: bool = True) -> None:
+        """The run ends. `together`: every rank ends here alike (a collective is safe), so the
+        summary in flight is read and its monitor records written."""
+        if together:
+            self._drain()
+        else:
+            self.exchange.abandon()
         if self.log is not None:
             self.log.close()
 
     # -- every step ----------------------------------------------------------------------------
-    def after_step(self, trainer, rec: dict, metrics_file=None):
-        """Observe the step just done; maybe switch. Returns (trainer, metrics_file), either
-        of them new after a switch. Collective: every rank calls it after every step."""
-        step = rec["step"]
-        summary = rank_summary(trainer, step, self.rpn, self.timer)
-        summary["step_ms"] = rec["step_time_s"] * 1e3
-        c = trainer.comm.coords
-        if c["dp"] == 0 and c["cp"] == 0 and c["tp"] == 0:
-            self.timelines.append([e.to_dict() for e in trainer.runtime.events or ()])
-        mon = trainer.monitor
-        carried = mon.exchange_payload() if mon is not None and mon.exchange_by_caller else None
-        with unmonitored(trainer):
-            gathered = trainer.comm.gather_objects((summary, carried), "world")
-        summaries = [s for s, _ in gathered]
-        if carried is not None:
-            mon.exchange_ingest([p for _, p in gathered])
-        signals = step_signals(summaries)
-        self.window.append((signals, summaries))
+    def after_step(self, trainer, rec: dict, metrics_file=None, stop: bool = False):
+        """Observe a step; maybe switch. Returns (trainer, metrics_file), either of them new
+        after a switch. Collective: every rank calls it after every step. `stop`: this rank was
+        signalled; `stop_agreed` then says whether any rank was (the flags ride in the gather,
+        so the loop needs no all-reduce of its own).
+
+        While watching, the step's summary is gathered in the background and read after the
+        next step (`AdaptConfig.lagged`): no rank waits for the slowest at the end of a step,
+        and the detector sees every step one step later. The trial phase and the run's last
+        step gather at once (a trial measures the step just run)."""
+        lagged = self.acfg.lagged and self.trials is None and trainer.step < trainer.cfg.steps
+        for taken in self.exchange.step(trainer, rec, stop, lagged):
+            signals = self._keep(taken)
+            trainer, metrics_file = self._turn(trainer, taken.step, signals, taken.summaries,
+                                               metrics_file)
+        if self.exchange.stop_agreed:    # the loop stops after this step: nothing in flight
+            self._drain()
+        return trainer, metrics_file
+
+    @property
+    def stop_agreed(self) -> bool:
+        """Whether any rank asked to stop (after_step's `stop`), the same on every rank."""
+        return self.exchange.stop_agreed
+
+    def _keep(self, taken) -> dict:
+        """A step's summaries into the window (and this rank's timeline); its signals."""
+        if taken.timeline is not None:
+            self.timelines.append(taken.timeline)
+        signals = step_signals(taken.summaries)
+        self.window.append((signals, taken.summaries))
+        return signals
+
+    def _drain(self) -> None:
+        """Read the summary in flight (before a switch replaces the process groups it travels
+        on, and when the run stops): its step joins the window and the monitor's records, not
+        the detector (a switch starts it over)."""
+        taken = self.exchange.drain()
+        if taken is not None:
+            self._keep(taken)
+
+    def _turn(self, trainer, step: int, signals: dict, summaries: list, metrics_file):
+        """The controller's turn on the signals of `step`: detection, and on a detection
+        evaluation and maybe a switch."""
         if self.trials is not None:     # the slowest rank's step time: the same on every rank
             return self._trial_step(trainer, step, signals[("step", "step")], metrics_file)
         found = self.watch.observe(step, signals, step_calls(summaries))
@@ -189,6 +221,7 @@ class Controller:
             self.before_trials = copy.deepcopy(self.watch.detector)
             self.reference_before_trials = self.reference
             now = present_ms([x for _, x in self.window], self.acfg.trial_steps)
+        self._drain()
         if self.acfg.relaunch:
             from commpipe.adapt.relaunch import request
 
@@ -367,6 +400,7 @@ class Controller:
         from commpipe.adapt.switch import switch
         from commpipe.train.run_files import open_metrics
 
+        self._drain()      # the summary in flight travels on the process groups it replaces
         if metrics_file is not None:
             metrics_file.close()
             metrics_file = None

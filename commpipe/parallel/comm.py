@@ -137,6 +137,7 @@ class Comm:
         self.groups: dict[str, tuple[int, ...]] = {}
         self._pg: dict[str, object] = {}
         self._object_capacity: dict[tuple, int] = {}   # group's ranks -> gather_objects row width
+        self._control_pg = None                        # start_gather_objects' group, once used
         self.initialized = dist.is_available() and dist.is_initialized()
         self.backend = dist.get_backend() if self.initialized else "none"
         # strict order: point-to-point messages of a rank pair pair up in issue order, as on
@@ -377,6 +378,20 @@ class Comm:
             capacity = self._object_capacity[key] = object_rows.grown(capacity, max(lengths))
         self._unblocked(call)
         return [object_rows.unpack(r, n) for r, n in zip(rows, lengths)]
+
+    def start_gather_objects(self, obj) -> object_rows.Gathering:
+        """`gather_objects(obj, "world")` begun now and read later (`.result()`), on a process
+        group of its own, so that no collective of the training queues behind it: the adaptive
+        controller posts a step's summary after the step and reads it after the next one, when
+        every rank has long posted its own. Every rank starts and reads them in the same order;
+        the first call creates the group (collective)."""
+        if self.dims.world_size == 1 or not self.initialized:
+            return object_rows.Gathering.of([obj])
+        if self._control_pg is None:
+            self._control_pg = dist.new_group(list(range(self.dims.world_size)),
+                                              timeout=datetime.timedelta(seconds=self.timeout_s))
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        return object_rows.Gathering(self, self._control_pg, data, ("control",))
 
     def broadcast_object(self, obj, src_rank: int = 0):
         if self.dims.world_size == 1 or not self.initialized:

@@ -6,6 +6,7 @@ is half its cost. Here each rank pickles its object into a row of `capacity` byt
 8-byte length; one all_gather of the rows brings every object whose pickle fits. When one does
 not, every rank sees that rank's length in the header, and all of them grow the capacity of
 that group alike (the next power of two) and gather again: the rare second round.
+`Gathering` is the same gather begun now and read later (Comm.start_gather_objects).
 """
 
 from __future__ import annotations
@@ -42,3 +43,48 @@ def grown(capacity: int, needed: int) -> int:
     while capacity < needed:
         capacity *= 2
     return capacity
+
+
+class Gathering:
+    """An all_gather of every rank's object begun now and read later (`result`): what
+    `Comm.start_gather_objects` returns. The rows travel in the background, on a process group
+    of their own; a row that outgrew the capacity is gathered again, wider, when read (every
+    rank reads the same lengths, so all of them do)."""
+
+    def __init__(self, comm, group, data: bytes, key: tuple):
+        import torch.distributed as dist
+
+        self.comm, self.group, self.data, self.key = comm, group, data, key
+        self.objects: list | None = None
+        self.capacity = comm._object_capacity.get(key, START_CAPACITY)
+        row = pack(data, self.capacity, comm.device)
+        self.rows = [torch.empty_like(row) for _ in range(comm.dims.world_size)]
+        self.work = dist.all_gather(self.rows, row, group=group, async_op=True)
+
+    @classmethod
+    def of(cls, objects: list) -> Gathering:
+        """One already complete (a world of one rank)."""
+        done = cls.__new__(cls)
+        done.objects = objects
+        return done
+
+    def result(self) -> list:
+        """Every rank's object, in rank order (waits for the slowest rank's, if it must)."""
+        if self.objects is not None:
+            return self.objects
+        import torch.distributed as dist
+
+        call = self.comm._blocking("world", "start_gather_objects")
+        self.work.wait()
+        lengths = [length(r) for r in self.rows]
+        while max(lengths) > self.capacity:
+            self.capacity = self.comm._object_capacity[self.key] = grown(self.capacity,
+                                                                         max(lengths))
+            row = pack(self.data, self.capacity, self.comm.device)
+            self.rows = [torch.empty_like(row) for _ in self.rows]
+            dist.all_gather(self.rows, row, group=self.group)
+            lengths = [length(r) for r in self.rows]
+        self.comm._unblocked(call)
+        self.objects = [unpack(r, n) for r, n in zip(self.rows, lengths)]
+        self.rows = self.work = self.data = None
+        return self.objects

@@ -14,13 +14,17 @@ from typing import Protocol
 
 class StepHook(Protocol):
     decisions: list    # what the hook decided so far (logged beside the metrics)
+    # set by every after_step on every rank alike: did any rank ask to stop (its `stop`)? The
+    # hook's own exchange carries the flags, sparing the loop its all-reduce of them
+    stop_agreed: bool
 
-    def after_step(self, trainer, rec: dict, metrics_file):
+    def after_step(self, trainer, rec: dict, metrics_file, stop: bool = False):
         """Called after every step; returns (trainer, metrics_file), either may be replaced
-        (a switch to another layout builds a new trainer in the same processes)."""
+        (a switch to another layout builds a new trainer in the same processes). `stop`: this
+        rank was signalled to stop."""
 
-    def close(self) -> None:
-        """The run ends (normally or not)."""
+    def close(self, together: bool = True) -> None:
+        """The run ends (normally or not; `together`: every rank ends here alike)."""
 
 
 class Steering(Protocol):

@@ -342,12 +342,15 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
                 raise TrainingDiverged(diverged_message(rec, ckpt_root))
             if controller is not None:   # may switch to another plan, in memory
                 with _between(watchdog, "adaptive controller's turn"):
-                    trainer, metrics_file = controller.after_step(trainer, rec, metrics_file)
+                    trainer, metrics_file = controller.after_step(
+                        trainer, rec, metrics_file, stop=signals.requested is not None)
                 comm = trainer.comm
                 if watchdog is not None:
                     watchdog.comm = comm
-            with _unmonitored(trainer):
-                stop = signals.agreed(comm)   # a step-sized all-reduce: timed as a step
+                stop = controller.stop_agreed    # the flags rode in the controller's gather
+            else:
+                with _unmonitored(trainer):
+                    stop = signals.agreed(comm)   # a step-sized all-reduce: timed as a step
             due = cfg.save_every and (trainer.step % cfg.save_every == 0 or done)
             if ckpt_root is not None and (due or stop) and saved_at != trainer.step:
                 with _unmonitored(trainer), _between(watchdog, "checkpoint save"):
@@ -382,7 +385,7 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
         if watchdog is not None:
             watchdog.stop()
         if controller is not None:
-            controller.close()
+            controller.close(together)
         if metrics_file:
             metrics_file.close()
         if trainer.monitor is not None:
