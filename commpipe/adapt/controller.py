@@ -157,8 +157,8 @@ class Controller:
         lagged = self.acfg.lagged and self.trials is None and trainer.step < trainer.cfg.steps
         for taken in self.exchange.step(trainer, rec, stop, lagged):
             signals = self._keep(taken)
-            trainer, metrics_file = self._turn(trainer, taken.step, signals, taken.summaries,
-                                               metrics_file)
+            trainer, metrics_file = self._turn(trainer, taken.step, rec["step"], signals,
+                                               taken.summaries, metrics_file)
         if self.exchange.stop_agreed:    # the loop stops after this step: nothing in flight
             self._drain()
         return trainer, metrics_file
@@ -184,9 +184,10 @@ class Controller:
         if taken is not None:
             self._keep(taken)
 
-    def _turn(self, trainer, step: int, signals: dict, summaries: list, metrics_file):
-        """The controller's turn on the signals of `step`: detection, and on a detection
-        evaluation and maybe a switch."""
+    def _turn(self, trainer, step: int, now: int, signals: dict, summaries: list, metrics_file):
+        """The controller's turn on the signals of `step`, after step `now` ran (the next one
+        when lagged): detection, and on a detection evaluation and maybe a switch, recorded
+        at `now` (a detection's own `step` is the one its signals came from)."""
         if self.trials is not None:     # the slowest rank's step time: the same on every rank
             return self._trial_step(trainer, step, signals[("step", "step")], metrics_file)
         found = self.watch.observe(step, signals, step_calls(summaries))
@@ -204,7 +205,7 @@ class Controller:
             self.recheck = False
         if not (found or recheck) or trainer.step >= trainer.cfg.steps:
             return trainer, metrics_file
-        decision = self._evaluate(trainer, step, found, signals)
+        decision = self._evaluate(trainer, now, found, signals)
         decision.recheck = recheck or None
         if not recheck:
             # a plan reached on a detection is evaluated once more when its own baselines are
@@ -215,13 +216,13 @@ class Controller:
         if decision.action != "switch":
             self._write(decision)
             return trainer, metrics_file
+        self._drain()
         if decision.trial_plans:
             # the running plan's baselines, kept in case the trials settle back on it, and its
             # step time now, measured as the candidates will be
             self.before_trials = copy.deepcopy(self.watch.detector)
             self.reference_before_trials = self.reference
-            now = present_ms([x for _, x in self.window], self.acfg.trial_steps)
-        self._drain()
+            before_ms = present_ms([x for _, x in self.window], self.acfg.trial_steps)
         if self.acfg.relaunch:
             from commpipe.adapt.relaunch import request
 
@@ -236,7 +237,7 @@ class Controller:
             a = self.acfg
             self.trials = Trials([(_plan(d), r["predicted_ms"])
                                   for d, r in zip(decision.trial_plans, decision.trials)],
-                                 (_plan(decision.from_plan), now),
+                                 (_plan(decision.from_plan), before_ms),
                                  steps=a.trial_steps, warmup=a.trial_warmup_steps)
             self.trials.switch_s.append(took)
         return trainer, metrics_file
