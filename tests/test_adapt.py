@@ -121,12 +121,15 @@ def four_ranks(tmp_path_factory):
                  .splitlines()]
     metrics = [json.loads(x) for x in (tmp / "slow" / "metrics.jsonl").read_text()
                .splitlines()]
-    return per_rank, decisions, metrics
+    monitored = {r: {json.loads(x)["step"] for x in
+                     (tmp / "slow" / "monitor" / f"rank{r}.jsonl").read_text().splitlines()}
+                 for r in range(4)}
+    return per_rank, decisions, metrics, monitored
 
 
 @pytest.mark.slow
 def test_in_memory_switches_keep_the_state_bit_for_bit_and_the_losses(four_ranks):
-    per_rank, _, _ = four_ranks
+    per_rank, _, _, _ = four_ranks
     expect = [("tp2-cp1-pp2-dp1", [2, 2], 3), ("tp2-cp1-pp2-dp1", [3, 1], 6),
               ("tp1-cp1-pp2-dp2", [3, 1], 9), ("tp1-cp1-pp2-dp2 ranks tp-cp-pp-dp", [3, 1], 12)]
     for r in per_rank:
@@ -153,10 +156,17 @@ def test_in_memory_switches_keep_the_state_bit_for_bit_and_the_losses(four_ranks
 
 @pytest.mark.slow
 def test_slow_rank_drill_moves_layers_off_the_slow_stage(four_ranks):
-    _, decisions, metrics = four_ranks
+    _, decisions, metrics, monitored = four_ranks
     switches = [d for d in decisions if d["action"] == "switch"]
     assert switches, f"no switch; decisions: {[d['reason'] for d in decisions]}"
     first = switches[0]
+    # each step's summaries are read after the next step (AdaptConfig.lagged): the switch
+    # acted after the step following the one whose signals confirmed the change
+    assert first["step"] == max(x["step"] for x in first["detections"]) + 1
+    # the summary in flight at each switch and at the end was read first: every rank's
+    # monitor wrote records of every step, across the switches and trials
+    assert all(steps == set(range(STEPS)) for steps in monitored.values()), \
+        {r: sorted(set(range(STEPS)) - s) for r, s in monitored.items()}
     # a change confirmed after the drill started triggered it, and the recalibrated model
     # blames rank 2 (four ranks share two cores: one rank's sleeps speed up the others, so the
     # first confirmed change may be another rank's or a collective's)
