@@ -390,8 +390,13 @@ class Comm:
         if self._control_pg is None:
             self._control_pg = dist.new_group(list(range(self.dims.world_size)),
                                               timeout=datetime.timedelta(seconds=self.timeout_s))
+        group = self._control_pg
+
+        def all_gather(rows, row, async_op):
+            return dist.all_gather(rows, row, group=group, async_op=async_op)
+
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        return object_rows.Gathering(self, self._control_pg, data, ("control",))
+        return object_rows.Gathering(self, all_gather, data, ("control",))
 
     def broadcast_object(self, obj, src_rank: int = 0):
         if self.dims.world_size == 1 or not self.initialized:

@@ -51,15 +51,14 @@ class Gathering:
     of their own; a row that outgrew the capacity is gathered again, wider, when read (every
     rank reads the same lengths, so all of them do)."""
 
-    def __init__(self, comm, group, data: bytes, key: tuple):
-        import torch.distributed as dist
-
-        self.comm, self.group, self.data, self.key = comm, group, data, key
+    def __init__(self, comm, all_gather, data: bytes, key: tuple):
+        """`all_gather(rows, row, async_op)`: Comm's call on the group (the chokepoint's)."""
+        self.comm, self.all_gather, self.data, self.key = comm, all_gather, data, key
         self.objects: list | None = None
         self.capacity = comm._object_capacity.get(key, START_CAPACITY)
         row = pack(data, self.capacity, comm.device)
         self.rows = [torch.empty_like(row) for _ in range(comm.dims.world_size)]
-        self.work = dist.all_gather(self.rows, row, group=group, async_op=True)
+        self.work = all_gather(self.rows, row, async_op=True)
 
     @classmethod
     def of(cls, objects: list) -> Gathering:
@@ -72,8 +71,6 @@ class Gathering:
         """Every rank's object, in rank order (waits for the slowest rank's, if it must)."""
         if self.objects is not None:
             return self.objects
-        import torch.distributed as dist
-
         call = self.comm._blocking("world", "start_gather_objects")
         self.work.wait()
         lengths = [length(r) for r in self.rows]
@@ -82,9 +79,9 @@ class Gathering:
                                                                          max(lengths))
             row = pack(self.data, self.capacity, self.comm.device)
             self.rows = [torch.empty_like(row) for _ in self.rows]
-            dist.all_gather(self.rows, row, group=self.group)
+            self.all_gather(self.rows, row, async_op=False)
             lengths = [length(r) for r in self.rows]
         self.comm._unblocked(call)
         self.objects = [unpack(r, n) for r, n in zip(self.rows, lengths)]
-        self.rows = self.work = self.data = None
+        self.rows = self.work = self.data = self.all_gather = None
         return self.objects
