@@ -4,9 +4,9 @@
       -> on a detection: recalibrate on the running timeline, predict candidates (rank 0)
       -> payback rule  ->  decision broadcast  ->  switch in memory (every rank)  ->  adapt.jsonl
 
-Every rank gathers every rank's small per-step summary (one object all-gather through Comm), so
-all ranks run the same deterministic detector on the same numbers and agree on when to
-evaluate without another message; the evaluation itself runs on rank 0 and its decision is
+Every rank gathers every rank's small per-step summary (one object all-gather through Comm, read
+a step later: commpipe.adapt.exchange), so all ranks run the same deterministic detector on the
+same numbers and agree on when to evaluate without another message; the evaluation itself runs on rank 0 and its decision is
 broadcast. Controller traffic is kept out of the monitor's link records.
 """
 
