@@ -6,8 +6,8 @@
 
 Every rank gathers every rank's small per-step summary (one object all-gather through Comm, read
 a step later: commpipe.adapt.exchange), so all ranks run the same deterministic detector on the
-same numbers and agree on when to evaluate without another message; the evaluation itself runs on rank 0 and its decision is
-broadcast. Controller traffic is kept out of the monitor's link records.
+same numbers and agree on when to evaluate without another message; the evaluation itself runs
+on rank 0 and its decision is broadcast. Controller traffic is kept out of the monitor's link records.
 """
 
 from __future__ import annotations
