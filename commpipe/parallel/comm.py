@@ -365,19 +365,7 @@ class Comm:
         # one only when some rank's object outgrew the row; the width is kept per group of
         # ranks, so one group under two names (edp is dp_cp without experts) agrees on it
         key = ("world",) if dim == "world" else self.groups[dim]
-        capacity = self._object_capacity.get(key, object_rows.START_CAPACITY)
-        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        call = self._blocking(dim, "all_gather_object")
-        while True:
-            row = object_rows.pack(data, capacity, self.device)
-            rows = [torch.empty_like(row) for _ in range(self.size(dim))]
-            dist.all_gather(rows, row, group=self._pg_of(dim))
-            lengths = [object_rows.length(r) for r in rows]
-            if max(lengths) <= capacity:
-                break
-            capacity = self._object_capacity[key] = object_rows.grown(capacity, max(lengths))
-        self._unblocked(call)
-        return [object_rows.unpack(r, n) for r, n in zip(rows, lengths)]
+        return self._gathering(obj, dim, self._pg_of(dim), key, "all_gather_object").result()
 
     def start_gather_objects(self, obj) -> object_rows.Gathering:
         """`gather_objects(obj, "world")` begun now and read later (`.result()`), on a process
@@ -390,13 +378,17 @@ class Comm:
         if self._control_pg is None:
             self._control_pg = dist.new_group(list(range(self.dims.world_size)),
                                               timeout=datetime.timedelta(seconds=self.timeout_s))
-        group = self._control_pg
+        return self._gathering(obj, "world", self._control_pg, ("control",),
+                               "start_gather_objects")
 
+    def _gathering(self, obj, dim: str, group, key: tuple, op: str) -> object_rows.Gathering:
+        """`obj`'s rows posted to an all_gather over `group` (`dim`'s ranks); row width kept
+        under `key`."""
         def all_gather(rows, row, async_op):
             return dist.all_gather(rows, row, group=group, async_op=async_op)
 
         data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-        return object_rows.Gathering(self, all_gather, data, ("control",))
+        return object_rows.Gathering(self, all_gather, data, key, dim, op)
 
     def broadcast_object(self, obj, src_rank: int = 0):
         if self.dims.world_size == 1 or not self.initialized:

@@ -6,7 +6,7 @@ is half its cost. Here each rank pickles its object into a row of `capacity` byt
 8-byte length; one all_gather of the rows brings every object whose pickle fits. When one does
 not, every rank sees that rank's length in the header, and all of them grow the capacity of
 that group alike (the next power of two) and gather again: the rare second round.
-`Gathering` is the same gather begun now and read later (Comm.start_gather_objects).
+`Gathering` posts that gather and reads it, at once or a step later.
 """
 
 from __future__ import annotations
@@ -46,18 +46,20 @@ def grown(capacity: int, needed: int) -> int:
 
 
 class Gathering:
-    """An all_gather of every rank's object begun now and read later (`result`): what
-    `Comm.start_gather_objects` returns. The rows travel in the background, on a process group
-    of their own; a row that outgrew the capacity is gathered again, wider, when read (every
-    rank reads the same lengths, so all of them do)."""
+    """An all_gather of every rank's object in a group, posted now and read by `result`: at
+    once (Comm.gather_objects) or later (Comm.start_gather_objects, whose rows travel in the
+    background on a process group of their own). A row that outgrew the capacity is gathered
+    again, wider, when read (every rank reads the same lengths, so all of them do)."""
 
-    def __init__(self, comm, all_gather, data: bytes, key: tuple):
-        """`all_gather(rows, row, async_op)`: Comm's call on the group (the chokepoint's)."""
+    def __init__(self, comm, all_gather, data: bytes, key: tuple, dim: str, op: str):
+        """`all_gather(rows, row, async_op)`: Comm's call on `dim`'s group (the chokepoint's);
+        `op` names the call the hang watchdog sees a rank blocked on while it waits."""
         self.comm, self.all_gather, self.data, self.key = comm, all_gather, data, key
+        self.dim, self.op = dim, op
         self.objects: list | None = None
         self.capacity = comm._object_capacity.get(key, START_CAPACITY)
         row = pack(data, self.capacity, comm.device)
-        self.rows = [torch.empty_like(row) for _ in range(comm.dims.world_size)]
+        self.rows = [torch.empty_like(row) for _ in range(comm.size(dim))]
         self.work = all_gather(self.rows, row, async_op=True)
 
     @classmethod
@@ -71,7 +73,7 @@ class Gathering:
         """Every rank's object, in rank order (waits for the slowest rank's, if it must)."""
         if self.objects is not None:
             return self.objects
-        call = self.comm._blocking("world", "start_gather_objects")
+        call = self.comm._blocking(self.dim, self.op)
         self.work.wait()
         lengths = [length(r) for r in self.rows]
         while max(lengths) > self.capacity:
