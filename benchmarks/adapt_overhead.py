@@ -70,8 +70,8 @@ class Modes:
 
 def rank_main(args) -> None:
     from commpipe.adapt.config import AdaptConfig
-    from commpipe.adapt.controller import unmonitored
     from commpipe.adapt.demo import MODEL
+    from commpipe.monitor import unmonitored
     from commpipe.parallel.dims import ParallelDims
     from commpipe.train.config import TrainConfig
     from commpipe.train.failures import StopSignals

@@ -18,7 +18,6 @@ import os
 import statistics
 import time
 from collections import deque
-from contextlib import contextmanager
 from pathlib import Path
 
 from commpipe.adapt import link_probe
@@ -38,20 +37,8 @@ from commpipe.adapt.signals import (
     step_signals,
 )
 from commpipe.adapt.trial import Trials, present_ms
+from commpipe.monitor import unmonitored
 from commpipe.plan.interval import trial_factors
-
-
-@contextmanager
-def unmonitored(trainer):
-    mon = trainer.monitor
-    if mon is None or mon not in trainer.comm.observers:
-        yield
-        return
-    mon.detach()
-    try:
-        yield
-    finally:
-        mon.attach()
 
 
 def ranks_per_node(world: int) -> int:

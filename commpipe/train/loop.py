@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from commpipe.models.family import family_of
+from commpipe.monitor import unmonitored
 from commpipe.parallel.comm import Comm
 from commpipe.parallel.context import cp_positions, cp_split
 from commpipe.parallel.data import GradReducer, Zero1, clip_grad_norm_
@@ -327,7 +328,7 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
             finite = is_finite(rec["loss"], rec["grad_norm"])
             done = trainer.step == cfg.steps
             if finite and cfg.eval_every and (trainer.step % cfg.eval_every == 0 or done):
-                with _unmonitored(trainer), _between(watchdog, "evaluation"):
+                with unmonitored(trainer), _between(watchdog, "evaluation"):
                     rec["val_loss"] = trainer.evaluate()
             trainer.history.append(rec)
             if trainer.is_logger:
@@ -349,11 +350,11 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
                     watchdog.comm = comm
                 stop = controller.stop_agreed    # the flags rode in the controller's gather
             else:
-                with _unmonitored(trainer):
+                with unmonitored(trainer):
                     stop = signals.agreed(comm)   # a step-sized all-reduce: timed as a step
             due = cfg.save_every and (trainer.step % cfg.save_every == 0 or done)
             if ckpt_root is not None and (due or stop) and saved_at != trainer.step:
-                with _unmonitored(trainer), _between(watchdog, "checkpoint save"):
+                with unmonitored(trainer), _between(watchdog, "checkpoint save"):
                     if not check_finite_params(trainer.params, comm):
                         raise TrainingDiverged(
                             f"parameters became NaN or inf in the update of step {rec['step']} "
@@ -363,7 +364,7 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
                     say(f"saved {path}")
             if copies is not None and copies.due(trainer.step) and saved_at != trainer.step \
                     and not (stop or done):
-                with _unmonitored(trainer), _between(watchdog, "copy of the state"):
+                with unmonitored(trainer), _between(watchdog, "copy of the state"):
                     copies.take(trainer)
             if stop:
                 where = f"; resume with --resume (checkpoint step {saved_at})" if out else \
@@ -413,15 +414,3 @@ def _between(watchdog, what: str):
         yield
 
 
-@contextmanager
-def _unmonitored(trainer):
-    """Evaluation, checkpoints and the stop-flag all-reduce happen between steps: keep their
-    traffic out of the monitor's per-step link records."""
-    if trainer.monitor is None:
-        yield
-        return
-    trainer.monitor.detach()
-    try:
-        yield
-    finally:
-        trainer.monitor.attach()
