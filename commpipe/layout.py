@@ -1,4 +1,5 @@
-"""One `Layout` for the planner, the sweep and the launchers: how a job is spread over ranks.
+"""One `Layout` for the planner, the sweep, the launchers and the adaptive controller: how a job
+is spread over ranks.
 
     Layout(tp=2, pp=4, schedule="zbv")                 # vpp follows the schedule (2 for a V)
     Layout(2, 1, 4, 1, 2, 1, "zbv", "none", 1)         # positional, as the planner builds them
@@ -10,6 +11,9 @@ ranks go (`placement`, innermost first, as Megatron-LM's --rank-order), a run na
 micro-batch count and extra `commpipe train` flags. Schedule, vpp and micro-batch count left
 out (None) take the defaults (1f1b; the schedule's own chunk count) and stay unpinned: a sweep
 then passes the grid's or `commpipe sweep`'s value to `commpipe train` instead (`pinned`).
+A running job's layout (`Layout.of(cfg)`, what commpipe.adapt switches between) also names the
+layers of each pipeline stage, the micro-batches of each DP replica and the order its processes
+number the rank grid in; `apply(cfg)` makes a training configuration of it again.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from dataclasses import dataclass, field
 from commpipe.parallel.dims import DEFAULT_ORDER, ParallelDims
 
 # train flags a sweep entry may set itself -> the field holding each
-PINNABLE = {"schedule": "schedule", "vpp": "vpp", "microbatches": "m_pinned"}
+PINNABLE = {"schedule": "schedule", "vpp": "vpp", "microbatches": "microbatches"}
 
 
 def parse_order(order: str) -> tuple[str, ...]:
@@ -45,15 +49,24 @@ class Layout:
     zero: int = 0           # 0: replicated; 1: optimizer states sharded; 2: + gradients; 3: + weights
     #                         (FSDP: parameters all-gathered per layer, gradients reduce-scattered)
     dp_shard: int = 0       # ranks a ZeRO shard group spans (HSDP); 0: the whole dp*cp group
-    m_pinned: int | None = None         # a sweep entry's --microbatches (the planner derives m
-    #                                     from the global batch: `microbatches(job)`)
+    microbatches: int | None = None     # a sweep entry's or a running plan's micro-batches per
+    #                                     pipeline (the planner derives m from the global batch:
+    #                                     `microbatches_for(job)`)
     placement: str = DEFAULT_ORDER
     name: str = ""
     extra: dict = field(default_factory=dict, compare=False)   # per-layout training flags
     pinned: frozenset | None = field(default=None, compare=False, repr=False)
     ep: int = 1             # expert-parallel size (MoE models): consecutive ranks of dp*cp
+    # what a running job adds (commpipe.adapt switches between such layouts in memory):
+    stage_layers: tuple[int, ...] = ()      # layers per pipeline stage; (): the trainer's split
+    dp_microbatches: tuple[int, ...] = ()   # micro-batches per DP replica; (): even
+    #                                         (commpipe.train.dp_split)
+    order: str = DEFAULT_ORDER  # how the running processes number the rank grid (ParallelDims
+    #                             order); `placement` instead puts a launch's ranks on nodes
 
     def __post_init__(self):
+        object.__setattr__(self, "stage_layers", tuple(self.stage_layers))   # JSON gives lists
+        object.__setattr__(self, "dp_microbatches", tuple(self.dp_microbatches or ()))
         ParallelDims(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp)   # validates the degrees
         if self.pinned is None:
             given = frozenset(k for k, f in PINNABLE.items() if getattr(self, f) is not None)
@@ -79,14 +92,15 @@ class Layout:
 
     @property
     def dims(self) -> ParallelDims:
-        return ParallelDims(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp)
+        """The rank grid, numbered in `order`."""
+        return ParallelDims(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp, order=self.order)
 
     @property
     def shard_size(self) -> int:
         """Ranks one copy of the sharded states is spread over (dp*cp unless HSDP)."""
         return self.dp_shard or self.dp * self.cp
 
-    def microbatches(self, job) -> int:
+    def microbatches_for(self, job) -> int:
         """Micro-batches per pipeline for a job's global batch (the planner's m)."""
         return job.global_batch // (self.dp * self.micro_batch_size)
 
@@ -105,8 +119,8 @@ class Layout:
             parts.append(f"v{self.vpp}")
         if "schedule" in self.pinned:
             parts.append(self.schedule)
-        if self.m_pinned:
-            parts.append(f"m{self.m_pinned}")
+        if self.microbatches:
+            parts.append(f"m{self.microbatches}")
         if self.placement != DEFAULT_ORDER:
             parts.append("order-" + self.placement.replace("-", ""))
         return "-".join(parts)
@@ -151,6 +165,91 @@ class Layout:
             if key in self.pinned:
                 flags += [f"--{key}", str(getattr(self, attr))]
         return flags
+
+    # -- a running job's layout (commpipe.adapt switches between these) -----------------------
+    @classmethod
+    def of(cls, cfg) -> Layout:
+        """The layout a resolved TrainConfig runs: its degrees, stage split, schedule and
+        micro-batching, rank order and expert parallelism."""
+        from commpipe.parallel.dims import split_layers
+
+        d = cfg.dims
+        n = cfg.program().num_stages
+        layers = tuple(len(r) for r in split_layers(cfg.spec.layers, n, cfg.stage_layers))
+        return cls(tp=d.tp, cp=d.cp, pp=d.pp, dp=d.dp, stage_layers=layers, schedule=cfg.schedule,
+                   microbatches=cfg.microbatches, micro_batch_size=cfg.micro_batch_size,
+                   dp_microbatches=tuple(cfg.dp_microbatches or ()), order=d.order, ep=cfg.ep)
+
+    def apply(self, cfg):
+        """A new, resolved TrainConfig running this layout; everything else as in `cfg`."""
+        import copy
+
+        new = copy.copy(cfg)
+        new.optim = copy.copy(cfg.optim)
+        new.dims = self.dims
+        new.ep = self.ep
+        new.stage_layers = list(self.stage_layers) or None
+        new.schedule, new.vpp = self.schedule, 1
+        new.microbatches, new.micro_batch_size = self.microbatches, self.micro_batch_size
+        new.dp_microbatches = self.dp_microbatches or None
+        new.spec = None
+        return new.resolve(self.world_size)
+
+    @property
+    def title(self) -> str:
+        """One line naming everything a switch can change, as adapt.jsonl and the report show
+        it, e.g. "tp1-cp1-pp2-dp2 1f1b m8x1 layers 4,4"."""
+        split = ",".join(str(x) for x in self.stage_layers)
+        title = (f"tp{self.tp}-cp{self.cp}-pp{self.pp}-dp{self.dp} {self.schedule} "
+                 f"m{self.microbatches}x{self.micro_batch_size} layers {split}")
+        if self.ep > 1:   # as the metrics' `layout` (commpipe.train.config.layout_label)
+            title = f"ep{self.ep}-{title}"
+        if self.dp_microbatches:
+            title += " dp-m " + ",".join(str(x) for x in self.dp_microbatches)
+        if self.order != DEFAULT_ORDER:
+            title += f" ranks {self.order}"
+        return title
+
+    def same_groups(self, other: Layout) -> bool:
+        """Same process groups (tp, cp, pp, dp, ep and rank order): a switch re-splits or
+        re-batches only."""
+        return (self.tp, self.cp, self.pp, self.dp, self.order, self.ep) == \
+            (other.tp, other.cp, other.pp, other.dp, other.order, other.ep)
+
+    def kind_of_switch(self, other: Layout) -> str:
+        if (self.tp, self.cp, self.pp, self.dp, self.ep) == \
+                (other.tp, other.cp, other.pp, other.dp, other.ep) and self.order != other.order:
+            return "replace"       # the same degrees, ranks placed differently
+        if not self.same_groups(other):
+            return "reshard"
+        if self.stage_layers != other.stage_layers:
+            return "resplit"
+        if (self.schedule, self.microbatches, self.micro_batch_size) == \
+                (other.schedule, other.microbatches, other.micro_batch_size):
+            return "rebalance"     # only the micro-batches per DP replica change
+        return "rebatch"
+
+    def record(self) -> dict:
+        """A running layout as adapt.jsonl and checkpoints record it (`from_record` reads it)."""
+        d = {k: getattr(self, k) for k in RECORDED}
+        d["stage_layers"] = list(self.stage_layers)
+        d["dp_microbatches"] = list(self.dp_microbatches)
+        d["name"] = self.title
+        return d
+
+    @classmethod
+    def from_record(cls, d: dict) -> Layout:
+        """The layout `record` wrote: KeyError for a missing key it always writes, TypeError
+        for one it never writes, ValueError for impossible degrees."""
+        unknown = set(d) - set(RECORDED) - {"name"}
+        if unknown:
+            raise TypeError(f"unexpected keys {sorted(unknown)}")
+        return cls(**{k: d[k] for k in RECORDED[:8]}, **{k: d[k] for k in RECORDED[8:] if k in d})
+
+
+# what `Layout.record` keeps of a running layout, in its order
+RECORDED = ("tp", "cp", "pp", "dp", "stage_layers", "schedule", "microbatches", "micro_batch_size",
+            "dp_microbatches", "order", "ep")
 
 
 def _default_vpp(schedule: str) -> int:

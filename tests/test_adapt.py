@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from commpipe.adapt.config import AdaptConfig, SlowRank
-from commpipe.adapt.plan import Plan
+from commpipe.layout import Layout
 from tests.dist_harness import spawn
 
 # -- switching in memory (4 processes) -------------------------------------------------------------
@@ -55,11 +55,15 @@ def _worker(rank: int, world: int, outdir: str) -> dict:
     tr = Trainer.build(cfg, Comm(cfg.dims, rank))
     losses = [tr.train_step()["loss"] for _ in range(3)]
     kept = []
-    for plan in (Plan(2, 1, 2, 1, (2, 2), "1f1b", 8, 1),      # new layout: reshard
-                 Plan(2, 1, 2, 1, (3, 1), "1f1b", 8, 1),      # same layout: re-split
-                 Plan(1, 1, 2, 2, (3, 1), "1f1b", 4, 1),      # TP -> DP replicas
+    for plan in (Layout(tp=2, cp=1, pp=2, dp=1, stage_layers=(2, 2), schedule="1f1b", microbatches=8,
+                        micro_batch_size=1),      # new layout: reshard
+                 Layout(tp=2, cp=1, pp=2, dp=1, stage_layers=(3, 1), schedule="1f1b", microbatches=8,
+                        micro_batch_size=1),      # same layout: re-split
+                 Layout(tp=1, cp=1, pp=2, dp=2, stage_layers=(3, 1), schedule="1f1b", microbatches=4,
+                        micro_batch_size=1),      # TP -> DP replicas
                  # re-placement: the same degrees, stages on ranks {0, 1} and {2, 3}
-                 Plan(1, 1, 2, 2, (3, 1), "1f1b", 4, 1, order="tp-cp-pp-dp")):
+                 Layout(tp=1, cp=1, pp=2, dp=2, stage_layers=(3, 1), schedule="1f1b", microbatches=4,
+                        micro_batch_size=1, order="tp-cp-pp-dp")):
         before = gather_state(tr)
         tr, seconds = switch(tr, plan)
         after = gather_state(tr)
@@ -82,7 +86,8 @@ def _worker(rank: int, world: int, outdir: str) -> dict:
     zcfg.optim.zero1 = True
     tr = Trainer.build(zcfg, Comm(zcfg.dims, rank))
     zl = [tr.train_step()["loss"] for _ in range(4)]
-    tr, _ = switch(tr, Plan(1, 1, 1, 4, (4,), "1f1b", 2, 1))
+    tr, _ = switch(tr, Layout(tp=1, cp=1, pp=1, dp=4, stage_layers=(4,), schedule="1f1b", microbatches=2,
+                              micro_batch_size=1))
     res["zero_switched"] = zl + [tr.train_step()["loss"] for _ in range(4)]
 
     # a planted bug: a switch that drops the AdamW states must show in the losses
@@ -96,7 +101,8 @@ def _worker(rank: int, world: int, outdir: str) -> dict:
     planted = [tr.train_step()["loss"] for _ in range(3)]
     sw.load_state, kept_load = lossy, sw.load_state
     try:
-        tr, _ = switch(tr, Plan(2, 1, 2, 1, (2, 2), "1f1b", 8, 1))
+        tr, _ = switch(tr, Layout(tp=2, cp=1, pp=2, dp=1, stage_layers=(2, 2), schedule="1f1b",
+                                  microbatches=8, micro_batch_size=1))
     finally:
         sw.load_state = kept_load
     res["planted"] = planted + [tr.train_step()["loss"] for _ in range(3)]

@@ -21,13 +21,13 @@ import pytest
 
 from commpipe.adapt.config import AdaptConfig
 from commpipe.adapt.detect import Watch
-from commpipe.adapt.plan import Plan
 from commpipe.adapt.records import Decision
+from commpipe.layout import Layout
 
 BLOCK, HEAD = 77_824, 32_768
 C = 10.0 / (2 * BLOCK)                    # ms per FLOP/token of one micro-batch (F+B)
 OTHER_MS = 5.0                            # optimizer and loss: outside the pipeline
-CUR = Plan(1, 1, 2, 1, (2, 2), "1f1b", 8, 1)
+CUR = Layout(tp=1, cp=1, pp=2, dp=1, stage_layers=(2, 2), schedule="1f1b", microbatches=8, micro_batch_size=1)
 
 
 def _cfg():
@@ -38,7 +38,7 @@ def _cfg():
                        micro_batch_size=1, steps=1000).resolve(2)
 
 
-def _measured(slow: float = 1.0, plan: Plan = CUR):
+def _measured(slow: float = 1.0, plan: Layout = CUR):
     """Stage costs as `calibrate` gives them with rank 1 `slow` times slower; the step as the
     1f1b pipeline makes it when stage 1 is the bottleneck (F0 + 8 (F1 + B1) + B0) plus
     OTHER_MS."""
@@ -72,7 +72,8 @@ def test_calibration_reproduces_the_running_plan_and_prices_a_resplit_by_hand():
     # 3,1 under the straggler: stage 0 (3 blocks) 15 ms, stage 1 (1 block + head) 3 x 7.105 ms;
     # stage 1 still bounds the pipeline: 15 + 8 x 21.316 ms, plus the 5 ms outside it
     t0, t1 = 3 * BLOCK * C, 3 * (BLOCK + HEAD) * C
-    resplit = Plan(1, 1, 2, 1, (3, 1), "1f1b", 8, 1)
+    resplit = Layout(tp=1, cp=1, pp=2, dp=1, stage_layers=(3, 1), schedule="1f1b", microbatches=8,
+                     micro_batch_size=1)
     assert model.predict(resplit) == pytest.approx(t0 + 8 * t1 + OTHER_MS, rel=1e-3)
     # the balancer weighs stage 1's work 3x: max(15, 21.3) beats max(10, 36.3) and (1, 3)
     assert model.balanced_split(CUR) == (3, 1)
@@ -98,7 +99,8 @@ def test_the_part_fixed_per_micro_batch_is_slowed_with_the_rank_and_not_grown_wi
     assert model.unit == pytest.approx(u, rel=1e-9)
     assert model.k == {0: pytest.approx(1.0), 1: pytest.approx(3.0)}
     assert model.predict(CUR) == pytest.approx(m.step_ms, rel=1e-9)
-    pairs = Plan(1, 1, 2, 1, (2, 2), "1f1b", 4, 2)
+    pairs = Layout(tp=1, cp=1, pp=2, dp=1, stage_layers=(2, 2), schedule="1f1b", microbatches=4,
+                   micro_batch_size=2)
     p0, p1 = u * (2 * work0 + 562 * W), 3 * u * (2 * work1 + 625 * W)
     assert model.predict(pairs) == pytest.approx(p0 + 4 * p1 + OTHER_MS, rel=1e-3)
     # FLOPs alone (W = 0) would price the pairs slower than the singles: stage 1 passes the
@@ -121,7 +123,8 @@ def test_activations_are_priced_at_the_runs_element_size():
     # 1 x 16 x 64 activations per micro-batch: 4,096 bytes in fp32, 2,048 under bf16
     for m, nbytes in ((m32, 4096), (m16, 2048)):
         model = CostModel(_cfg().spec, 16, 2, 2, m)
-        _, comm = model.components(Plan(2, 1, 1, 1, (4,), "1f1b", 8, 1))
+        _, comm = model.components(Layout(tp=2, cp=1, pp=1, dp=1, stage_layers=(4,), schedule="1f1b",
+                                          microbatches=8, micro_batch_size=1))
         # TP: 2 all-reduces per layer in F and 2 in B, 4 layers, 8 micro-batches, at the
         # 10 GB/s a link class without measurements is priced at: each 2 (n-1)/n x bytes / 10 GB/s
         per = nbytes / 10e6
@@ -147,7 +150,7 @@ def test_candidates_are_resplits_rebatches_and_layouts_of_the_same_world():
                 for sched in ("gpipe", "1f1b", "zbh1")}
     expected -= {((2, 2), "1f1b", 8, 1)}                          # the running plan
     assert rebatched == expected | {((1, 3), "1f1b", 8, 1)}
-    assert all(p.same_layout(CUR) for p in got) and CUR not in got
+    assert all(p.same_groups(CUR) for p in got) and CUR not in got
     # a tighter micro-batch range drops m = 8 (above 2 x max(pp, 2) = 4)
     fewer = candidates(CUR, model, spec, 16, 8, 2, 2,
                        AdaptConfig(layouts=False, max_microbatches_per_stage=2))
@@ -164,7 +167,8 @@ def test_one_stage_is_rebatched_under_its_own_schedule_only():
     to 1, 2 and 4 micro-batches (of 4, 2, 1) under its running schedule, never another."""
     from commpipe.adapt.candidates import rebatches
 
-    dp2 = Plan(1, 1, 1, 2, (4,), "zbh1", 4, 1)
+    dp2 = Layout(tp=1, cp=1, pp=1, dp=2, stage_layers=(4,), schedule="zbh1", microbatches=4,
+                 micro_batch_size=1)
     got = rebatches(dp2, 8, 4)
     assert {(p.schedule, p.microbatches, p.micro_batch_size) for p in got} == \
         {("zbh1", 1, 4), ("zbh1", 2, 2)}
@@ -198,7 +202,8 @@ def test_a_healthy_balanced_run_stays_put():
     # a detection on a healthy run (host noise): the running split is already the balanced one
     # and the zero-bubble schedule at the most micro-batches already hides what it can, so no
     # re-split or re-batching is faster
-    zb = Plan(1, 1, 2, 1, (2, 2), "zbh1", 8, 1)
+    zb = Layout(tp=1, cp=1, pp=2, dp=1, stage_layers=(2, 2), schedule="zbh1", microbatches=8,
+                micro_batch_size=1)
     d = _decide(_measured(plan=zb), layouts=False)
     assert d.action == "stay" and "below the minimum" in d.reason
     assert d.candidates_admitted == 0 and d.candidates_considered == 10
@@ -217,8 +222,10 @@ def test_the_rebuild_allowance_is_the_runs_own_build_time_unless_configured():
     spec = _cfg().spec
     m = replace(_measured(slow=3.0), rebuild_s=0.02, groups_s=0.5)
     model = CostModel(spec, 16, 2, 2, m)
-    resplit = Plan(1, 1, 2, 1, (3, 1), "1f1b", 8, 1)
-    reshard = Plan(1, 1, 1, 2, (4,), "1f1b", 4, 1)
+    resplit = Layout(tp=1, cp=1, pp=2, dp=1, stage_layers=(3, 1), schedule="1f1b", microbatches=8,
+                     micro_batch_size=1)
+    reshard = Layout(tp=1, cp=1, pp=1, dp=2, stage_layers=(4,), schedule="1f1b", microbatches=4,
+                     micro_batch_size=1)
     assert CUR.kind_of_switch(resplit) == "resplit" and CUR.kind_of_switch(reshard) == "reshard"
     moved = {k: switch_cost(CUR, p, model, spec, AdaptConfig(), {}) for k, p in
              (("resplit", resplit), ("reshard", reshard))}
@@ -253,7 +260,8 @@ def test_candidates_the_memory_model_rejects_are_dropped():
         roomy.candidates_considered
     assert not any(name.startswith(("tp1-cp1-pp1-dp2", "tp1-cp2")) for name in kept)
     assert "tp1-cp1-pp2-dp1 1f1b m8x1 layers 3,1" in kept and tight.action == "switch"
-    dp2 = Plan(1, 1, 1, 2, (4,), "1f1b", 4, 1)
+    dp2 = Layout(tp=1, cp=1, pp=1, dp=2, stage_layers=(4,), schedule="1f1b", microbatches=4,
+                 micro_batch_size=1)
     cfg = _cfg()
     assert memory_need_gb(cfg, dp2, True, 2) - memory_need_gb(cfg, CUR, True, 2) >= \
         2 * 16 * 90_368 / 2**30
@@ -429,8 +437,10 @@ def test_context_parallel_traffic_is_what_each_rank_receives():
     m = _measured()
     m.links = {(0, 1): (None, 0.01)}
     model = CostModel(_cfg().spec, 16, 2, 2, m)
-    _, cp2 = model.components(Plan(1, 2, 1, 1, (4,), "1f1b", 8, 1))
-    _, dp2 = model.components(Plan(1, 1, 1, 2, (4,), "1f1b", 4, 1))
+    _, cp2 = model.components(Layout(tp=1, cp=2, pp=1, dp=1, stage_layers=(4,), schedule="1f1b",
+                                     microbatches=8, micro_batch_size=1))
+    _, dp2 = model.components(Layout(tp=1, cp=1, pp=1, dp=2, stage_layers=(4,), schedule="1f1b",
+                                     microbatches=4, micro_batch_size=1))
     assert cp2 - dp2 == pytest.approx(8 * 2 * 4 * 2 * 1024 / 1e7 * 1e3, rel=1e-6)
     # the gradient all-reduce: 4 blocks of 36,992 and the embedding and head (256 x 64 each)
     # in fp32, 2 (n-1)/n of it over the link
@@ -447,7 +457,8 @@ def test_each_tp_and_cp_call_pays_the_measured_call_time():
     MB buckets it is four."""
     from commpipe.adapt.model import CostModel
 
-    tp2, cp2 = Plan(2, 1, 1, 1, (4,), "1f1b", 8, 1), Plan(1, 2, 1, 1, (4,), "1f1b", 8, 1)
+    tp2, cp2 = (Layout(tp=tp, cp=cp, stage_layers=(4,), schedule="1f1b", microbatches=8)
+                for tp, cp in ((2, 1), (1, 2)))
     comm = {}
     for call_ms, sp in ((0.0, False), (0.5, False), (0.5, True)):
         m = _measured()

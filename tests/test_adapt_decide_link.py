@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 
 from commpipe.adapt.config import AdaptConfig
-from commpipe.adapt.plan import Plan
 from commpipe.adapt.records import Decision
+from commpipe.layout import Layout
 from tests.test_adapt_decide import BLOCK, HEAD, OTHER_MS, C, _cfg
 
 # -- re-placement: the same degrees, the ranks placed so the slow link carries the least -----------
@@ -33,7 +33,8 @@ def test_a_slow_link_inside_a_dp_group_moves_the_pipeline_onto_it():
     from commpipe.sim.costs import CostTable
     from commpipe.train.config import TrainConfig
 
-    cur = Plan(1, 1, 2, 2, (2, 2), "1f1b", 4, 1)
+    cur = Layout(tp=1, cp=1, pp=2, dp=2, stage_layers=(2, 2), schedule="1f1b", microbatches=4,
+                 micro_batch_size=1)
     cfg = TrainConfig(model="tiny", dims=ParallelDims(pp=2, dp=2), seq_len=16, global_batch=8,
                       micro_batch_size=1, steps=1000).resolve(4)
     t0, t1 = 2 * BLOCK * C, (2 * BLOCK + HEAD) * C
@@ -46,7 +47,8 @@ def test_a_slow_link_inside_a_dp_group_moves_the_pipeline_onto_it():
                         rank_busy={0: 4 * t0, 1: 4 * t0, 2: 4 * t1, 3: 4 * t1})
     model = CostModel(cfg.spec, 16, 4, 2, measured)
     assert model.predict(cur) == pytest.approx(measured.step_ms, rel=1e-9)
-    replaced = Plan(1, 1, 2, 2, (2, 2), "1f1b", 4, 1, order="tp-cp-pp-dp")
+    replaced = Layout(tp=1, cp=1, pp=2, dp=2, stage_layers=(2, 2), schedule="1f1b", microbatches=4,
+                      micro_batch_size=1, order="tp-cp-pp-dp")
     assert cur.kind_of_switch(replaced) == "replace"
     bound = t0 + 4 * t1 + OTHER_MS + 16 * (4096 / 0.0005e9 * 1e3 + 0.05) + 1.0
     assert model.predict(replaced) <= bound < 0.25 * measured.step_ms
@@ -68,7 +70,8 @@ STAGE1 = 12 * (2 * 36_992 + 16_384 + 64)  # the head carries its norm
 AR = 361_472                              # a stage's gradients all-reduced over DP (fp32 bytes)
 INTER_GBPS, SLOW_GBPS, LAT_MS = 0.1, 0.0002, 1.0
 UNEXPLAINED_MS = 300.0                    # the fault's time the model does not price
-DP_ACROSS = Plan(1, 1, 2, 2, (2, 2), "1f1b", 4, 1, order="tp-cp-pp-dp")
+DP_ACROSS = Layout(tp=1, cp=1, pp=2, dp=2, stage_layers=(2, 2), schedule="1f1b", microbatches=4,
+                   micro_batch_size=1, order="tp-cp-pp-dp")
 
 
 def _two_nodes(plan, inter_gbps, extra_ms=0.0, load=1.0, reference=None):
@@ -80,7 +83,7 @@ def _two_nodes(plan, inter_gbps, extra_ms=0.0, load=1.0, reference=None):
     from commpipe.sim.costs import CostTable
 
     t0, t1 = 2 * BLOCK * C * load, (2 * BLOCK + HEAD) * C * load
-    dims = plan.dims()
+    dims = plan.dims
     links = {(a, b): (LAT_MS, 1.0) for a in range(4) for b in range(4) if a != b and a // 2 == b // 2}
     return Measured(plan, CostTable(f=[t0 / 3, t1 / 3], b=[2 * t0 / 3, 2 * t1 / 3]), 0.0,
                     t0 + 4 * t1 + AR / (inter_gbps * 1e6) + OTHER_MS + extra_ms, links=links,
@@ -107,8 +110,8 @@ def _decide4(measured, steps_left=1000, **acfg) -> Decision:
                     ranks_per_node=2, detections=[], signals={})
 
 
-def _crosses_nodes(plan: Plan, dim: str) -> bool:
-    dims = plan.dims()
+def _crosses_nodes(plan: Layout, dim: str) -> bool:
+    dims = plan.dims
     return any(len({r // 2 for r in dims.group_of(dim, g)}) > 1 for g in range(4))
 
 
@@ -136,7 +139,8 @@ def test_the_faults_unexplained_time_stays_on_the_slow_link():
     healthy = CostModel(spec, 16, 4, 2, fault.reference)
     assert new.other_ms == pytest.approx(healthy.other_ms, abs=1e-6)
     assert new.other_ms == pytest.approx(old.other_ms - UNEXPLAINED_MS, abs=1e-6)
-    replaced = Plan(1, 1, 2, 2, (2, 2), "1f1b", 4, 1)          # DP inside the nodes
+    replaced = Layout(tp=1, cp=1, pp=2, dp=2, stage_layers=(2, 2), schedule="1f1b", microbatches=4,
+                      micro_batch_size=1)          # DP inside the nodes
     on_link = 16 * (f - 1) * 4096 / (SLOW_GBPS * 1e6)
     assert old.predict(replaced) - UNEXPLAINED_MS <= new.predict(replaced) \
         <= old.predict(replaced) - UNEXPLAINED_MS + on_link + 1e-6
@@ -166,7 +170,7 @@ def test_a_candidate_keeping_dp_on_the_slow_link_is_not_trialled():
     from commpipe.adapt.model import CostModel
 
     spec = _cfg().spec
-    named = {p.name: p for p in candidates(DP_ACROSS, CostModel(spec, 16, 4, 2, _degraded()),
+    named = {p.title: p for p in candidates(DP_ACROSS, CostModel(spec, 16, 4, 2, _degraded()),
                                            spec, 16, 8, 4, 2, AdaptConfig())}
     d = _decide4(_degraded(), logged_candidates=len(named))
     trialled = [named[t["plan"]] for t in d.trials]
@@ -184,7 +188,8 @@ def test_a_host_wide_slowdown_with_no_slow_link_stays():
     difference as the constant.)"""
     from commpipe.adapt.model import CostModel
 
-    cur = Plan(1, 1, 2, 2, (2, 2), "zbh1", 4, 1)
+    cur = Layout(tp=1, cp=1, pp=2, dp=2, stage_layers=(2, 2), schedule="zbh1", microbatches=4,
+                 micro_batch_size=1)
     healthy = _two_nodes(cur, INTER_GBPS)
     loaded = _two_nodes(cur, INTER_GBPS, 100.0, load=1.3, reference=healthy)
     assert _decide4(healthy).action == "stay"
@@ -212,7 +217,8 @@ def test_a_plan_that_left_the_slow_link_still_prices_it_at_its_last_measured_rat
     memory = SimpleNamespace(known_links={}, known_collective={}, call_ms=None)
     Controller._recall_rates(memory, _degraded(), learn=True)
     assert memory.known_collective == {"inter_node": SLOW_GBPS}
-    off = Plan(1, 1, 2, 2, (2, 2), "1f1b", 4, 1)          # DP inside the nodes
+    off = Layout(tp=1, cp=1, pp=2, dp=2, stage_layers=(2, 2), schedule="1f1b", microbatches=4,
+                 micro_batch_size=1)          # DP inside the nodes
     spec = family_for_model("tiny").resolve("tiny")
 
     def now():

@@ -13,7 +13,8 @@ import pytest
 
 from commpipe.adapt.config import AdaptConfig, SlowRank, parse_slow_rank
 from commpipe.adapt.detect import Detector
-from commpipe.adapt.plan import Plan, payback
+from commpipe.adapt.plan import payback
+from commpipe.layout import Layout
 
 # -- detection -------------------------------------------------------------------------------------
 
@@ -269,12 +270,17 @@ def test_switch_moves_only_what_a_rank_lacks():
 
     spec = resolve_model("tiny")
     layer = 12.0 * layer_param_count(spec)       # parameter + two AdamW moments, fp32
-    dp4 = Plan(1, 1, 1, 4, (4,), "1f1b", 2, 1)
-    assert moved_bytes(dp4, Plan(1, 2, 2, 1, (2, 2), "1f1b", 8, 1), spec) == 0   # replicas
-    resplit = moved_bytes(Plan(1, 1, 2, 1, (2, 2), "1f1b", 8, 1),
-                          Plan(1, 1, 2, 1, (3, 1), "1f1b", 8, 1), spec)
+    dp4 = Layout(tp=1, cp=1, pp=1, dp=4, stage_layers=(4,), schedule="1f1b", microbatches=2,
+                 micro_batch_size=1)
+    assert moved_bytes(dp4, Layout(tp=1, cp=2, pp=2, dp=1, stage_layers=(2, 2), schedule="1f1b",
+                                   microbatches=8, micro_batch_size=1), spec) == 0   # replicas
+    resplit = moved_bytes(Layout(tp=1, cp=1, pp=2, dp=1, stage_layers=(2, 2), schedule="1f1b", microbatches=8,
+                                 micro_batch_size=1),
+                          Layout(tp=1, cp=1, pp=2, dp=1, stage_layers=(3, 1), schedule="1f1b", microbatches=8,
+                                 micro_batch_size=1), spec)
     assert resplit == layer                      # rank 0 gains layer 2, rank 1 gains nothing
-    assert moved_bytes(Plan(1, 1, 2, 1, (2, 2), "1f1b", 8, 1), dp4, spec) > 2 * layer
+    assert moved_bytes(Layout(tp=1, cp=1, pp=2, dp=1, stage_layers=(2, 2), schedule="1f1b", microbatches=8,
+                              micro_batch_size=1), dp4, spec) > 2 * layer
 
 
 
@@ -286,7 +292,8 @@ def _rows():
     measured statically: the model's second (pp2 x dp2) is the fastest by far."""
     def row(tp, cp, pp, dp, ms, cost=0.1):
         split = (4 // pp,) * pp
-        return {"plan": Plan(tp, cp, pp, dp, split, "1f1b", 8 // dp, 1), "predicted_ms": ms,
+        return {"plan": Layout(tp=tp, cp=cp, pp=pp, dp=dp, stage_layers=split, schedule="1f1b",
+                               microbatches=8 // dp, micro_batch_size=1), "predicted_ms": ms,
                 "switch_cost_s": cost}
     return [row(1, 2, 2, 1, 386.0), row(1, 1, 2, 2, 392.0), row(2, 1, 2, 1, 414.0),
             row(1, 1, 4, 1, 425.0), row(2, 1, 1, 2, 2000.0)]
@@ -303,7 +310,8 @@ def test_trials_settle_on_the_best_measured_even_when_the_model_ranked_it_lower(
     assert trial_rows(rows, rows[0], 0, (1.0, 1.1)) == [rows[0]]
     # the admitted switch is trialled first even when it is not the best predicted
     assert trial_rows(rows, rows[2], 2, (1.0, 1.0))[0] is rows[2]
-    dp4 = Plan(1, 1, 1, 4, (4,), "1f1b", 2, 1)
+    dp4 = Layout(tp=1, cp=1, pp=1, dp=4, stage_layers=(4,), schedule="1f1b", microbatches=2,
+                 micro_batch_size=1)
     t = Trials([(r["plan"], r["predicted_ms"]) for r in picked], (dp4, 3000.0), steps=3, warmup=1)
     measured = {386.0: [600, 290, 280, 300], 392.0: [500, 100, 400, 105], 414.0: [440] * 4}
     records = []
@@ -327,7 +335,8 @@ def test_trials_stay_on_the_current_plan_when_it_measured_best():
     from commpipe.adapt.trial import Trials
 
     rows = _rows()
-    cur = Plan(1, 1, 1, 4, (4,), "1f1b", 2, 1)
+    cur = Layout(tp=1, cp=1, pp=1, dp=4, stage_layers=(4,), schedule="1f1b", microbatches=2,
+                 micro_batch_size=1)
     t = Trials([(rows[0]["plan"], 386.0), (rows[1]["plan"], 392.0)], (cur, 150.0))
     for x in [300, 200, 210, 220, 300, 151, 160, 150]:
         if t.observe(x):

@@ -27,21 +27,25 @@ import pytest
 import torch
 
 from commpipe.adapt.config import AdaptConfig
-from commpipe.adapt.plan import Plan
+from commpipe.layout import Layout
 from commpipe.parallel.placement import placement
 from tests.dist_harness import spawn
 from tests.test_equivalence import LOSS_RTOL, check_params
 from tests.test_moe_parallel import moe_cfg, moe_reference_run, one_thread
 
 BEFORE, MIDDLE, AFTER = 2, 2, 1       # steps before the first switch, between, after the second
-START = Plan(1, 1, 2, 2, (2, 2), "1f1b", 4, 1, ep=2)
-PLANS = (Plan(1, 1, 1, 4, (4,), "1f1b", 2, 1, ep=4),        # another ep and pp
-         Plan(1, 1, 2, 2, (2, 2), "1f1b", 4, 1),            # experts whole again (ep 1)
-         Plan(2, 1, 1, 2, (4,), "1f1b", 4, 1, ep=2))        # each expert split over tp2 too
+START = Layout(tp=1, cp=1, pp=2, dp=2, stage_layers=(2, 2), schedule="1f1b", microbatches=4,
+               micro_batch_size=1, ep=2)
+PLANS = (Layout(tp=1, cp=1, pp=1, dp=4, stage_layers=(4,), schedule="1f1b", microbatches=2,
+                micro_batch_size=1, ep=4),        # another ep and pp
+         Layout(tp=1, cp=1, pp=2, dp=2, stage_layers=(2, 2), schedule="1f1b", microbatches=4,
+                micro_batch_size=1),            # experts whole again (ep 1)
+         Layout(tp=2, cp=1, pp=1, dp=2, stage_layers=(4,), schedule="1f1b", microbatches=4,
+                micro_batch_size=1, ep=2))        # each expert split over tp2 too
 SPANS = (MIDDLE, AFTER, AFTER)                               # steps after each switch
 
 
-def _cfg(plan: Plan = START):
+def _cfg(plan: Layout = START):
     from commpipe.parallel.dims import ParallelDims
 
     cfg = moe_cfg(ParallelDims(dp=plan.dp, pp=plan.pp), ep=plan.ep)
@@ -51,7 +55,7 @@ def _cfg(plan: Plan = START):
 
 # -- without a launch ------------------------------------------------------------------------------
 
-def _measured(plan: Plan, links: dict | None = None):
+def _measured(plan: Layout, links: dict | None = None):
     """A synthetic measurement of `plan` (two stages of 10 ms F+B per micro-batch)."""
     from commpipe.adapt.model import Measured
     from commpipe.sim.costs import CostTable
@@ -62,7 +66,7 @@ def _measured(plan: Plan, links: dict | None = None):
                     rank_busy={r: 10.0 * plan.microbatches for r in range(world)})
 
 
-def _layout_key(p: Plan) -> tuple:
+def _layout_key(p: Layout) -> tuple:
     return p.tp, p.cp, p.pp, p.dp, p.ep
 
 
@@ -100,26 +104,25 @@ def test_candidates_of_a_llama_run_keep_ep_1():
 
     cfg = TrainConfig(model="tiny", dims=ParallelDims(pp=2, dp=2), seq_len=16, global_batch=8,
                       steps=10).resolve(4)
-    cur = Plan.of(cfg)
+    cur = Layout.of(cfg)
     model = CostModel(cfg.spec, 16, 4, 4, _measured(cur))
     found = candidates(cur, model, cfg.spec, 16, 8, 4, 4, AdaptConfig())
     assert found and {p.ep for p in found} == {1}
-    assert cur.ep == 1 and not cur.name.startswith("ep")      # LLaMA plans read as before
+    assert cur.ep == 1 and not cur.title.startswith("ep")      # LLaMA plans read as before
 
 
 def test_plan_round_trips_ep():
     import json
 
-    from commpipe.adapt.resume import plan_from
 
     plan = PLANS[0]
-    assert plan_from(json.loads(json.dumps(plan.to_dict()))) == plan
-    assert plan.name.startswith("ep4-tp1-cp1-pp1-dp4 ")
+    assert Layout.from_record(json.loads(json.dumps(plan.record()))) == plan
+    assert plan.title.startswith("ep4-tp1-cp1-pp1-dp4 ")
     cfg = plan.apply(_cfg())
-    assert cfg.ep == 4 and Plan.of(cfg) == plan
+    assert cfg.ep == 4 and Layout.of(cfg) == plan
     from commpipe.train.config import layout_label
 
-    assert layout_label(cfg) == plan.name      # the metrics' layout names the plan
+    assert layout_label(cfg) == plan.title      # the metrics' layout names the plan
 
 
 def test_the_switch_cost_moves_whole_moe_layers():
@@ -146,7 +149,8 @@ def test_the_ep_all_to_all_is_the_planners(rpn, ranks):
     from commpipe.plan.moe_costs import a2a_seconds
 
     ep = len(ranks)
-    plan = Plan(1, 1, 1, 4, (4,), "1f1b", 2, 1, ep=ep)
+    plan = Layout(tp=1, cp=1, pp=1, dp=4, stage_layers=(4,), schedule="1f1b", microbatches=2,
+                  micro_batch_size=1, ep=ep)
     fast, slow = 2.0, 0.25                       # GB/s: inside a node, across nodes
     links = {(a, b): (0.1, fast if a // rpn == b // rpn else slow)
              for a in range(4) for b in range(4) if a != b}
@@ -170,7 +174,8 @@ def test_the_ep_all_to_all_is_the_planners(rpn, ranks):
         want = max(1 / ep * nbytes / (intra * 1e9), 2 / ep * nbytes / (slow * 1e9)) + lat
     assert got == pytest.approx(1e3 * want, rel=1e-12)
     # each MoE layer of a stage adds a dispatch and a combine to the stage's F and to its B
-    bare = Plan(1, 1, 1, 4, (4,), "1f1b", 2, 1, ep=1)
+    bare = Layout(tp=1, cp=1, pp=1, dp=4, stage_layers=(4,), schedule="1f1b", microbatches=2,
+                  micro_batch_size=1, ep=1)
     _, with_ep = model.components(plan)
     _, without = model.components(bare)
     dp_diff = model._dp_ms(plan) - model._dp_ms(bare)
@@ -306,7 +311,8 @@ def test_rebalances_of_an_ep_run_share_micro_batches_between_ep_groups():
     from commpipe.adapt.model import CostModel
     from commpipe.train.dp_split import check_ep_blocks
 
-    cur = Plan(1, 1, 1, 4, (4,), "1f1b", 2, 1, ep=2)
+    cur = Layout(tp=1, cp=1, pp=1, dp=4, stage_layers=(4,), schedule="1f1b", microbatches=2,
+                 micro_batch_size=1, ep=2)
     cfg = cur.apply(_cfg(cur))
     measured = _measured(cur)
     measured.rank_busy[3] *= 3.0

@@ -14,10 +14,10 @@ from __future__ import annotations
 import pytest
 
 from commpipe.adapt.config import AdaptConfig
-from commpipe.adapt.plan import Plan
+from commpipe.layout import Layout
 
 T, OTHER_MS = 10.0, 5.0
-CUR = Plan(1, 1, 1, 2, (4,), "1f1b", 4, 1)
+CUR = Layout(tp=1, cp=1, pp=1, dp=2, stage_layers=(4,), schedule="1f1b", microbatches=4, micro_batch_size=1)
 
 
 def _cfg():
@@ -28,7 +28,7 @@ def _cfg():
                        micro_batch_size=1, steps=1000).resolve(2)
 
 
-def _measured(slow: float, plan: Plan = CUR):
+def _measured(slow: float, plan: Layout = CUR):
     """Replica 0's timeline (healthy) calibrates the stage; each rank's compute per step is its
     micro-batches x its time; the step waits for the slower replica."""
     from commpipe.adapt.model import Measured
@@ -68,9 +68,11 @@ def test_a_healthy_run_stays_even_and_a_recovered_one_goes_back():
     assert d.action == "stay" and all("dp-m" not in c["plan"] or c["predicted_ms"] >
                                       d.predicted_current_ms for c in d.candidates)
     # running 6,2 after the straggler recovered: 6 T on replica 0, the even split is 4 T
-    back = _decide(_measured(slow=1.0, plan=Plan(1, 1, 1, 2, (4,), "1f1b", 4, 1, (6, 2))),
+    back = _decide(_measured(slow=1.0, plan=Layout(tp=1, cp=1, pp=1, dp=2, stage_layers=(4,), schedule="1f1b",
+                                                   microbatches=4, micro_batch_size=1,
+                                                   dp_microbatches=(6, 2))),
                    trials=0, layouts=False)
-    even = next(c for c in back.candidates if c["plan"] == CUR.name)
+    even = next(c for c in back.candidates if c["plan"] == CUR.title)
     assert even["kind"] == "rebalance"
     assert even["predicted_ms"] == pytest.approx(4 * T + OTHER_MS, rel=1e-6)
     # it goes to an even split (a re-batching to 2 x 2 ties with it)
@@ -79,7 +81,8 @@ def test_a_healthy_run_stays_even_and_a_recovered_one_goes_back():
 
 
 def test_plan_records_and_labels_the_split():
-    p = Plan(1, 1, 1, 2, (4,), "1f1b", 4, 1, [6, 2])
-    assert p.dp_microbatches == (6, 2) and p.name.endswith("dp-m 6,2")
-    assert Plan(**{k: v for k, v in p.to_dict().items() if k != "name"}) == p
+    p = Layout(tp=1, cp=1, pp=1, dp=2, stage_layers=(4,), schedule="1f1b", microbatches=4, micro_batch_size=1,
+               dp_microbatches=[6, 2])
+    assert p.dp_microbatches == (6, 2) and p.title.endswith("dp-m 6,2")
+    assert Layout.from_record(p.record()) == p
     assert CUR.kind_of_switch(p) == "rebalance" and p.apply(_cfg()).dp_microbatches == (6, 2)

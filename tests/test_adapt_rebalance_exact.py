@@ -37,8 +37,8 @@ def _cfg(counts=None):
 
 
 def _worker(rank: int, world: int, outdir: str) -> dict:
-    from commpipe.adapt.plan import Plan
     from commpipe.adapt.switch import switch
+    from commpipe.layout import Layout
     from commpipe.parallel.comm import Comm
     from commpipe.train import checkpoint
     from commpipe.train.loop import Trainer
@@ -56,7 +56,7 @@ def _worker(rank: int, world: int, outdir: str) -> dict:
     tr = build()
     res["before"] = steps(tr, BEFORE)
     path = checkpoint.save(tr, Path(outdir) / "ckpt")
-    plan = dataclasses.replace(Plan.of(tr.cfg), dp_microbatches=COUNTS)
+    plan = dataclasses.replace(Layout.of(tr.cfg), dp_microbatches=COUNTS)
     res["phases"] = {}
     tr, res["switch_s"] = switch(tr, plan, res["phases"])
     res["counts"] = tr.cfg.dp_microbatches

@@ -21,12 +21,14 @@ from pathlib import Path
 import pytest
 
 from commpipe.adapt.config import AdaptConfig
-from commpipe.adapt.plan import Plan
+from commpipe.layout import Layout
 from commpipe.train import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-EVEN = Plan(1, 1, 2, 1, (2, 2), "1f1b", 4, 1)
-MOVED = Plan(1, 1, 2, 1, (3, 1), "1f1b", 4, 1)
+EVEN = Layout(tp=1, cp=1, pp=2, dp=1, stage_layers=(2, 2), schedule="1f1b", microbatches=4,
+              micro_batch_size=1)
+MOVED = Layout(tp=1, cp=1, pp=2, dp=1, stage_layers=(3, 1), schedule="1f1b", microbatches=4,
+               micro_batch_size=1)
 
 
 def _cfg(out, adapt=True, **layout):
@@ -39,14 +41,14 @@ def _cfg(out, adapt=True, **layout):
                        **layout).resolve(2)
 
 
-def _saved(out: Path, plan: Plan, command_plan: Plan = EVEN) -> dict:
+def _saved(out: Path, plan: Layout, command_plan: Layout = EVEN) -> dict:
     """A checkpoint folder of step 20 whose commpipe.json carries an adaptive state."""
     folder = checkpoint.checkpoints_dir(out) / checkpoint.step_dirname(20)
     folder.mkdir(parents=True)
     (folder / ".metadata").write_bytes(b"")
-    state = {"plan": plan.to_dict(), "command_plan": command_plan.to_dict(),
-             "baselines": {EVEN.name: {"compute|rank 1": 40.0},
-                           plan.name: {"compute|rank 1": 90.0}},
+    state = {"plan": plan.record(), "command_plan": command_plan.record(),
+             "baselines": {EVEN.title: {"compute|rank 1": 40.0},
+                           plan.title: {"compute|rank 1": 90.0}},
              "stragglers": ["rank 1"]}
     (folder / checkpoint.META).write_text(json.dumps(
         {"format": checkpoint.FORMAT, "step": 20, "model": {}, "data": {}, "world_size": 2,
@@ -59,7 +61,7 @@ def test_the_same_command_resumes_in_the_checkpoints_plan(tmp_path):
 
     state = _saved(tmp_path, MOVED)
     got = resume_adapted(_cfg(tmp_path), world=2)
-    assert Plan.of(got) == MOVED and got.resume == "latest"
+    assert Layout.of(got) == MOVED and got.resume == "latest"
     assert got.adapt.resume_state["baselines"] == state["baselines"]
     assert "the checkpoint's adapted plan" in got.adapt.resume_state["note"]
     # another layout than the run started with is the user's choice
@@ -69,7 +71,7 @@ def test_the_same_command_resumes_in_the_checkpoints_plan(tmp_path):
     explicit = resume_adapted(_cfg(tmp_path, stage_layers=[1, 3]), world=2)
     assert explicit.stage_layers == [1, 3]
     # without --adapt the command's layout runs
-    assert Plan.of(resume_adapted(_cfg(tmp_path, adapt=False), world=2)) == EVEN
+    assert Layout.of(resume_adapted(_cfg(tmp_path, adapt=False), world=2)) == EVEN
     # a relaunch (commpipe.adapt.relaunch) runs its request's plan, re-armed for that plan
     relaunch = _cfg(tmp_path, stage_layers=[1, 3])
     relaunch.adapt.resumed_from = {"to": {}}

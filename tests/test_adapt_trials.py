@@ -12,11 +12,12 @@ from __future__ import annotations
 import pytest
 
 from commpipe.adapt.config import AdaptConfig
-from commpipe.adapt.plan import Plan
+from commpipe.layout import Layout
 
 
 def _row(pp: int, dp: int, ms: float, cost: float = 0.1, schedule: str = "1f1b") -> dict:
-    return {"plan": Plan(1, 1, pp, dp, (4 // pp,) * pp, schedule, 8 // dp, 1), "predicted_ms": ms,
+    return {"plan": Layout(tp=1, cp=1, pp=pp, dp=dp, stage_layers=(4 // pp,) * pp, schedule=schedule,
+                           microbatches=8 // dp, micro_batch_size=1), "predicted_ms": ms,
             "switch_cost_s": cost}
 
 
@@ -97,8 +98,9 @@ def test_a_trial_phase_drops_what_its_measured_bias_shows_cannot_win():
     stays; C (130: 105.3 > 90) is dropped. The plan before the trials counts as measured."""
     from commpipe.adapt.trial import Trials
 
-    a, b, c = (Plan(1, 1, 2, 1, split, "1f1b", 8, 1) for split in ((1, 3), (2, 2), (3, 1)))
-    x = Plan(1, 1, 1, 2, (4,), "1f1b", 4, 1)
+    a, b, c = (Layout(tp=1, cp=1, pp=2, dp=1, stage_layers=split, schedule="1f1b", microbatches=8,
+                      micro_batch_size=1) for split in ((1, 3), (2, 2), (3, 1)))
+    x = Layout(tp=1, cp=1, pp=1, dp=2, stage_layers=(4,), schedule="1f1b", microbatches=4, micro_batch_size=1)
     t = Trials([(a, 100.0), (b, 110.0), (c, 130.0)], (x, 200.0), steps=1, warmup=0)
     assert t.prune((0.9, 1.1)) == []                    # nothing measured yet: nothing to learn
     assert t.observe(90.0)
@@ -121,8 +123,9 @@ def test_a_trial_that_cannot_pay_for_itself_in_the_steps_left_is_dropped():
     decides, as before."""
     from commpipe.adapt.trial import Trials
 
-    a, b = (Plan(1, 1, 2, 1, split, "1f1b", 8, 1) for split in ((1, 3), (2, 2)))
-    x = Plan(1, 1, 1, 2, (4,), "1f1b", 4, 1)
+    a, b = (Layout(tp=1, cp=1, pp=2, dp=1, stage_layers=split, schedule="1f1b", microbatches=8,
+                   micro_batch_size=1) for split in ((1, 3), (2, 2)))
+    x = Layout(tp=1, cp=1, pp=1, dp=2, stage_layers=(4,), schedule="1f1b", microbatches=4, micro_batch_size=1)
 
     def measured_a() -> Trials:
         t = Trials([(a, 100.0), (b, 110.0)], (x, 200.0), steps=3, warmup=1)

@@ -30,7 +30,7 @@ TP_ACROSS = default_cluster(resolve_gpu("h100"), 16, 2)
 def test_braided_step_is_the_simulation_with_tp_on_its_stream():
     lay = Layout(tp=4, pp=4, schedule="stp")
     costs = stage_costs(SPEC, lay, JOB, TP_ACROSS, Efficiency())
-    m = lay.microbatches(JOB)
+    m = lay.microbatches_for(JOB)
     # by hand from the cost parts: compute, CP and ZeRO stay in the passes; the TP collectives
     # of one pass (the smaller of forward and backward) go to the TP stream, the rest stays
     tp = [min(a, b) for a, b in zip(costs.tp_f, costs.tp_b)]

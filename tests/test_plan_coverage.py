@@ -30,7 +30,7 @@ SPEC = resolve_model("arch=llama,layers=4,hidden=1024,heads=16,kv_heads=4,ffn_hi
 
 
 def _mem(layout: Layout, job: Job):
-    m = layout.microbatches(job)
+    m = layout.microbatches_for(job)
     return stage_memory(SPEC, layout, job, list(peak_inflight(layout.schedule, layout.pp, layout.vpp, m)))
 
 

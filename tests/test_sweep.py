@@ -83,7 +83,7 @@ def test_grid_toml(tmp_path):
     a, b = grid.layouts
     assert (a.tp, a.cp, a.pp, a.dp, a.world_size) == (2, 1, 2, 1, 4)        # missing degrees are 1
     assert a.name == "tp2-cp1-pp2-dp1" and a.placement == DEFAULT_ORDER
-    assert (b.name, b.schedule, b.m_pinned, b.world_size) == ("deep", "gpipe", 8, 4)
+    assert (b.name, b.schedule, b.microbatches, b.world_size) == ("deep", "gpipe", 8, 4)
     assert grid.train == {"preset": "tiny", "steps": 4}
     assert b.train_flags() == ["--tp", "1", "--cp", "1", "--pp", "4", "--dp", "1", "--schedule", "gpipe",
                                "--microbatches", "8"]

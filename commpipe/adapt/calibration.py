@@ -8,8 +8,8 @@ from __future__ import annotations
 import statistics
 
 from commpipe.adapt.model import Measured
-from commpipe.adapt.plan import Plan
 from commpipe.adapt.signals import collective_rates, link_rates
+from commpipe.layout import Layout
 
 
 def measured(trainer, timelines: dict, entries: list, ranks_per_node: int,
@@ -32,7 +32,7 @@ def measured(trainer, timelines: dict, entries: list, ranks_per_node: int,
                 busy.setdefault(s["rank"], []).append(s["busy_ms"])
     window = [x for _, x in entries]
     return Measured(
-        Plan.of(cfg), costs, host_ms(costs, per_rank),
+        Layout.of(cfg), costs, host_ms(costs, per_rank),
         statistics.median(s[("step", "step")] for s, _ in entries),
         links=link_rates(window, min_bytes),
         collective_gbps=collective_rates(window, ranks_per_node, min_bytes),

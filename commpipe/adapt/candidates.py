@@ -15,7 +15,7 @@ from dataclasses import replace
 
 from commpipe.adapt.config import AdaptConfig
 from commpipe.adapt.model import CostModel
-from commpipe.adapt.plan import Plan
+from commpipe.layout import Layout
 from commpipe.models.spec import ModelSpec, divisors
 from commpipe.parallel.dims import DEFAULT_ORDER
 from commpipe.plan.moe import ep_choices, routed_spec
@@ -28,8 +28,8 @@ ORDERS = (DEFAULT_ORDER, "tp-cp-pp-dp")
 SCHEDULES = ("1f1b",) + tuple(n for n in ONE_CHUNK if n != "1f1b")
 
 
-def _feasible(plan: Plan, spec: ModelSpec, seq_len: int, global_batch: int) -> bool:
-    dims = plan.dims()
+def _feasible(plan: Layout, spec: ModelSpec, seq_len: int, global_batch: int) -> bool:
+    dims = plan.dims
     if plan.ep not in ep_choices(spec, plan.dp * plan.cp):
         return False
     if routed_spec(spec) is not None:
@@ -50,7 +50,7 @@ def _feasible(plan: Plan, spec: ModelSpec, seq_len: int, global_batch: int) -> b
     return m == plan.microbatches and plan.microbatches >= 1
 
 
-def resplits(cur: Plan, model: CostModel) -> list[Plan]:
+def resplits(cur: Layout, model: CostModel) -> list[Layout]:
     """The balanced split and every one-layer move between neighbouring stages."""
     out = {model.balanced_split(cur)}
     layers = list(cur.stage_layers)
@@ -62,14 +62,11 @@ def resplits(cur: Plan, model: CostModel) -> list[Plan]:
             if min(new) >= 1:
                 out.add(tuple(new))
     out.discard(cur.stage_layers)
-    return [Plan(cur.tp, cp=cur.cp, pp=cur.pp, dp=cur.dp, stage_layers=s, schedule=cur.schedule,
-                 microbatches=cur.microbatches, micro_batch_size=cur.micro_batch_size,
-                 order=cur.order, ep=cur.ep)
-            for s in sorted(out)]
+    return [replace(cur, stage_layers=s, dp_microbatches=()) for s in sorted(out)]
 
 
-def rebatches(base: Plan, global_batch: int, max_per_stage: int,
-              schedules=SCHEDULES) -> list[Plan]:
+def rebatches(base: Layout, global_batch: int, max_per_stage: int,
+              schedules=SCHEDULES) -> list[Layout]:
     """Other micro-batch counts (same global batch), from pp to max_per_stage x max(pp, 2), and
     schedules for `base`'s layout and split. One stage runs its micro-batches one after another
     whatever the schedule, so without a pipeline only the running schedule is kept."""
@@ -84,8 +81,9 @@ def rebatches(base: Plan, global_batch: int, max_per_stage: int,
         for sched in schedules:
             if info(sched).m_problem(base.pp, m):
                 continue
-            p = Plan(base.tp, base.cp, base.pp, base.dp, base.stage_layers, sched, m, mbs,
-                     order=base.order, ep=base.ep)
+            p = Layout(tp=base.tp, cp=base.cp, pp=base.pp, dp=base.dp, ep=base.ep,
+                       stage_layers=base.stage_layers, schedule=sched, microbatches=m,
+                       micro_batch_size=mbs, order=base.order)
             if p != base:
                 out.append(p)
     return out
@@ -107,7 +105,7 @@ def proportional(total: int, speeds: list[float], least: int = 1) -> tuple[int, 
     return tuple(counts)
 
 
-def rebalances(cur: Plan, model: CostModel) -> list[Plan]:
+def rebalances(cur: Layout, model: CostModel) -> list[Layout]:
     """Micro-batches per DP replica in proportion to each replica's measured speed (its slowest
     rank), every one-micro-batch move from there between two replicas, and the even split;
     counts the schedule cannot run are left out (the model prices the rest). Under expert
@@ -136,16 +134,14 @@ def rebalances(cur: Plan, model: CostModel) -> list[Plan]:
         if any(info(cur.schedule).m_problem(cur.pp, c) for c in counts):
             continue
         even = len(set(counts)) == 1
-        plan = Plan(cur.tp, cur.cp, cur.pp, cur.dp, cur.stage_layers, cur.schedule,
-                    cur.microbatches, cur.micro_batch_size, () if even else counts, cur.order,
-                    cur.ep)
+        plan = replace(cur, dp_microbatches=() if even else counts)
         if plan != cur:
             out.append(plan)
     return out
 
 
-def layouts(cur: Plan, model: CostModel, spec: ModelSpec, seq_len: int, global_batch: int,
-            world: int, ranks_per_node: int) -> list[Plan]:
+def layouts(cur: Layout, model: CostModel, spec: ModelSpec, seq_len: int, global_batch: int,
+            world: int, ranks_per_node: int) -> list[Layout]:
     """Every other tp x cp x pp x dp (x ep) of this world (TP kept within a node), with the
     balanced split and the running schedule, at the running micro-batch size where it
     divides."""
@@ -169,15 +165,15 @@ def layouts(cur: Plan, model: CostModel, spec: ModelSpec, seq_len: int, global_b
                 for ep in ep_choices(spec, dp * cp):
                     if (tp, cp, pp, dp, ep) == (cur.tp, cur.cp, cur.pp, cur.dp, cur.ep):
                         continue
-                    draft = Plan(tp, cp, pp, dp, even, sched, m, mbs, ep=ep)
-                    plan = Plan(tp, cp, pp, dp, model.balanced_split(draft), sched, m, mbs,
-                                ep=ep)
+                    draft = Layout(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, stage_layers=even,
+                                   schedule=sched, microbatches=m, micro_batch_size=mbs)
+                    plan = replace(draft, stage_layers=model.balanced_split(draft))
                     if _feasible(plan, spec, seq_len, global_batch):
                         out.append(plan)
     return out
 
 
-def replacements(plans: list[Plan], world: int, ranks_per_node: int) -> list[Plan]:
+def replacements(plans: list[Layout], world: int, ranks_per_node: int) -> list[Layout]:
     """The same plans with their ranks placed in the other order (`ORDERS`): which of the
     pipeline stages and the DP replicas sit inside a node and which span nodes. Only where it
     changes a group (pp > 1 and dp > 1) and the world spans more than one node."""
@@ -187,11 +183,11 @@ def replacements(plans: list[Plan], world: int, ranks_per_node: int) -> list[Pla
             for o in ORDERS if o != p.order]
 
 
-def candidates(cur: Plan, model: CostModel, spec: ModelSpec, seq_len: int, global_batch: int,
-               world: int, ranks_per_node: int, acfg: AdaptConfig) -> list[Plan]:
+def candidates(cur: Layout, model: CostModel, spec: ModelSpec, seq_len: int, global_batch: int,
+               world: int, ranks_per_node: int, acfg: AdaptConfig) -> list[Layout]:
     """Every feasible plan other than `cur`, in the order (a), (b), (d), (c); (d) only with
     acfg.rebalance, (c) only with acfg.layouts."""
-    found: list[Plan] = []
+    found: list[Layout] = []
     splits = resplits(cur, model) if cur.pp > 1 else []
     found += splits
     best_split = next((p for p in splits if p.stage_layers == model.balanced_split(cur)), cur)

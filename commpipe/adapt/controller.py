@@ -27,7 +27,6 @@ from commpipe.adapt.detect import Watch, record_levels, where
 from commpipe.adapt.evaluate import evaluate
 from commpipe.adapt.exchange import Exchange
 from commpipe.adapt.model import Measured
-from commpipe.adapt.plan import Plan
 from commpipe.adapt.records import Decision
 from commpipe.adapt.signals import (
     CollectiveTimer,
@@ -37,6 +36,7 @@ from commpipe.adapt.signals import (
     step_signals,
 )
 from commpipe.adapt.trial import Trials, present_ms
+from commpipe.layout import Layout
 from commpipe.monitor import unmonitored
 from commpipe.plan.interval import trial_factors
 
@@ -79,14 +79,14 @@ class Controller:
         # its detector's baselines came from; the cost model's constants are calibrated on them
         self.reference: tuple | None = None
         self.reference_before_trials: tuple | None = None
-        self.running = self.command_plan = Plan.of(trainer.cfg)
+        self.running = self.command_plan = Layout.of(trainer.cfg)
         self.plan_baselines: dict[str, dict] = {}   # plan name -> its healthy levels
         self.first_visit: str | None = None         # the plan on its first visit, if one is
         resumed = self.acfg.resume_state
         if resumed:   # a checkpoint of this run: re-arm against the levels it recorded
-            self.command_plan = _plan(resumed["command_plan"])
+            self.command_plan = Layout.from_record(resumed["command_plan"])
             self.plan_baselines = dict(resumed.get("baselines") or {})
-            self.watch.restore({"baselines": self.plan_baselines.get(self.running.name, {}),
+            self.watch.restore({"baselines": self.plan_baselines.get(self.running.title, {}),
                                 "stragglers": resumed.get("stragglers", [])})
             self.reference = ()   # armed levels without their steps: no healthy reference
         if trainer.comm.rank == 0:
@@ -98,8 +98,8 @@ class Controller:
         if self.host is not None:
             self._write(self.host)
         if resumed:
-            self._write({"step": trainer.step - 1, "action": "resumed", "to": self.running.to_dict(),
-                         "baselines": len(self.plan_baselines.get(self.running.name, {})),
+            self._write({"step": trainer.step - 1, "action": "resumed", "to": self.running.record(),
+                         "baselines": len(self.plan_baselines.get(self.running.title, {})),
                          "reason": resumed.get("note") or "the checkpoint's plan"})
         req = self.acfg.resumed_from
         if req is not None:   # this start continues a switch by checkpoint and relaunch
@@ -110,7 +110,7 @@ class Controller:
 
     def prepare(self, trainer) -> None:
         self.is_logger = trainer.is_logger        # the rank that prints step lines, per plan
-        self.running = Plan.of(trainer.cfg)
+        self.running = Layout.of(trainer.cfg)
         trainer.adapt_state = self.checkpoint_state   # saved with every checkpoint
         trainer.runtime.events = []               # the step's timeline (cleared every step)
         if self.timer not in trainer.comm.observers:
@@ -183,10 +183,10 @@ class Controller:
             n = self.acfg.baseline_steps
             self.reference = (list(self.window)[-n:], list(self.timelines)[-n:])
             armed = True
-        if self.running.name not in self.plan_baselines:
-            self.first_visit = self.running.name
-        record_levels(self.plan_baselines, self.running.name, self.watch.detector,
-                      self.first_visit == self.running.name)
+        if self.running.title not in self.plan_baselines:
+            self.first_visit = self.running.title
+        record_levels(self.plan_baselines, self.running.title, self.watch.detector,
+                      self.first_visit == self.running.title)
         recheck = armed and self.recheck and not found
         if armed:
             self.recheck = False
@@ -214,17 +214,17 @@ class Controller:
             from commpipe.adapt.relaunch import request
 
             try:
-                request(trainer, _plan(decision.to), decision)   # raises: the job stops
+                request(trainer, Layout.from_record(decision.to), decision)   # raises: the job stops
             finally:
                 self._write(decision)
-        trainer, metrics_file, took = self._switch(trainer, _plan(decision.to), metrics_file)
+        trainer, metrics_file, took = self._switch(trainer, Layout.from_record(decision.to), metrics_file)
         decision.switch_time_s = self.measured_cost[decision.kind] = took
         self._write(decision)
         if decision.trial_plans:
             a = self.acfg
-            self.trials = Trials([(_plan(d), r["predicted_ms"])
+            self.trials = Trials([(Layout.from_record(d), r["predicted_ms"])
                                   for d, r in zip(decision.trial_plans, decision.trials)],
-                                 (_plan(decision.from_plan), before_ms),
+                                 (Layout.from_record(decision.from_plan), before_ms),
                                  steps=a.trial_steps, warmup=a.trial_warmup_steps)
             self.trials.switch_s.append(took)
         return trainer, metrics_file
@@ -232,7 +232,7 @@ class Controller:
     def checkpoint_state(self) -> dict:
         """What a resumed run needs to keep the adaptation (commpipe.adapt.resume)."""
         plan = self.trials.current[0] if self.trials is not None else self.running
-        return {"plan": plan.to_dict(), "command_plan": self.command_plan.to_dict(),
+        return {"plan": plan.record(), "command_plan": self.command_plan.record(),
                 "baselines": self.plan_baselines, "stragglers": sorted(self.watch.stragglers)}
 
     # -- the trial phase (collective) -----------------------------------------------------------
@@ -245,15 +245,15 @@ class Controller:
             return trainer, metrics_file
         r = t.finish()
         running = r["plan"]
-        record = {"step": step, "action": "trial", "plan": running.name,
+        record = {"step": step, "action": "trial", "plan": running.title,
                   "predicted_ms": r["predicted_ms"], "measured_ms": r["measured_ms"],
                   "steps_ms": r["steps_ms"], "warmup_ms": r["warmup_ms"]}
         dropped = t.prune(self.trial_interval, trainer.cfg.steps - trainer.step)
         if dropped:
-            record["dropped"] = [p.name for p in dropped]
+            record["dropped"] = [p.title for p in dropped]
         if not t.done and trainer.step < trainer.cfg.steps:
             nxt = t.plan
-            record |= {"to": nxt.to_dict(), "kind": running.kind_of_switch(nxt)}
+            record |= {"to": nxt.record(), "kind": running.kind_of_switch(nxt)}
             trainer, metrics_file, took = self._switch(trainer, nxt, metrics_file)
             record["switch_time_s"] = self.measured_cost[record["kind"]] = took
             self._write(record)
@@ -262,10 +262,10 @@ class Controller:
         self._write(record)
         best, best_ms = t.settle()
         self.trials = None
-        settle = {"step": step, "action": "settle", "to": best.to_dict(), "measured_ms": best_ms,
-                  "measured": [{"plan": t.current[0].name, "measured_ms": t.current[1],
+        settle = {"step": step, "action": "settle", "to": best.record(), "measured_ms": best_ms,
+                  "measured": [{"plan": t.current[0].title, "measured_ms": t.current[1],
                                 "before_trials": True}]
-                  + [{"plan": p.name, "measured_ms": m, "steps_ms": k} for p, m, k in t.results],
+                  + [{"plan": p.title, "measured_ms": m, "steps_ms": k} for p, m, k in t.results],
                   "trial_cost_s": t.cost_s(best_ms),
                   "reason": "fastest measured" + (" (the plan before the trials)"
                                                   if best == t.current[0] else "")}
@@ -382,7 +382,7 @@ class Controller:
         return measured(trainer, timelines, entries, self.rpn, self.acfg.collective_min_bytes)
 
     # -- switching (collective) -------------------------------------------------------------------
-    def _switch(self, trainer, plan: Plan, metrics_file):
+    def _switch(self, trainer, plan: Layout, metrics_file):
         """Every rank to `plan`, in memory. Returns (trainer, metrics file, seconds the
         slowest rank took); the detector starts over under the new plan."""
         from commpipe.adapt.switch import switch
@@ -420,7 +420,3 @@ class Controller:
             for line in record_lines(decision):
                 self.say(line)
 
-
-def _plan(d: dict) -> Plan:
-    return Plan(**{k: v for k, v in d.items() if k != "name"} |
-                {"stage_layers": tuple(d["stage_layers"])})

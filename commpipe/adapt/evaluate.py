@@ -10,17 +10,19 @@ synthetic measurements.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from commpipe.adapt.candidates import candidates
 from commpipe.adapt.config import AdaptConfig
 from commpipe.adapt.model import CostModel, Measured
-from commpipe.adapt.plan import Plan, moved_s, payback
+from commpipe.adapt.plan import moved_s, payback
 from commpipe.adapt.records import Decision
 from commpipe.adapt.trial import overlaps_best, plan_trials
+from commpipe.layout import Layout
 from commpipe.models.family import layout_planned
 
 
-def switch_cost(cur: Plan, plan: Plan, model: CostModel, spec, acfg: AdaptConfig,
+def switch_cost(cur: Layout, plan: Layout, model: CostModel, spec, acfg: AdaptConfig,
                 measured_cost: dict[str, float]) -> float:
     """Fixed (--adapt-switch-cost), else the last measured switch of this kind, else a
     rebuild allowance (AdaptConfig.base_switch_s: this run's own build time) plus the time the
@@ -39,13 +41,13 @@ def switch_cost(cur: Plan, plan: Plan, model: CostModel, spec, acfg: AdaptConfig
     return rebuild + moved_s(cur, plan, spec, lambda a, b: model.link(a, b)[1], model.rpn)
 
 
-def memory_need_gb(cfg, plan: Plan, on_cpu: bool, ranks_per_node: int) -> float:
+def memory_need_gb(cfg, plan: Layout, on_cpu: bool, ranks_per_node: int) -> float:
     """GiB `plan` needs by the planner's memory model (commpipe.plan.fits): on CPU the sum over
     the ranks of one host, on a GPU the heaviest rank (stage memory at an even split)."""
     from commpipe.plan.fits import host_need_gb
     from commpipe.plan.layout import Job, runtime_job
 
-    layout = plan.layout(cfg.recompute, 1 if cfg.optim.zero1 else 0)
+    layout = replace(plan, recompute=cfg.recompute, zero=1 if cfg.optim.zero1 else 0)
     job = Job(cfg.global_batch, cfg.seq_len, precision=cfg.precision or "fp32",
               **runtime_job(cfg.features()))
     world = plan.tp * plan.cp * plan.pp * plan.dp
@@ -91,9 +93,9 @@ def evaluate(cfg, acfg: AdaptConfig, measured: Measured, *, step: int, steps_lef
     admitted = [r for r in rows if r["verdict"].admit]
     d = Decision(
         step=step, action="stay", detections=detections, signals=signals,
-        measured_step_ms=measured.step_ms, from_plan=cur.to_dict(),
+        measured_step_ms=measured.step_ms, from_plan=cur.record(),
         predicted_current_ms=current_ms, model=model.describe(),
-        candidates=[{"plan": r["plan"].name, "kind": r["kind"],
+        candidates=[{"plan": r["plan"].title, "kind": r["kind"],
                      "predicted_ms": r["predicted_ms"], "switch_cost_s": r["switch_cost_s"]}
                     for r in rows[:acfg.logged_candidates]],
         candidates_considered=len(rows), to=None, predicted_saving_s=0.0, switch_cost_s=0.0,
@@ -122,12 +124,12 @@ def evaluate(cfg, acfg: AdaptConfig, measured: Measured, *, step: int, steps_lef
         # (prediction intervals overlapping); their cost joins the payback
         picked, cost, verdict = plan_trials(rows, best, current_ms, steps_left, acfg, interval)
         if verdict.admit:
-            d.trials = [{"plan": r["plan"].name, "predicted_ms": r["predicted_ms"],
+            d.trials = [{"plan": r["plan"].title, "predicted_ms": r["predicted_ms"],
                          "switch_cost_s": r["switch_cost_s"]} for r in picked]
-            d.trial_plans = [r["plan"].to_dict() for r in picked]
+            d.trial_plans = [r["plan"].record() for r in picked]
             d.trial_cost_s = cost
     d.action = "switch" if verdict.admit else "stay"
-    d.to, d.kind = best["plan"].to_dict(), best["kind"]
+    d.to, d.kind = best["plan"].record(), best["kind"]
     d.predicted_best_ms = best["predicted_ms"]
     d.predicted_saving_s, d.horizon_steps = verdict.saving_s, verdict.horizon_steps
     d.switch_cost_s, d.reason = best["switch_cost_s"], verdict.reason

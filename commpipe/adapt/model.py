@@ -1,4 +1,4 @@
-"""Predicted step time of any `Plan` from what the running plan measured, priced by the simulator.
+"""Predicted step time of any running `Layout` from what the running plan measured, priced by the simulator.
 
 The running plan's timeline is calibrated exactly as `simulate --compare` does it
 (`commpipe.sim.compare.calibrate`: median F/B/I/W per stage plus the host time between compute
@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 from commpipe.adapt.config import AdaptConfig
 from commpipe.adapt.model_moe import edp_group, ep_stage_ms, stage_params
-from commpipe.adapt.plan import Plan
+from commpipe.layout import Layout
 from commpipe.models.family import family_of
 from commpipe.models.spec import ModelSpec
 from commpipe.plan.cluster import Cluster, Link
@@ -61,7 +61,7 @@ MEASURED_RUN = GPU("measured run", tflops=0.0, mem_gb=0.0, hbm_gbps=0.0, nvlink_
                    nic_gbps=0.0)
 
 
-def replica_m(plan: Plan, d: int) -> int:
+def replica_m(plan: Layout, d: int) -> int:
     """Micro-batches DP replica d runs under `plan`."""
     return plan.dp_microbatches[d] if plan.dp_microbatches else plan.microbatches
 
@@ -79,7 +79,7 @@ def stage_work(spec: ModelSpec, seq_len: int, stage_layers, s: int) -> float:
 class Measured:
     """What the running plan measured, gathered from every rank (see commpipe.adapt.signals)."""
 
-    plan: Plan
+    plan: Layout
     costs: CostTable                 # calibrated on the running program (per stage)
     host_ms: float                   # host time charged to each compute action
     step_ms: float                   # measured step time (median over the recent window)
@@ -113,7 +113,7 @@ class CostModel:
         self.rpn = max(1, ranks_per_node)
         self.m = measured
         cur = measured.plan
-        self.dims = cur.dims()
+        self.dims = cur.dims
         c = measured.costs
         host = measured.host_ms
         # per stage: its measured F + B (host gaps out), its FLOPs work and its ops, as work
@@ -182,7 +182,7 @@ class CostModel:
         """The precision whose op counts apply (commpipe.plan.runtime_ops): the element size."""
         return "bf16" if self.m.element_bytes == 2 else "fp32"
 
-    def op_work(self, plan: Plan, s: int) -> float:
+    def op_work(self, plan: Layout, s: int) -> float:
         """The part of a micro-batch's F + B on stage s of `plan` that is fixed per micro-batch,
         as units of work (0: not separated)."""
         if not self.m.op_work:
@@ -190,7 +190,7 @@ class CostModel:
         return sum(stage_ops(plan.stage_layers, s, self._precision, *self._op_group(plan))) \
             * self.m.op_work
 
-    def _op_group(self, plan: Plan) -> tuple[int, int]:
+    def _op_group(self, plan: Layout) -> tuple[int, int]:
         """(tp, cp) whose ops a layer of `plan` adds (commpipe.plan.runtime_ops.layer_ops): TP's
         are counted with sequence parallelism, as commpipe's runtime runs it."""
         return (plan.tp if self.m.sequence_parallel else 1), plan.cp
@@ -215,7 +215,7 @@ class CostModel:
                     self.slow_links.add((a, b))
         self.slow_ranks = {g for g, k in self.k.items() if k > slower * healthy.k.get(g, 1.0)}
 
-    def _solve_factor(self, plan: Plan, step: float) -> float:
+    def _solve_factor(self, plan: Layout, step: float) -> float:
         """The factor on the slow links' time (or the slow ranks' compute) that makes `plan`
         predict `step`: bisection, the prediction grows with it."""
         lo, hi = 1.0, 1e4
@@ -321,12 +321,12 @@ class CostModel:
         return 1e3 * (gather + scatter) / 2
 
     # -- prediction ----------------------------------------------------------------------------
-    def predict(self, plan: Plan) -> float:
+    def predict(self, plan: Layout) -> float:
         """Predicted step time (ms) of `plan` on the measured machine."""
         compute, comm = self.components(plan)
         return compute * self.scale + comm * self.comm_weight + self.other_ms
 
-    def components(self, plan: Plan) -> tuple[float, float]:
+    def components(self, plan: Layout) -> tuple[float, float]:
         """(simulated step without communication, the communication it adds) in ms. Under
         uneven DP each replica's pipeline is simulated with its own count and its own ranks'
         slowdowns; the slowest replica sets the step."""
@@ -338,17 +338,17 @@ class CostModel:
                                  key=lambda x: x[1])
         return bare, makespan - bare + self._dp_ms(plan)
 
-    def replica_slowdown(self, plan: Plan, d: int) -> float:
+    def replica_slowdown(self, plan: Layout, d: int) -> float:
         """The slowest measured factor among DP replica d's ranks under `plan`."""
-        dims = plan.dims()
+        dims = plan.dims
         return max(self.slowdown(dims.rank_of(pp=s, dp=d, cp=q, tp=t)) for s in range(plan.pp)
                    for q in range(plan.cp) for t in range(plan.tp))
 
-    def _pipeline(self, plan: Plan, replicas, m: int) -> tuple[float, float]:
+    def _pipeline(self, plan: Layout, replicas, m: int) -> tuple[float, float]:
         """(makespan without communication, with it) of `m` micro-batches through the pipeline,
         each stage at the slowest factor among its ranks in `replicas`."""
         spec, seq = self.spec, self.seq_len
-        dims = plan.dims()
+        dims = plan.dims
         program = generate(plan.schedule, plan.pp, m, 1)
         n = program.num_stages
         act_bytes = self.m.element_bytes * plan.micro_batch_size * (seq // plan.cp) * spec.hidden
@@ -383,9 +383,9 @@ class CostModel:
         bare = simulate(program, CostTable(f=f, b=b), check=False).makespan
         return bare, makespan
 
-    def _dp_ms(self, plan: Plan) -> float:
+    def _dp_ms(self, plan: Layout) -> float:
         n = plan.pp
-        dims = plan.dims()
+        dims = plan.dims
         dp_ms = 0.0
         if plan.dp * plan.cp > 1:   # gradients are summed over DP and CP ranks (GradReducer):
             # an all-reduce of the largest stage's TP shard, fp32; a MoE stage's routed experts
@@ -407,14 +407,14 @@ class CostModel:
         calls = math.ceil(nbytes / self.m.dp_bucket_bytes)
         return self.all_reduce_ms(nbytes, ranks) + calls * self.m.call_ms
 
-    def stage_rate(self, plan: Plan, s: int) -> float:
+    def stage_rate(self, plan: Layout, s: int) -> float:
         """Stage s's slowdown under `plan`: its slowest rank's measured factor."""
-        dims = plan.dims()
+        dims = plan.dims
         group = [dims.rank_of(pp=s, dp=d, cp=q, tp=t) for d in range(plan.dp)
                  for q in range(plan.cp) for t in range(plan.tp)]
         return max(self.slowdown(g) for g in group)
 
-    def layer_ms(self, plan: Plan) -> list[float]:
+    def layer_ms(self, plan: Layout) -> list[float]:
         """Healthy F + B ms of each layer for one micro-batch of `plan`: its FLOPs and its fixed
         part at the healthy unit (the head, and its ops, on the last layer)."""
         costs = family_of(self.spec).layer_costs(self.spec, self.seq_len)
@@ -426,7 +426,7 @@ class CostModel:
             ms[-1] += self.unit * sum(microbatch_ops(self._precision)) * self.m.op_work
         return ms
 
-    def balanced_split(self, plan: Plan) -> tuple[int, ...]:
+    def balanced_split(self, plan: Layout) -> tuple[int, ...]:
         """Contiguous layers per stage minimising the slowest stage, each stage's time scaled by
         its measured slowdown (the same balancer as --stage-layers auto)."""
         from commpipe.parallel.balance import balance

@@ -69,10 +69,9 @@ def a2a_ms(model, plan, ranks: list[int]) -> float:
 
     if len(ranks) < 2:
         return 0.0
-    layout = plan.layout()
     job = Job(plan.microbatches * plan.micro_batch_size * plan.dp, model.seq_len,
               precision="fp32" if model.m.element_bytes == 4 else "bf16")
-    return 1e3 * all_to_all(group_cluster(model, ranks), a2a_bytes(model.spec, layout, job),
+    return 1e3 * all_to_all(group_cluster(model, ranks), a2a_bytes(model.spec, plan, job),
                             len(ranks), 1)
 
 
@@ -89,7 +88,7 @@ def ep_stage_ms(model, plan, s: int, ranks: list[int]) -> float:
     layers = sum(1 for i in range(start, start + plan.stage_layers[s]) if moe.is_moe_layer(i))
     if not layers:
         return 0.0
-    groups = [g for g in ep_groups(plan.dims(), plan.ep)[0] if set(g) & set(ranks)]
+    groups = [g for g in ep_groups(plan.dims, plan.ep)[0] if set(g) & set(ranks)]
     return 2 * layers * max(a2a_ms(model, plan, g) for g in groups)
 
 
@@ -97,4 +96,4 @@ def edp_group(plan) -> list[int]:
     """The ranks holding rank 0's experts under `plan` (its edp group)."""
     from commpipe.parallel.expert import ep_groups
 
-    return list(ep_groups(plan.dims(), plan.ep)[1][0])
+    return list(ep_groups(plan.dims, plan.ep)[1][0])

@@ -1,125 +1,24 @@
-"""`Plan`: one way to lay training out on the same processes, and the payback rule (pure Python).
+"""What a switch between two running layouts moves, and the payback rule (pure Python).
 
-A plan is (tp, cp, pp, dp, stage_layers, schedule, microbatches, micro_batch_size, for uneven
-data parallelism the micro-batches of each DP replica, the rank order that places the
-groups on the processes: commpipe.parallel.dims, and for a Mixture-of-Experts model the
-expert-parallel size ep carved from dp*cp: commpipe.parallel.expert) with the global batch fixed:
-every plan computes the same values (commpipe's layouts are numerically equal), so
-a switch changes speed, never results.
+A plan is a running `commpipe.layout.Layout`: (tp, cp, pp, dp, stage_layers, schedule,
+microbatches, micro_batch_size, for uneven data parallelism the micro-batches of each DP
+replica, the rank order that places the groups on the processes: commpipe.parallel.dims, and
+for a Mixture-of-Experts model the expert-parallel size ep carved from dp*cp:
+commpipe.parallel.expert) with the global batch fixed: every plan computes the same values
+(commpipe's layouts are numerically equal), so a switch changes speed, never results.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
-from commpipe.parallel.dims import DEFAULT_ORDER
-
-
-@dataclass(frozen=True)
-class Plan:
-    tp: int
-    cp: int
-    pp: int
-    dp: int
-    stage_layers: tuple[int, ...]
-    schedule: str
-    microbatches: int
-    micro_batch_size: int
-    dp_microbatches: tuple[int, ...] = ()   # per DP replica (commpipe.train.dp_split); (): even
-    order: str = DEFAULT_ORDER              # rank placement (ParallelDims.order)
-    ep: int = 1                             # expert parallelism (MoE models; parallel.expert)
-
-    def __post_init__(self):   # read back from JSON as lists
-        object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
-        object.__setattr__(self, "dp_microbatches", tuple(self.dp_microbatches or ()))
-
-    @classmethod
-    def of(cls, cfg) -> Plan:
-        """The plan a resolved TrainConfig runs."""
-        from commpipe.parallel.dims import split_layers
-
-        d = cfg.dims
-        n = cfg.program().num_stages
-        layers = tuple(len(r) for r in split_layers(cfg.spec.layers, n, cfg.stage_layers))
-        return cls(d.tp, d.cp, d.pp, d.dp, layers, cfg.schedule, cfg.microbatches,
-                   cfg.micro_batch_size, tuple(cfg.dp_microbatches or ()), d.order, cfg.ep)
-
-    def dims(self):
-        """The rank grid of this plan (commpipe.parallel.dims.ParallelDims)."""
-        from commpipe.parallel.dims import ParallelDims
-
-        return ParallelDims(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp, order=self.order)
-
-    def layout(self, recompute: str = "none", zero: int = 0):
-        """The planner's description of this plan (commpipe.layout.Layout): its degrees,
-        micro-batch size and schedule, with the run's recompute and ZeRO stage. Stage splits,
-        per-replica micro-batches and the rank order stay the plan's own (a Layout's
-        `placement` places a launch's ranks on nodes; `order` numbers the ranks of the running
-        processes)."""
-        from commpipe.layout import Layout
-
-        return Layout(self.tp, self.cp, self.pp, self.dp, 1, self.micro_batch_size, self.schedule,
-                      recompute, zero, ep=self.ep)
-
-    @property
-    def name(self) -> str:
-        split = ",".join(str(x) for x in self.stage_layers)
-        name = (f"tp{self.tp}-cp{self.cp}-pp{self.pp}-dp{self.dp} {self.schedule} "
-                f"m{self.microbatches}x{self.micro_batch_size} layers {split}")
-        if self.ep > 1:   # as the metrics' `layout` (commpipe.train.config.layout_label)
-            name = f"ep{self.ep}-{name}"
-        if self.dp_microbatches:
-            name += " dp-m " + ",".join(str(x) for x in self.dp_microbatches)
-        if self.order != DEFAULT_ORDER:
-            name += f" ranks {self.order}"
-        return name
-
-    def same_layout(self, other: Plan) -> bool:
-        """Same process groups (tp, cp, pp, dp, ep and rank order): a switch re-splits or
-        re-batches only."""
-        return (self.tp, self.cp, self.pp, self.dp, self.order, self.ep) == \
-            (other.tp, other.cp, other.pp, other.dp, other.order, other.ep)
-
-    def kind_of_switch(self, other: Plan) -> str:
-        if (self.tp, self.cp, self.pp, self.dp, self.ep) == \
-                (other.tp, other.cp, other.pp, other.dp, other.ep) and self.order != other.order:
-            return "replace"       # the same degrees, ranks placed differently
-        if not self.same_layout(other):
-            return "reshard"
-        if self.stage_layers != other.stage_layers:
-            return "resplit"
-        if (self.schedule, self.microbatches, self.micro_batch_size) == \
-                (other.schedule, other.microbatches, other.micro_batch_size):
-            return "rebalance"     # only the micro-batches per DP replica change
-        return "rebatch"
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["stage_layers"] = list(self.stage_layers)
-        d["dp_microbatches"] = list(self.dp_microbatches)
-        d["name"] = self.name
-        return d
-
-    def apply(self, cfg):
-        """A new, resolved TrainConfig running this plan; everything else as in `cfg`."""
-        import copy
-
-        new = copy.copy(cfg)
-        new.optim = copy.copy(cfg.optim)
-        new.dims = self.dims()
-        new.ep = self.ep
-        new.stage_layers = list(self.stage_layers)
-        new.schedule, new.vpp = self.schedule, 1
-        new.microbatches, new.micro_batch_size = self.microbatches, self.micro_batch_size
-        new.dp_microbatches = self.dp_microbatches or None
-        new.spec = None
-        return new.resolve(self.tp * self.cp * self.pp * self.dp)
+from commpipe.layout import Layout
 
 
-def held_parts(plan: Plan, rank: int) -> set:
+def held_parts(plan: Layout, rank: int) -> set:
     """The model parts rank holds under `plan` (full tensors once its TP group gathers them):
     ("layer", i), ("embedding",), ("head",)."""
-    stage = plan.dims().coords(rank)["pp"]
+    stage = plan.dims.coords(rank)["pp"]
     start = sum(plan.stage_layers[:stage])
     parts = {("layer", i) for i in range(start, start + plan.stage_layers[stage])}
     if stage == 0:
@@ -143,7 +42,7 @@ def part_bytes(spec) -> dict[str, float]:
             "head": 12.0 * (spec.vocab * spec.hidden + spec.hidden)}
 
 
-def moved_bytes(cur: Plan, new: Plan, spec) -> float:
+def moved_bytes(cur: Layout, new: Layout, spec) -> float:
     """The most bytes any rank must receive to switch from `cur` to `new`: parameters and two
     AdamW moments (fp32) of the parts it will hold and does not hold now."""
     size = part_bytes(spec)
@@ -159,7 +58,7 @@ def nearest_holder(holders, dst: int, ranks_per_node: int) -> int:
     return min(holders, key=lambda r: (r // ranks_per_node != dst // ranks_per_node, r))
 
 
-def moved_s(cur: Plan, new: Plan, spec, gbps, ranks_per_node: int) -> float:
+def moved_s(cur: Layout, new: Layout, spec, gbps, ranks_per_node: int) -> float:
     """Seconds the slowest rank spends receiving what it lacks to switch from `cur` to `new`
     (parameters and two AdamW moments, fp32): each part from its `nearest_holder` under `cur`
     at `gbps(src, dst)` GB/s. Only ranks whose role changes receive anything, and a part that a

@@ -41,17 +41,17 @@ def request(trainer, plan, decision) -> None:
     decision.save_time_s = time.perf_counter() - t0
     if trainer.comm.rank == 0:
         (out / RELAUNCH).write_text(json.dumps({
-            "step": trainer.step, "checkpoint": str(path), "to": plan.to_dict(),
+            "step": trainer.step, "checkpoint": str(path), "to": plan.record(),
             "from": decision.from_plan, "requested_at": time.time()}, indent=2))
     trainer.comm.barrier()
-    raise RelaunchRequested(f"switching to {plan.name} by checkpoint and relaunch after step "
+    raise RelaunchRequested(f"switching to {plan.title} by checkpoint and relaunch after step "
                             f"{trainer.step - 1}: run the same command again to continue")
 
 
 def apply_pending(cfg, world: int):
     """The configuration to start with: `cfg`, or its pending relaunch's plan resuming from the
     relaunch checkpoint. Pure file reads: runs before any process group starts."""
-    from commpipe.adapt.plan import Plan
+    from commpipe.layout import Layout
     from commpipe.train import checkpoint
 
     if cfg.adapt is None or not cfg.out:
@@ -71,9 +71,8 @@ def apply_pending(cfg, world: int):
         return cfg                     # superseded by a later checkpoint
     to = req["to"]
     try:
-        plan = Plan(**{k: v for k, v in to.items() if k != "name"} |
-                    {"stage_layers": tuple(to["stage_layers"])})
-    except (KeyError, TypeError) as e:
+        plan = Layout.from_record(to)
+    except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"relaunch request {path}: \"to\" is not a plan ({type(e).__name__}: "
                          f"{e}){fix}") from None
     new = plan.apply(cfg)

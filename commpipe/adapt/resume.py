@@ -20,12 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from commpipe.adapt.plan import Plan
-
-
-def plan_from(d: dict) -> Plan:
-    return Plan(**{k: v for k, v in d.items() if k != "name"} |
-                {"stage_layers": tuple(d["stage_layers"])})
+from commpipe.layout import Layout
 
 
 def saved_state(cfg) -> dict | None:
@@ -52,12 +47,12 @@ def resume_adapted(cfg, world: int):
     if state is None:
         return cfg
     try:
-        saved, started = plan_from(state["plan"]), plan_from(state["command_plan"])
-    except (KeyError, TypeError) as e:
+        saved, started = Layout.from_record(state["plan"]), Layout.from_record(state["command_plan"])
+    except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"--resume {cfg.resume}: the checkpoint's adaptive state is not a plan "
                          f"({type(e).__name__}: {e}); resume without --adapt, or from an "
                          "earlier checkpoint") from None
-    asked = Plan.of(cfg)
+    asked = Layout.of(cfg)
     same_world = saved.tp * saved.cp * saved.pp * saved.dp == world
     new, note = cfg, None
     if cfg.adapt.resumed_from is not None:   # a relaunch: its request chose the plan
@@ -65,9 +60,9 @@ def resume_adapted(cfg, world: int):
     elif asked == started and saved != asked and same_world:
         new = saved.apply(cfg)
         note = (f"the checkpoint's adapted plan; layout flags other than the run started with "
-                f"({started.name}) choose another")
+                f"({started.title}) choose another")
     elif asked != started:
-        note = (f"the command's layout: the run started in {started.name}, the checkpoint "
-                f"ran {saved.name}")
+        note = (f"the command's layout: the run started in {started.title}, the checkpoint "
+                f"ran {saved.title}")
     new.adapt = dataclasses.replace(cfg.adapt, resume_state=state | {"note": note})
     return new

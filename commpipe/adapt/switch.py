@@ -1,4 +1,4 @@
-"""Switch a running job to another `Plan` in the same processes, losing nothing.
+"""Switch a running job to another layout (commpipe.layout.Layout) in the same processes, losing nothing.
 
 1. Each rank holds full tensors of what it has: its parameters and AdamW states (exp_avg,
    exp_avg_sq, step), TP shards all-gathered within the TP group (as a checkpoint save does),

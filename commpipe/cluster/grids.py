@@ -57,7 +57,7 @@ def layouts_from_dicts(entries: list[dict], where: str = "grid") -> list[Layout]
         kwargs = {}
         for key in ("tp", "cp", "pp", "dp", "vpp", "microbatches"):
             if key in entry:
-                kwargs["m_pinned" if key == "microbatches" else key] = _int(entry[key], key, at)
+                kwargs[key] = _int(entry[key], key, at)
         for key in ("schedule", "placement", "name"):
             if key in entry:
                 kwargs[key] = str(entry[key])

@@ -266,7 +266,7 @@ def estimate(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
     problem = layout_problem(spec, job, layout, cluster.num_gpus)
     if problem:
         return Estimate(layout, False, problem)
-    m = layout.microbatches(job)
+    m = layout.microbatches_for(job)
     inflight = list(peak_inflight(layout.schedule, layout.pp, layout.vpp, m))
     memory = stage_memory(spec, layout, job, inflight)
     problem = memory_problem(memory, cluster.gpu.mem_gb)
@@ -290,7 +290,7 @@ def step_time(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster, eff: 
     problem = layout_problem(spec, job, layout, cluster.num_gpus)
     if problem:
         raise ValueError(f"{layout.short()}: {problem}")
-    est = Estimate(layout, True, "", microbatches=layout.microbatches(job))
+    est = Estimate(layout, True, "", microbatches=layout.microbatches_for(job))
     costs = stage_costs(spec, layout, job, cluster, eff)
     return finish_estimate(est, spec, job, cluster, costs, detail=False, eff=eff).step_time_s
 

@@ -33,7 +33,7 @@ MAX_RELEASE_LAYOUTS = 20000     # layouts tried per released dimension before gi
 def needed_gb(spec: ModelSpec, layout: Layout, job: Job) -> float:
     """Memory of the layout's largest stage (GiB)."""
     static = static_memory_gb(spec, layout, job)
-    inflight = list(peak_inflight(layout.schedule, layout.pp, layout.vpp, layout.microbatches(job)))
+    inflight = list(peak_inflight(layout.schedule, layout.pp, layout.vpp, layout.microbatches_for(job)))
     return max(static, max(s.total_gb for s in stage_memory(spec, layout, job, inflight)))
 
 

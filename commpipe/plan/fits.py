@@ -37,7 +37,7 @@ CPU_RANK_GIB = 0.3
 def rank_need_gb(spec: ModelSpec, layout: Layout, job: Job, on_cpu: bool) -> list[float]:
     """GiB each pipeline rank needs at its peak (memory.stage_memory; the fixed part of the
     reserve is a rank's growth on CPU instead of a CUDA context)."""
-    m = layout.microbatches(job)
+    m = layout.microbatches_for(job)
     stages = stage_memory(spec, layout, job, list(peak_inflight(layout.schedule, layout.pp,
                                                                 layout.vpp, m)))
     fixed = CPU_RANK_GIB - RESERVE_FIXED_GIB if on_cpu else 0.0
@@ -114,7 +114,7 @@ def fit_problem(spec: ModelSpec, layout: Layout, job: Job, on_cpu: bool,
     where = (f"{len(local_ranks)} rank(s) on this host need" if on_cpu
              else "the heaviest rank needs")
     worst = max(stage_memory(spec, layout, job, list(peak_inflight(
-        layout.schedule, layout.pp, layout.vpp, layout.microbatches(job)))),
+        layout.schedule, layout.pp, layout.vpp, layout.microbatches_for(job)))),
         key=lambda s: s.total_gb)
     parts = (f"weights+gradients+optimizer {worst.weights_gb + worst.grads_gb + worst.optimizer_gb:.1f}"
              f" GiB, activations {worst.activations_gb + worst.logits_gb:.1f} GiB per rank")

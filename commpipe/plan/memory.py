@@ -288,14 +288,14 @@ def stage_memory(spec: ModelSpec, layout: Layout, job: Job, inflight: list[float
             act += full_layer + mlp_full        # one layer rematerialised during its backward
         logits = transient = 0.0
         if job.runtime == "commpipe":           # this runtime's own saved tensors
-            last_inflight = layout.microbatches(job) if layout.schedule == "gpipe" else 1
+            last_inflight = layout.microbatches_for(job) if layout.schedule == "gpipe" else 1
             act, logits, transient = stage_activation_bytes(
                 spec, layout.tp, tokens, job.sequence_parallel, layout.recompute, layers,
                 inflight[rank], stages - 1 in chunks, last_inflight, job.mixed)
         elif stages - 1 in chunks:
             # fp32 softmax saved per micro-batch whose backward has not run yet, plus the
             # transient bf16 logits of the one being computed; the final norm's input too
-            last_inflight = layout.microbatches(job) if layout.schedule == "gpipe" else 1
+            last_inflight = layout.microbatches_for(job) if layout.schedule == "gpipe" else 1
             logits = (4 * last_inflight + 2) * tokens * spec.vocab / layout.tp
             act += last_inflight * 4 * tokens * spec.hidden / layout.tp     # norm and head inputs
         if (layers, params) not in states:

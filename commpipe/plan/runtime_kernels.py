@@ -68,7 +68,7 @@ def commpipe_elementwise_bytes(spec: ModelSpec, layout: Layout, job: Job) -> tup
     fwd = tokens * per_token_bytes(spec, job.precision, "forward", t, job.sequence_parallel)
     bwd = tokens * per_token_bytes(spec, job.precision, "backward", t, job.sequence_parallel)
     params = (layer_param_count(spec) - 2 * spec.hidden) / t      # the linear maps' weights
-    m = max(layout.microbatches(job), 1)
+    m = max(layout.microbatches_for(job), 1)
     accumulate = GRAD_ACCUMULATE_BYTES * params * (m - 1) / m
     if job.precision != "fp32":
         fwd += WEIGHT_CAST_BYTES * params / m       # once a step, shared by its micro-batches

@@ -51,7 +51,7 @@ def _prepare(spec, job, cluster, eff, layout) -> Candidate | str:
     if static > cluster.gpu.mem_gb:
         return (f"out of memory: weights, gradients and optimizer states alone need {static:.1f} GB "
                 f"> {cluster.gpu.mem_gb:.0f} GB; use more tp/pp or a higher --zero stage")
-    m = layout.microbatches(job)
+    m = layout.microbatches_for(job)
     inflight = list(peak_inflight(layout.schedule, layout.pp, layout.vpp, m))
     memory = stage_memory(spec, layout, job, inflight)
     problem = memory_problem(memory, cluster.gpu.mem_gb)
