@@ -166,6 +166,37 @@ def test_megatron_lm_chained_parameter_gather_by_hand():
             overlapped_dp_exposed(red, ag, params, c.f, c.b, 1, chained=chained), rel=1e-9)
 
 
+def test_the_last_bucket_to_reduce_holds_the_word_embedding_by_hand():
+    from commpipe.plan.zero_costs import BUCKET_PARAMS, last_bucket_params, overlapped_dp_exposed
+
+    # one chunk of 400M parameters whose passes hide everything but the last bucket: reduction
+    # 1.0 s, all-gather 0.6 s; a 40M bucket shows 0.1 of each, a 100M embedding's 0.25
+    assert overlapped_dp_exposed(1.0, 0.6, 400e6, [5.0], [10.0], 1) == pytest.approx(0.16)
+    assert overlapped_dp_exposed(1.0, 0.6, 400e6, [5.0], [10.0], 1, last_bucket=100e6) == \
+        pytest.approx(0.40)
+    # the embedding's bucket is the last only on the rank holding stage 0, and only when it is
+    # larger than a default bucket: 65,536 x 2,048 / tp 2 = 67,108,864 parameters
+    big = resolve_model("arch=llama,layers=4,hidden=2048,heads=16,kv_heads=4,ffn_hidden=4096,vocab=65536")
+    lay, job = Layout(tp=2, pp=2, zero=1), Job(8, 2048)
+    assert last_bucket_params(big, lay, job, (0,)) == 67_108_864
+    assert last_bucket_params(big, lay, job, (1,)) == BUCKET_PARAMS
+    assert last_bucket_params(SPEC, lay, job, (0,)) == BUCKET_PARAMS     # 32,000 x 1,024 / 2
+    # and the step prices it: ZeRO-1 over 8 H100 of a node, the reduction after the last
+    # backward shows the embedding's share on stage 0, a default bucket's on stage 1
+    h100 = resolve_gpu("h100")
+    cluster, lay = default_cluster(h100, 16, 8), Layout(tp=2, pp=2, dp=4, zero=1)
+    job = Job(64, 2048, grad_fp32=True)
+    c = stage_costs(big, lay, job, cluster, Efficiency())
+    from commpipe.plan.memory import stage_params
+
+    for rank, (layers, params) in enumerate(stage_params(big, lay, job)):
+        red = cluster.reduce_scatter(4 * params, 4, 2)
+        ag = cluster.all_gather(2 * params, 4, 2)
+        last = 67_108_864 if rank == 0 else BUCKET_PARAMS
+        assert c.dp_exposed[rank] == pytest.approx(overlapped_dp_exposed(
+            red, ag, params, [c.f[rank]], [c.b[rank]], 2, last_bucket=last), rel=1e-9)
+
+
 def test_op_sac_counts_the_replayed_matmuls_as_executed_flops():
     from commpipe.models.spec import flops_per_token
     from commpipe.plan.estimate import hardware_flops_per_token

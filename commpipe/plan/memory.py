@@ -124,6 +124,13 @@ def stage_params(spec: ModelSpec, layout: Layout, job: Job) -> list[tuple[int, f
     return list(_stage_params(spec, layout.schedule, layout.pp, layout.vpp, layout.tp, seq))
 
 
+def embedding_params(spec: ModelSpec, layout: Layout, job: Job) -> float:
+    """Parameters of the embedding on the rank holding stage 0: its vocabulary-parallel slice
+    of the word embedding, and a learned position table whole."""
+    seq = job.seq_len if layer_form(spec).learned_positions else 0
+    return spec.vocab * spec.hidden / layout.tp + seq * spec.hidden
+
+
 @lru_cache(maxsize=4096)
 def _stage_params(spec: ModelSpec, schedule: str, pp: int, vpp: int, tp: int,
                   seq_len: int) -> tuple[tuple[int, float], ...]:

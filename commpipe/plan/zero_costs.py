@@ -9,7 +9,7 @@ from commpipe.models.spec import ModelSpec
 from commpipe.plan.cluster import Cluster
 from commpipe.plan.kernels import fsdp_copy_bytes, nccl_sm_share
 from commpipe.plan.layout import Job, Layout, zero_stage
-from commpipe.plan.memory import layer_params_per_rank, linear_params_per_layer
+from commpipe.plan.memory import embedding_params, layer_params_per_rank, linear_params_per_layer
 
 
 def zero_exposed(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster, layers: int,
@@ -72,11 +72,27 @@ def fsdp_copies(spec: ModelSpec, layout: Layout, job: Job, hbm: float) -> tuple[
 # pre-hook has waited on the one before (distrib_optimizer.py, _finish_param_sync_helper: so that
 # communication kernels do not block compute under CUDA_DEVICE_MAX_CONNECTIONS=1), across every
 # chunk's buckets in order (`Job.param_gather_chained`).
+# Buckets are filled in reverse parameter order (roughly the backward's) and closed once they
+# reach the bucket size, so the last bucket to reduce, which is the first to gather, holds the
+# word embedding: the first parameter of the forward, whose gradient the backward produces
+# last (param_and_grad_buffer.py, the bucketing loop over `params[::-1]`; a shared embedding
+# gets a bucket of its own). On the rank holding the embedding that bucket is the embedding's
+# size when that is larger: vocabulary x hidden / tp, 537M parameters for a 131,072-word
+# vocabulary at hidden 4,096 and tp 1, thirteen default buckets.
 BUCKET_PARAMS = 40e6
 
 
+def last_bucket_params(spec: ModelSpec, layout: Layout, job: Job, mine: tuple) -> float:
+    """Parameters in the rank's last bucket to reduce (first to gather): the default bucket, or
+    the word embedding (with a learned position table) on the rank holding stage 0."""
+    if 0 not in mine:
+        return BUCKET_PARAMS
+    return max(BUCKET_PARAMS, embedding_params(spec, layout, job))
+
+
 def overlapped_dp_exposed(reduce_s: float, gather_s: float, params: float, f: list[float],
-                          b: list[float], pp: int, chained: bool = False) -> float:
+                          b: list[float], pp: int, chained: bool = False,
+                          last_bucket: float = BUCKET_PARAMS) -> float:
     """Exposed seconds per step of one pipeline rank's data-parallel traffic under Megatron's
     overlap (comment above). `f`, `b`: one micro-batch's forward and backward per chunk of the
     rank, in stage order. The rank's last backward is its first chunk's; before it the cooldown
@@ -88,10 +104,10 @@ def overlapped_dp_exposed(reduce_s: float, gather_s: float, params: float, f: li
     behind the previous bucket's layers, so in each chunk's first forward (1 - bucket) of
     max(0, gather - forward) shows, plus the step's first bucket; a later chunk's first bucket is
     launched when the previous chunk's last one is waited on and hides behind the forwards
-    between."""
+    between. `last_bucket`: the parameters of the last bucket (`last_bucket_params`)."""
     v = len(b)
     share = 1.0 / v
-    bucket = min(1.0, BUCKET_PARAMS / max(params * share, 1.0))
+    bucket = min(1.0, last_bucket / max(params * share, 1.0))
     red0, gat0 = reduce_s * share, gather_s * share
     hide_b = (v - 1) * pp * b[0]
     hide_f = (v - 1) * pp * f[0]
@@ -129,11 +145,12 @@ def dp_cost(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster, f: list
         # Megatron during the next step's forward
         later = job.runtime == "commpipe"
         exposed = overlapped_dp_exposed(red, 0.0 if later else ag, params, [f[s] for s in mine],
-                                        [b[s] for s in mine], layout.pp, job.param_gather_chained)
+                                        [b[s] for s in mine], layout.pp, job.param_gather_chained,
+                                        last_bucket_params(spec, layout, job, mine))
         return red + ag, exposed + (ag if later else 0.0)
     window = sum(b[s] for s in mine) if job.dp_overlap else 0.0
-    # the last bucket can never hide: Megatron's default bucket is 40M parameters
-    tail = red * min(1.0, BUCKET_PARAMS / max(params, 1.0))
+    # the last bucket can never hide (comment above BUCKET_PARAMS)
+    tail = red * min(1.0, last_bucket_params(spec, layout, job, mine) / max(params, 1.0))
     return red, max(red - window, tail if job.dp_overlap else red)
 
 
