@@ -189,7 +189,7 @@ def test_the_last_bucket_to_reduce_holds_the_word_embedding_by_hand():
     c = stage_costs(big, lay, job, cluster, Efficiency())
     from commpipe.plan.memory import stage_params
 
-    for rank, (layers, params) in enumerate(stage_params(big, lay, job)):
+    for rank, (_, params) in enumerate(stage_params(big, lay, job)):
         red = cluster.reduce_scatter(4 * params, 4, 2)
         ag = cluster.all_gather(2 * params, 4, 2)
         last = 67_108_864 if rank == 0 else BUCKET_PARAMS
