@@ -207,16 +207,14 @@ def test_a_plan_that_left_the_slow_link_still_prices_it_at_its_last_measured_rat
     measured (SLOW_GBPS) instead of the class's default, so an all-reduce that would cross the
     nodes again (ranks 0 and 2) is priced at it: AR bytes once around a 2-rank ring, 1.81 s,
     plus its two latency steps; without the memory the model prices it at the default."""
-    from types import SimpleNamespace
-
     from commpipe.adapt.config import AdaptConfig
-    from commpipe.adapt.controller import Controller
     from commpipe.adapt.model import CostModel
+    from commpipe.adapt.rates import KnownRates
     from commpipe.models.family import family_for_model
 
-    memory = SimpleNamespace(known_links={}, known_collective={}, call_ms=None)
-    Controller._recall_rates(memory, _degraded(), learn=True)
-    assert memory.known_collective == {"inter_node": SLOW_GBPS}
+    memory = KnownRates()
+    memory.recall(_degraded(), learn=True)
+    assert memory.collective == {"inter_node": SLOW_GBPS}
     off = Layout(tp=1, cp=1, pp=2, dp=2, stage_layers=(2, 2), schedule="1f1b", microbatches=4,
                  micro_batch_size=1)          # DP inside the nodes
     spec = family_for_model("tiny").resolve("tiny")
@@ -228,7 +226,7 @@ def test_a_plan_that_left_the_slow_link_still_prices_it_at_its_last_measured_rat
 
     forgetful = CostModel(spec, 16, 4, 2, now())
     m = now()
-    Controller._recall_rates(memory, m, learn=True)
+    memory.recall(m, learn=True)
     assert m.collective_gbps == {"inter_node": SLOW_GBPS}
     recalled = CostModel(spec, 16, 4, 2, m)
     assert recalled.all_reduce_ms(AR, [0, 2]) == pytest.approx(
@@ -237,5 +235,5 @@ def test_a_plan_that_left_the_slow_link_still_prices_it_at_its_last_measured_rat
     assert forgetful.all_reduce_ms(AR, [0, 2]) == pytest.approx(
         AR / (default * 1e6) + 2 * LAT_MS, rel=1e-6)
     # what the running plan measures itself replaces what was known
-    Controller._recall_rates(memory, _two_nodes(DP_ACROSS, INTER_GBPS), learn=True)
-    assert memory.known_collective == {"inter_node": INTER_GBPS}
+    memory.recall(_two_nodes(DP_ACROSS, INTER_GBPS), learn=True)
+    assert memory.collective == {"inter_node": INTER_GBPS}

@@ -9,6 +9,7 @@ See docs/adaptive.md. Modules:
     model      the cost model of candidates on measured speeds, priced by the simulator
     candidates the plans considered: re-splits, re-batching, other layouts
     evaluate   one evaluation: measurements -> candidates -> payback -> a Decision
+    rates      the link and collective rates measured across plans (rank 0)
     records    Decision, the typed record of adapt.jsonl
     signals    per-step signals of one rank, from the runtime's timeline and the monitor
     switch     gather the full training state through Comm and rebuild under a new layout

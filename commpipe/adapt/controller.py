@@ -27,14 +27,9 @@ from commpipe.adapt.detect import Watch, record_levels, where
 from commpipe.adapt.evaluate import evaluate
 from commpipe.adapt.exchange import Exchange
 from commpipe.adapt.model import Measured
+from commpipe.adapt.rates import KnownRates
 from commpipe.adapt.records import Decision
-from commpipe.adapt.signals import (
-    CollectiveTimer,
-    collective_rates,
-    link_rates,
-    step_calls,
-    step_signals,
-)
+from commpipe.adapt.signals import CollectiveTimer, step_calls, step_signals
 from commpipe.adapt.trial import Trials, present_ms
 from commpipe.layout import Layout
 from commpipe.monitor import unmonitored
@@ -66,12 +61,7 @@ class Controller:
         self.exchange = Exchange(self.rpn, self.timer)   # every rank's summary of every step
         self.trials: Trials | None = None   # the running trial phase, if any
         self.recheck = False                # evaluate once more when the new plan is armed
-        # the last rate measured per pipeline link and per link class's collectives, across
-        # plans (rank 0: the model prices a link the running plan does not use at it)
-        self.known_links: dict = {}
-        self.known_collective: dict[str, float] = {}
-        self.call_ms: float | None = None   # a gloo call's time beyond its link (link_probe)
-        self.host: dict | None = None       # what rank 0 measured of this host at the start
+        self.rates = KnownRates()           # rates measured across plans (rank 0)
         # the model's interval of relative error: which candidates a trial phase can drop
         self.trial_interval = trial_factors(trainer.device.type != "cuda")
         self.switch_phases: dict | None = None   # parts of the last switch, until recorded
@@ -93,10 +83,10 @@ class Controller:
             self.out.mkdir(parents=True, exist_ok=True)
             self.log = open(self.out / "adapt.jsonl", "a")
         with unmonitored(trainer):   # once, before the first step: what pricing needs of the host
-            self.host = trainer.comm.broadcast_object(link_probe.measure_host(trainer), 0)
+            self.rates.host = trainer.comm.broadcast_object(link_probe.measure_host(trainer), 0)
         self.prepare(trainer)
-        if self.host is not None:
-            self._write(self.host)
+        if self.rates.host is not None:
+            self._write(self.rates.host)
         if resumed:
             self._write({"step": trainer.step - 1, "action": "resumed", "to": self.running.record(),
                          "baselines": len(self.plan_baselines.get(self.running.title, {})),
@@ -300,7 +290,9 @@ class Controller:
             mine = one_clock(self.timelines)
             ref = one_clock(self.reference[1]) if self.reference else None
         with unmonitored(trainer):
-            probed = self._measure_unrated(trainer)
+            probed = self.rates.measure_unrated(comm, [x for _, x in self.window],
+                                                self.acfg.collective_min_bytes, self.world,
+                                                self.rpn)
             timelines = comm.gather_objects((c["pp"], mine, ref), "world")
             decision = None
             if comm.rank == 0:
@@ -312,34 +304,6 @@ class Controller:
             decision = comm.broadcast_object(decision, 0)
         return decision
 
-    def _measure_unrated(self, trainer) -> dict | None:
-        """Measure the link classes nothing the run sent gave a rate for (adapt/link_probe.py)
-        and, once a run on gloo, price a collective call from the calls timed at the start:
-        collective; rank 0 keeps what was measured and returns it (None elsewhere, or when
-        nothing was)."""
-        comm = trainer.comm
-        pairs = None
-        if comm.rank == 0:
-            window, least = [x for _, x in self.window], self.acfg.collective_min_bytes
-            rated = link_probe.rated_classes(
-                self.known_links | link_rates(window, least),
-                self.known_collective | collective_rates(window, self.rpn, least), self.rpn)
-            pairs = link_probe.pairs_to_measure(self.world, self.rpn, rated)
-        pairs = comm.broadcast_object(pairs, 0)
-        out = {}
-        if pairs:
-            rates, took = link_probe.measure(comm, pairs)
-            self.known_links.update(rates)
-            out = {"seconds": took, "links": {f"{a}->{b}": {"latency_ms": lat, "gbps": gbps}
-                                              for (a, b), (lat, gbps) in rates.items()}}
-        if self.call_ms is None and (self.host or {}).get("calls"):
-            # the calls timed at the start, less what they paid on the link known now
-            lat, gbps = self.known_links.get((0, 1)) or (None, None)
-            self.call_ms = link_probe.call_ms(self.host["calls"], self.host["call_bytes"],
-                                              lat or 0.0, gbps or float("inf"))
-            out["call_ms"] = self.call_ms
-        return out if out and comm.rank == 0 else None
-
     def decide(self, trainer, step, found, signals, timelines: dict,
                reference: dict | None = None) -> Decision:
         """Rank 0: calibrate on the gathered timelines and the window's summaries (and on the
@@ -347,11 +311,11 @@ class Controller:
         (commpipe.adapt.evaluate)."""
         cfg = trainer.cfg
         measured = self._measured(trainer, timelines, list(self.window)[-self.acfg.min_steps:])
-        self._recall_rates(measured, learn=True)
+        self.rates.recall(measured, learn=True)
         if reference is not None and len(reference) == cfg.dims.pp:
             try:
                 measured.reference = self._measured(trainer, reference, self.reference[0])
-                self._recall_rates(measured.reference, learn=False)
+                self.rates.recall(measured.reference, learn=False)
             except (ValueError, KeyError, statistics.StatisticsError):
                 measured.reference = None   # healthy steps without a full timeline: uncalibrated
         from commpipe.plan.fits import available_gb
@@ -363,20 +327,6 @@ class Controller:
                         detections=[d.to_dict() | where(d, self.rpn) for d in found],
                         signals={f"{k} {n}": v for (k, n), v in sorted(signals.items())},
                         measured_cost=self.measured_cost)
-
-    def _recall_rates(self, m: Measured, learn: bool) -> None:
-        """Rates a plan did not measure are the last ones an earlier plan measured: a plan that
-        keeps its collectives off a slow link sends nothing over it, and without this memory
-        the model would price the link at its class's default and switch back onto it. With
-        `learn`, what `m` measured becomes the rate known from now on (rank 0)."""
-        if learn:
-            self.known_links.update({k: v for k, v in m.links.items() if v[1]})
-            self.known_collective.update(m.collective_gbps)
-        links = dict(self.known_links)
-        links.update({k: v for k, v in m.links.items() if v[1] or k not in links})
-        m.links = links
-        m.collective_gbps = self.known_collective | m.collective_gbps
-        m.call_ms = self.call_ms or 0.0
 
     def _measured(self, trainer, timelines: dict, entries: list) -> Measured:
         return measured(trainer, timelines, entries, self.rpn, self.acfg.collective_min_bytes)
