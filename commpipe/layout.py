@@ -244,12 +244,16 @@ class Layout:
         unknown = set(d) - set(RECORDED) - {"name"}
         if unknown:
             raise TypeError(f"unexpected keys {sorted(unknown)}")
-        return cls(**{k: d[k] for k in RECORDED[:8]}, **{k: d[k] for k in RECORDED[8:] if k in d})
+        return cls(**{k: d[k] for k in RECORDED_ALWAYS},
+                   **{k: d[k] for k in RECORDED_SINCE if k in d})
 
 
-# what `Layout.record` keeps of a running layout, in its order
-RECORDED = ("tp", "cp", "pp", "dp", "stage_layers", "schedule", "microbatches", "micro_batch_size",
-            "dp_microbatches", "order", "ep")
+# what `Layout.record` keeps of a running layout, in its order: the keys every record has, then
+# those older records may lack (their defaults apply)
+RECORDED_ALWAYS = ("tp", "cp", "pp", "dp", "stage_layers", "schedule", "microbatches",
+                   "micro_batch_size")
+RECORDED_SINCE = ("dp_microbatches", "order", "ep")
+RECORDED = RECORDED_ALWAYS + RECORDED_SINCE
 
 
 def _default_vpp(schedule: str) -> int:

@@ -200,14 +200,15 @@ class Controller:
             self.before_trials = copy.deepcopy(self.watch.detector)
             self.reference_before_trials = self.reference
             before_ms = present_ms([x for _, x in self.window], self.acfg.trial_steps)
+        target = Layout.from_record(decision.to)
         if self.acfg.relaunch:
             from commpipe.adapt.relaunch import request
 
             try:
-                request(trainer, Layout.from_record(decision.to), decision)   # raises: the job stops
+                request(trainer, target, decision)   # raises: the job stops
             finally:
                 self._write(decision)
-        trainer, metrics_file, took = self._switch(trainer, Layout.from_record(decision.to), metrics_file)
+        trainer, metrics_file, took = self._switch(trainer, target, metrics_file)
         decision.switch_time_s = self.measured_cost[decision.kind] = took
         self._write(decision)
         if decision.trial_plans:

@@ -50,7 +50,7 @@ def memory_need_gb(cfg, plan: Layout, on_cpu: bool, ranks_per_node: int) -> floa
     layout = replace(plan, recompute=cfg.recompute, zero=1 if cfg.optim.zero1 else 0)
     job = Job(cfg.global_batch, cfg.seq_len, precision=cfg.precision or "fp32",
               **runtime_job(cfg.features()))
-    world = plan.tp * plan.cp * plan.pp * plan.dp
+    world = plan.world_size
     local = list(range(min(ranks_per_node, world))) if on_cpu else list(range(world))
     return host_need_gb(cfg.spec, layout, job, on_cpu, local)
 

@@ -46,7 +46,7 @@ def moved_bytes(cur: Layout, new: Layout, spec) -> float:
     """The most bytes any rank must receive to switch from `cur` to `new`: parameters and two
     AdamW moments (fp32) of the parts it will hold and does not hold now."""
     size = part_bytes(spec)
-    world = cur.tp * cur.cp * cur.pp * cur.dp
+    world = cur.world_size
     return max(sum(size[p[0]] for p in held_parts(new, r) - held_parts(cur, r))
                for r in range(world))
 
@@ -64,7 +64,7 @@ def moved_s(cur: Layout, new: Layout, spec, gbps, ranks_per_node: int) -> float:
     at `gbps(src, dst)` GB/s. Only ranks whose role changes receive anything, and a part that a
     rank of its own node holds never crosses to another node."""
     size = part_bytes(spec)
-    world = cur.tp * cur.cp * cur.pp * cur.dp
+    world = cur.world_size
     held = [held_parts(cur, r) for r in range(world)]
     worst = 0.0
     for dst in range(world):

@@ -53,7 +53,7 @@ def resume_adapted(cfg, world: int):
                          f"({type(e).__name__}: {e}); resume without --adapt, or from an "
                          "earlier checkpoint") from None
     asked = Layout.of(cfg)
-    same_world = saved.tp * saved.cp * saved.pp * saved.dp == world
+    same_world = saved.world_size == world
     new, note = cfg, None
     if cfg.adapt.resumed_from is not None:   # a relaunch: its request chose the plan
         note = "the plan of the relaunch request"
