@@ -94,3 +94,44 @@ def test_gpu_framework_on_cpu_fails_early(capsys):
     assert main(["estimate", "--model", "tiny", "--gpu", "cpu", "--gpus", "2", "--pp", "2",
                  "--global-batch", "4", "--seq-len", "64", "--framework", "megatron"]) == 2
     assert "--gpu cpu prices commpipe's own runtime" in capsys.readouterr().err
+
+
+def test_fa2_attention_runs_at_its_hopper_share_by_hand():
+    """FlashAttention-2 (torchtitan's SDPA default, the llama3 preset) on an H100 runs attention
+    at 35% of the bf16 peak (FlashAttention-3 paper): the layer's attention term is the causal half
+    of 2*s*s*(qk+v) per head at that rate; on an A100, and under the fused kernel, the rate is
+    attn_rel of a large GEMM's, as before."""
+    from commpipe.models.family import resolve
+    from commpipe.plan.cluster import default_cluster
+    from commpipe.plan.gpus import resolve_gpu
+    from commpipe.plan.layout import Job, Layout
+    from commpipe.plan.timing import MEASURED_GPU, layer_compute
+
+    spec = resolve("llama3-8b")                         # 32 heads of 128
+    layout = Layout(tp=2, cp=1, pp=1, dp=4, micro_batch_size=1)
+    s = 8192
+    flops = 2 * s * s * (128 + 128) * 32 / 2            # per micro-batch on one TP rank, full s x s
+    for gpu, fa2_rate in (("h100", 0.35 * 989e12), ("a100-80gb", None)):
+        cluster = default_cluster(resolve_gpu(gpu), 8, 8)
+        g = cluster.gpu
+        fused = layer_compute(spec, layout, Job(8, s), cluster, MEASURED_GPU)["attn"]
+        fa2 = layer_compute(spec, layout, Job(8, s, attn_kernel="fa2"), cluster, MEASURED_GPU)["attn"]
+        gemm_rate = g.tflops * 1e12 * g.mamf * MEASURED_GPU.e_max * MEASURED_GPU.attn_rel
+        assert fused == pytest.approx(0.5 * flops / gemm_rate, rel=1e-12)
+        assert fa2 == pytest.approx(0.5 * flops / (fa2_rate or gemm_rate), rel=1e-12)
+    assert framework_job_fields("torchtitan", "bf16")["attn_kernel"] == "fa2"
+    assert framework_job_fields("llama3", "bf16")["attn_kernel"] == "fa2"
+    assert framework_job_fields("megatron", "bf16")["attn_kernel"] == "fused"
+
+
+def test_attention_kernel_flag_overrides_the_preset(capsys):
+    argv = EST + ["--seq-len", "32768", "--global-batch", "8", "--recompute", "full"]
+    fused = _json(capsys, argv)
+    fa2 = _json(capsys, argv + ["--attention-kernel", "fa2"])
+    titan = _json(capsys, argv + ["--framework", "torchtitan"])
+    titan_fused = _json(capsys, argv + ["--framework", "torchtitan", "--attention-kernel", "fused"])
+    assert fa2["step_time_s"] > 1.2 * fused["step_time_s"]       # attention-heavy at 32K tokens
+    assert titan["step_time_s"] > titan_fused["step_time_s"]
+    with pytest.raises(SystemExit):
+        main(argv + ["--attention-kernel", "fa3"])
+    assert "invalid choice: 'fa3'" in capsys.readouterr().err

@@ -27,7 +27,7 @@ from commpipe.plan.cluster import (
 )
 from commpipe.plan.frameworks import FRAMEWORKS, default_framework, framework_job_fields
 from commpipe.plan.gpus import resolve_gpu
-from commpipe.plan.layout import PRECISIONS, RECOMPUTE, SCHEDULES, ZERO_STAGES, Job, runtime_job
+from commpipe.plan.layout import ATTN_KERNELS, PRECISIONS, RECOMPUTE, SCHEDULES, ZERO_STAGES, Job, runtime_job
 from commpipe.plan.pass_split import describe as describe_pass
 from commpipe.plan.pass_split import with_measured_pass
 from commpipe.plan.runtime_ops import with_host_ops
@@ -67,6 +67,10 @@ def add_common_arguments(p, require_layout: bool = False) -> None:
                    help="TP without sequence parallelism (all-reduce, norms replicated)")
     g.add_argument("--flash-attention", default="auto", choices=("auto", "on", "off"),
                    help="auto: on for llama shapes, off for gpt shapes")
+    g.add_argument("--attention-kernel", choices=ATTN_KERNELS,
+                   help="flash attention's kernel: fused (the GPU's own: cuDNN on Hopper and newer, "
+                        "as Transformer Engine picks it) or fa2 (FlashAttention-2, PyTorch SDPA's "
+                        "default; 35%% of the bf16 peak on Hopper); default: the --framework's")
     g.add_argument("--eager-ops", action="store_true",
                    help="llama only: non-GEMM work as unfused eager PyTorch kernels, counted op by op "
                         "(torchtitan without torch.compile: separate Q/K/V and gate/up GEMMs, SiLU's "
@@ -151,6 +155,8 @@ def job_from_args(args) -> Job:
         fields["fused_swiglu"] = False      # eager autograd keeps SiLU's output
     if getattr(args, "bf16_weights_with_fp8", False):
         fields["fp8_params"] = False
+    if getattr(args, "attention_kernel", None):
+        fields["attn_kernel"] = args.attention_kernel
     return Job(args.global_batch, args.seq_len, precision=args.precision,
                dp_overlap=not args.no_dp_overlap, sequence_parallel=not args.no_sequence_parallel,
                flash_attention=flash, expert_imbalance=args.expert_imbalance, **fields)

@@ -31,10 +31,12 @@ FRAMEWORKS: dict[str, Framework] = {
     # fp8_param_gather=True; grad_reduce_in_fp32=False with FP8, True with bf16 (Megatron-LM's
     # validate_args forces fp32 accumulation and all-reduce under --bf16)); the Megatron-LM README's
     # scaling runs use --tp-comm-overlap --overlap-grad-reduce --overlap-param-gather; context
-    # parallelism as cp_comm_type="p2p" (ring), Megatron's default; TE fused kernels.
+    # parallelism as cp_comm_type="p2p" (ring), Megatron's default; TE fused kernels (attention:
+    # TE gives cuDNN's fused attention preference over FlashAttention on Hopper and newer).
     "megatron": Framework("megatron", "Megatron-Core 0.15 / Megatron-Bridge 25.11",
                           {"tp_overlap": True, "fp8_params": True, "cp_comm": "ring",
-                           "eager_ops": False, "fsdp_copies": False, "fused_swiglu": True}),
+                           "eager_ops": False, "fsdp_copies": False, "fused_swiglu": True,
+                           "attn_kernel": "fused"}),
     # Megatron-LM's own training script (pretrain_gpt.py, github.com/NVIDIA/Megatron-LM@f2e5db4,
     # the commit of its README's scaling table) with the overlaps that README names
     # (--tp-comm-overlap --overlap-grad-reduce --overlap-param-gather), otherwise its defaults: the
@@ -46,7 +48,8 @@ FRAMEWORKS: dict[str, Framework] = {
     "megatron-lm": Framework("megatron-lm", "Megatron-LM@f2e5db4 (July 2024), its README's overlaps",
                              {"tp_overlap": True, "fp8_params": False, "cp_comm": "ring",
                               "eager_ops": False, "fsdp_copies": False, "fused_swiglu": True,
-                              "ce_kernel": "megatron-unfused", "param_gather_chained": True},
+                              "ce_kernel": "megatron-unfused", "param_gather_chained": True,
+                              "attn_kernel": "fused"},
                              fp8_grad_fp32=True),
     # NeMo 24.07 (NeMo-Framework-Launcher@24.07 training configs and NeMo's performance scripts):
     # tp_comm_overlap=True; fp8_params not set, so cfg.get('fp8_params', False) in
@@ -54,23 +57,30 @@ FRAMEWORKS: dict[str, Framework] = {
     # grad_reduce_in_fp32=False with FP8; ring context parallelism (Megatron-Core's).
     "nemo": Framework("nemo", "NeMo 24.07",
                       {"tp_overlap": True, "fp8_params": False, "cp_comm": "ring",
-                       "eager_ops": False, "fsdp_copies": False, "fused_swiglu": True}),
+                       "eager_ops": False, "fsdp_copies": False, "fused_swiglu": True,
+                       "attn_kernel": "fused"}),
     # torchtitan (pytorch/torchtitan@0413364 train_configs: compile = false): eager PyTorch
     # kernels with separate Q/K/V and gate/up GEMMs, SiLU's output kept; FSDP2 copying gathered
     # weights and reduced gradients through flat buffers; MixedPrecisionPolicy(reduce_dtype=
     # float32) (torchtitan/parallelisms/parallelize_llama.py); torchao Float8 keeps bf16 weights
     # (enable_fsdp_float8_all_gather off by default); no TE userbuffers; PyTorch's context
-    # parallelism rotates K/V by all-gather (its default rotate method).
+    # parallelism rotates K/V by all-gather (its default rotate method); attention through
+    # scaled_dot_product_attention, whose default flash backend is FlashAttention-2 (cuDNN's
+    # fused attention is opt-in in 2.4 and again from 2.5.1, pytorch/pytorch#138649).
     "torchtitan": Framework("torchtitan", "torchtitan@0413364 (PyTorch 2.4-2.5)",
                             {"tp_overlap": False, "fp8_params": False, "cp_comm": "allgather",
-                             "eager_ops": True, "fsdp_copies": True, "fused_swiglu": False},
+                             "eager_ops": True, "fsdp_copies": True, "fused_swiglu": False,
+                             "attn_kernel": "fa2"},
                             fp8_grad_fp32=True),
     # Meta's Llama 3 stack as the paper describes it (arXiv:2407.21783 Sec. 3.3.2: all-gather
     # context parallelism, Sec. 3.3.4: gradients accumulated and reduce-scattered in fp32); no
-    # TP communication overlap is stated.
+    # TP communication overlap is stated. No attention kernel is named: FlashAttention-2, the
+    # public flash kernel for H100 training before FlashAttention-3 (July 2024, with the paper)
+    # and PyTorch's cuDNN attention (October 2024), is assumed.
     "llama3": Framework("llama3", "Llama 3 paper (2024)",
                         {"tp_overlap": False, "fp8_params": False, "cp_comm": "allgather",
-                         "eager_ops": False, "fsdp_copies": False, "fused_swiglu": True},
+                         "eager_ops": False, "fsdp_copies": False, "fused_swiglu": True,
+                         "attn_kernel": "fa2"},
                         fp8_grad_fp32=True),
     # commpipe's own runtime (commpipe.runtime.features through layout.runtime_job), what
     # `--gpu cpu` always prices

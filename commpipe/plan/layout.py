@@ -25,6 +25,7 @@ PRECISIONS = ("bf16", "fp32", "fp8")
 ZERO_STAGES = (0, 1, 2, 3)
 CP_COMM = ("ring", "allgather")
 CE_KERNELS = ("fused", "megatron-unfused")   # the loss kernels priced (kernels.CE_BYTES)
+ATTN_KERNELS = ("fused", "fa2")     # the flash-attention kernels priced (timing.attention_rate)
 
 
 def runtime_job(features: RuntimeFeatures | None = None) -> dict:
@@ -107,6 +108,10 @@ class Job:
     ce_kernel: str = "fused"    # the head's cross-entropy kernels: "fused" (one pass, ~10 bytes
     #                             per logit each way) or "megatron-unfused" (Megatron-LM without
     #                             --cross-entropy-loss-fusion, counted op by op; kernels.py)
+    attn_kernel: str = "fused"  # flash attention as the GPU generation's own fused kernel ("fused":
+    #                             cuDNN's on Hopper and newer, as Transformer Engine picks it) or
+    #                             as FlashAttention-2 ("fa2": PyTorch SDPA's default flash backend),
+    #                             which does not reach Hopper's new instructions (timing.py)
 
     def __post_init__(self):
         if self.global_batch < 1 or self.seq_len < 1:
@@ -117,6 +122,9 @@ class Job:
             raise ValueError(f"cp_comm {self.cp_comm!r} is unknown; use one of {CP_COMM}")
         if self.ce_kernel not in CE_KERNELS:
             raise ValueError(f"ce_kernel {self.ce_kernel!r} is unknown; use one of {CE_KERNELS}")
+        if self.attn_kernel not in ATTN_KERNELS:
+            raise ValueError(f"--attention-kernel {self.attn_kernel!r} is unknown; use one of "
+                             f"{ATTN_KERNELS}")
 
     @property
     def activation_bytes(self) -> int:

@@ -12,8 +12,12 @@ an additive roofline whose two constants (e_max, ai_half_ridge) are dimensionles
 over between GPUs. Backward GEMMs (input and weight gradient) have the same shapes as the
 forward, so each costs one forward. Flash attention is priced at the counted (full s x s)
 FLOPs on half the work (causal blocks are skipped) at `attn_rel` of e_max (FlashAttention-2,
-Dao 2023: ~70% of A100 peak vs ~85% for large GEMMs), its backward at 2.5 forwards (5 matmuls
-to the forward's 2, the scores recomputed); without flash the score and value products are
+Dao 2023: ~70% of A100 peak vs ~85% for large GEMMs; on Hopper and newer the fused kernel that
+Transformer Engine picks there, cuDNN's, at the same share), its backward at 2.5 forwards (5
+matmuls to the forward's 2, the scores recomputed). `Job.attn_kernel` "fa2" (FlashAttention-2,
+PyTorch SDPA's default flash backend) caps that rate on GPUs newer than Ampere at the 35% of the
+bf16 peak that FlashAttention-2 reaches on an H100 (`attention_rate`); without flash the score
+and value products are
 batched GEMMs of shape (s/cp, d, s) per head, and their backward costs two forwards.
 Non-GEMM work (norms, activations, softmax, dropout, residual adds) is HBM-bound: forward time
 = `elementwise` * (bytes the layer stores for backward) / HBM bandwidth, backward twice that.
@@ -146,6 +150,23 @@ def default_efficiency(gpu) -> Efficiency:
     return Efficiency(overhead_s=0.0, op_s=host_op_seconds())
 
 
+# "FlashAttention-2 achieving only 35% utilization on the H100 GPU" (Shah et al. 2024,
+# FlashAttention-3, arXiv:2407.08608, abstract; FlashAttention-3 is 1.5-2.0x faster there): its
+# kernels are written for Ampere's instructions, without Hopper's asynchronous tensor cores (wgmma)
+# and copy engine (TMA). A share of the datasheet bf16 peak; Blackwell assumed no better.
+FA2_NEWER_GPU_UTILIZATION = 0.35
+
+
+def attention_rate(job, gpu, eff: Efficiency) -> float:
+    """FLOP/s flash attention's matmuls run at: `attn_rel` of a large GEMM's rate; under
+    FlashAttention-2 (`job.attn_kernel == "fa2"`) on a GPU newer than Ampere (one with FP8 tensor
+    cores) at most FA2_NEWER_GPU_UTILIZATION of its bf16 peak."""
+    rate = gpu.achievable_tflops("bf16") * 1e12 * eff.e_max * eff.attn_rel
+    if job.attn_kernel == "fa2" and gpu.fp8_tflops > 0:
+        rate = min(rate, FA2_NEWER_GPU_UTILIZATION * gpu.tflops * 1e12)
+    return rate
+
+
 @dataclass
 class StageCosts:
     """Per virtual stage (chunk) and micro-batch, seconds. f = comp_f + tp_f + cp_f,
@@ -238,7 +259,7 @@ def layer_compute(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
     q_len = s / layout.cp
     attn_flops = 2 * q_len * s * (qk + v) * heads       # QK^T and AV, full s x s (Megatron count)
     if job.uses_flash(spec):
-        attn = 0.5 * attn_flops / (peak * eff.e_max * eff.attn_rel)
+        attn = 0.5 * attn_flops / attention_rate(job, gpu, eff)
     elif qk == v:
         attn = 2 * heads * gemm_time(2 * q_len * qk * s, q_len, qk, s, peak, eff, ridge)
     else:
