@@ -16,9 +16,11 @@ model TFLOP/s per GPU). For every row:
      the three best distinct (tp, cp, pp) the planner ranks?
 Inputs are what a user knows: model shape, GPU, GPU count, the stated tp/cp/pp/dp/vpp,
 precision, ZeRO/FSDP stage, recompute and micro-batch size where stated, and the framework
-(`framework` column: megatron, megatron-lm, nemo, torchtitan, llama3); the framework's internals
-(TP overlap, FP8 weights, eager kernels, FSDP2 copies, gradient precision, CP exchange, the loss
-kernel) come from its `--framework` preset (commpipe/plan/frameworks.py), never from the row.
+(`framework` column: megatron, megatron-lm, megatron-lm-2021, nemo, torchtitan, llama3); the
+framework's internals (TP overlap, FP8 weights, eager kernels, FSDP2 copies, gradient precision,
+CP exchange, the loss kernel, the attention kernel, and for a 2021 stack no flash attention,
+sequence parallelism or overlapped DP reduction) come from its `--framework` preset
+(commpipe/plan/frameworks.py), never from the row.
 Efficiency: the defaults (what `plan` and `estimate` use on GPUs: `timing.MEASURED_GPU`, the
 constants `calibrate.fit` finds on vTrain's measured A100 runs, refitted and printed when
 ../shared/data has them) and the untuned datasheet-based constants (`Efficiency()`). No
@@ -129,6 +131,7 @@ FRAMEWORKS = {
     "llama3-paper": (("1f1b", "interleaved"), {}),
     "torchtitan": (("1f1b",), {"pp": 1, "cp": 1}),
     "megatron-lm-readme": (("1f1b", "interleaved"), {}),
+    "megatron-lm-2021": (("1f1b", "interleaved"), {}),
 }
 
 

@@ -135,3 +135,37 @@ def test_attention_kernel_flag_overrides_the_preset(capsys):
     with pytest.raises(SystemExit):
         main(argv + ["--attention-kernel", "fa3"])
     assert "invalid choice: 'fa3'" in capsys.readouterr().err
+
+
+def test_2021_preset_turns_off_what_its_stack_lacked_and_flags_still_apply(capsys):
+    """megatron-lm-2021 prices attention without flash (the s x s scores kept and moved), TP without
+    sequence parallelism and the DP all-reduce after the backward; --flash-attention on puts the
+    kernel back on top of the preset, and the preset's job equals the flags given by hand."""
+    from commpipe.plan.cli import job_from_args
+    from commpipe.plan.layout import Job
+
+    fields = framework_job_fields("megatron-lm-2021", "bf16")
+    assert fields["flash_attention"] is False and fields["sequence_parallel"] is False
+    assert fields["dp_overlap"] is False and fields["grad_fp32"] is False
+    gpt = ["estimate", "--model", "arch=gpt,layers=24,hidden=2304,heads=24,vocab=51200", "--gpu",
+           "a100-80gb", "--gpus", "32", "--dp", "32", "--global-batch", "512", "--seq-len", "2048",
+           "--zero", "0", "--recompute", "full", "--micro-batch-size", "4"]
+    era = _json(capsys, gpt + ["--framework", "megatron-lm-2021"])
+    flash = _json(capsys, gpt + ["--framework", "megatron-lm-2021", "--flash-attention", "on"])
+    by_hand = _json(capsys, gpt + ["--framework", "megatron-lm", "--flash-attention", "off",
+                                   "--no-dp-overlap", "--no-sequence-parallel"])
+    assert flash["step_time_s"] < 0.9 * era["step_time_s"]
+    assert era["memory_gb_per_gpu"] > flash["memory_gb_per_gpu"]      # the s x s scores
+    # megatron-lm's remaining differences (TP overlap: tp is 1 here; fp32 gradient reduction)
+    assert era["breakdown_s"]["dp"] < by_hand["breakdown_s"]["dp"]     # fp16 vs fp32 all-reduce
+    assert era["breakdown_s"]["compute"] == pytest.approx(by_hand["breakdown_s"]["compute"])
+
+    class Args:     # what argparse gives `estimate` without those flags
+        global_batch, seq_len, precision, framework, gpu = 8, 2048, "bf16", "megatron-lm-2021", "a100"
+        flash_attention, no_dp_overlap, no_sequence_parallel = "auto", False, False
+        grad_fp32 = tp_overlap = eager_ops = fsdp_copies = False
+        expert_imbalance, attention_kernel = 1.25, None
+    job = job_from_args(Args)
+    assert (job.flash_attention, job.sequence_parallel, job.dp_overlap) == (False, False, False)
+    Args.framework = "megatron"
+    assert job_from_args(Args) == Job(8, 2048, **framework_job_fields("megatron", "bf16"))

@@ -66,7 +66,8 @@ def add_common_arguments(p, require_layout: bool = False) -> None:
     g.add_argument("--no-sequence-parallel", action="store_true",
                    help="TP without sequence parallelism (all-reduce, norms replicated)")
     g.add_argument("--flash-attention", default="auto", choices=("auto", "on", "off"),
-                   help="auto: on for llama shapes, off for gpt shapes")
+                   help="auto: the --framework's (on but for megatron-lm-2021); off: attention as "
+                        "batched GEMMs with the s x s scores in memory (2021-era stacks)")
     g.add_argument("--attention-kernel", choices=ATTN_KERNELS,
                    help="flash attention's kernel: fused (the GPU's own: cuDNN on Hopper and newer, "
                         "as Transformer Engine picks it) or fa2 (FlashAttention-2, PyTorch SDPA's "
@@ -145,8 +146,14 @@ def job_from_args(args) -> Job:
     for flag in ("global_batch", "seq_len"):
         if getattr(args, flag) is None:
             raise ValueError(f"--{flag.replace('_', '-')} is required")
-    flash = {"auto": None, "on": True, "off": False}[args.flash_attention]
-    fields = framework_job_fields(framework_from_args(args), args.precision)
+    fields = {"flash_attention": None, "dp_overlap": True, "sequence_parallel": True}
+    fields.update(framework_job_fields(framework_from_args(args), args.precision))
+    if args.flash_attention != "auto":
+        fields["flash_attention"] = args.flash_attention == "on"
+    if args.no_dp_overlap:
+        fields["dp_overlap"] = False
+    if args.no_sequence_parallel:
+        fields["sequence_parallel"] = False
     explicit = {"grad_fp32": args.grad_fp32, "tp_overlap": args.tp_overlap,
                 "eager_ops": getattr(args, "eager_ops", False),
                 "fsdp_copies": getattr(args, "fsdp_copies", False)}
@@ -158,8 +165,7 @@ def job_from_args(args) -> Job:
     if getattr(args, "attention_kernel", None):
         fields["attn_kernel"] = args.attention_kernel
     return Job(args.global_batch, args.seq_len, precision=args.precision,
-               dp_overlap=not args.no_dp_overlap, sequence_parallel=not args.no_sequence_parallel,
-               flash_attention=flash, expert_imbalance=args.expert_imbalance, **fields)
+               expert_imbalance=args.expert_imbalance, **fields)
 
 
 def resolve_planned(model: str):

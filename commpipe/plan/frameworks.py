@@ -3,9 +3,11 @@ model, the cluster, the layout, the precision (and ZeRO stage, recompute, micro-
 
 Each preset names the `Job` fields that describe how the framework runs a step, with the version
 whose documented defaults they are. What stays with the user: --precision, --zero, --recompute,
---micro-batch-size, the degrees, --no-sequence-parallel, --no-dp-overlap. Explicit flags
-(--tp-overlap, --grad-fp32, --eager-ops, --fsdp-copies, --bf16-weights-with-fp8) still apply on
-top of a preset.
+--micro-batch-size, the degrees. Explicit flags (--tp-overlap, --grad-fp32, --eager-ops,
+--fsdp-copies, --bf16-weights-with-fp8, --attention-kernel, --flash-attention,
+--no-sequence-parallel, --no-dp-overlap) still apply on top of a preset; a preset of a stack
+that predates flash attention, sequence parallelism or overlapped gradient reduction
+(megatron-lm-2021) turns them off itself.
 
     >>> framework_job_fields("nemo", "fp8")["fp8_params"]
     False
@@ -51,6 +53,20 @@ FRAMEWORKS: dict[str, Framework] = {
                               "ce_kernel": "megatron-unfused", "param_gather_chained": True,
                               "attn_kernel": "fused"},
                              fp8_grad_fp32=True),
+    # Megatron-LM as it ran the weak-scaling table of its April 2021 README
+    # (images/cases_april2021.png at NVIDIA/Megatron-LM@a8d172b; Narayanan et al. 2021,
+    # arXiv:2104.04473): attention as unfused batched GEMMs with the fused scale-mask-softmax
+    # kernel (flash attention came in 2022), no sequence parallelism (2022), no distributed
+    # optimizer, the "local" DDP all-reducing gradients after the backward (--DDP-impl local;
+    # no overlap), in the training precision (--accumulate-allreduce-grads-in-fp32 off by
+    # default), no TP overlap, the unfused vocab-parallel cross-entropy, pipeline messages
+    # scatter-gathered over TP (on by default), 1F1B or interleaved pipelines.
+    "megatron-lm-2021": Framework("megatron-lm-2021", "Megatron-LM@a8d172b (April 2021)",
+                                  {"flash_attention": False, "sequence_parallel": False,
+                                   "dp_overlap": False, "tp_overlap": False, "fp8_params": False,
+                                   "eager_ops": False, "fsdp_copies": False,
+                                   "fused_swiglu": True, "ce_kernel": "megatron-unfused"},
+                                  bf16_grad_fp32=False),
     # NeMo 24.07 (NeMo-Framework-Launcher@24.07 training configs and NeMo's performance scripts):
     # tp_comm_overlap=True; fp8_params not set, so cfg.get('fp8_params', False) in
     # megatron_gpt_model.py keeps bf16 weights beside TE's cached FP8 copies;
