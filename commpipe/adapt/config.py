@@ -25,6 +25,11 @@ Defaults and why:
                   horizon: that is within the simulator's error on measured costs. A slower
                   link or collective adding less than this share to the step is not acted on
                   (detect.costs_the_step): it cannot be what makes a switch worth it.
+  step_share=0.5 a rank whose compute got slower is acted on only when the step rose by at least
+                  half its extra busy time over the healthy step (detect.step_followed): a rank
+                  on the critical path passes all of it to the step, host noise and peers that
+                  speed up on the cores it frees take some back; a rank whose busy time rose
+                  where it would have waited anyway moves the step by little or nothing.
   trials=3, trial_steps=3
                   an admitted switch is confirmed by measurement: up to 2 x 3 candidates whose
                   prediction interval overlaps the best prediction's run 3 steps each after a
@@ -78,6 +83,7 @@ class AdaptConfig:
     horizon: int = 100
     margin: float = 2.0
     min_gain: float = 0.05
+    step_share: float = 0.5
     layouts: bool = True              # also consider tp/cp/pp/dp changes, not only re-splits
     rebalance: bool = True            # also consider uneven micro-batches across DP replicas
     switch_cost_s: float | None = None  # fixed switch cost; default: predicted, then measured
@@ -120,6 +126,8 @@ class AdaptConfig:
                              "least pay for the switch)")
         if self.min_gain < 0:
             raise ValueError(f"min_gain {self.min_gain} must be >= 0")
+        if not 0.0 <= self.step_share <= 1.0:
+            raise ValueError(f"step_share {self.step_share} must be between 0 and 1")
         if self.trials < 0 or self.trial_steps < 1:
             raise ValueError(f"--adapt-trials {self.trials} must be >= 0 (0 turns trials off) "
                              f"and trial_steps {self.trial_steps} >= 1")

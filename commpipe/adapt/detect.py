@@ -197,6 +197,36 @@ def moved_the_job(d: Detection, step_ms: dict[int, float], first_step_ms: float 
     return change >= min_shift if d.shift > 0 else change <= -min_shift
 
 
+def step_followed(d: Detection, step_ms: dict[int, float], first_step_ms: float | None,
+                  min_gain: float, share: float = 0.5) -> bool:
+    """Whether the step rose with rank `d.key`'s compute, which got slower: over the steps the
+    detection held (`d.onset_step` to `d.step`) the median step is above the healthy step by at
+    least `share` (AdaptConfig.step_share, half) of the rank's rise (`d.current - d.baseline`)
+    and by at least `min_gain` of itself.
+    The healthy step is the lower of the plan's first step baseline and the median of the steps
+    just before the onset (when at least 3 were seen): a fault only slows steps, and each can be
+    too high, the first when the step's level drifted up inside the band, the second when an
+    in-band blip restarted the detector's run and those steps were already the fault's.
+    A rank on the critical path of every step passes its extra busy time to the step (a 1F1B
+    pipeline goes at its slowest stage's pace, data parallelism waits for its slowest replica);
+    half leaves room for host noise and for peers that run faster once the straggler frees the
+    cores they share. A rank whose busy time rose where it would have waited anyway (its compute
+    filled a pipeline bubble, the host descheduled it) moves the step by little or nothing, and
+    a rise under `min_gain` is less than any switch must win. (Against the step's level alone,
+    a straggler that moves the step by less than the detector's band, a 1.5x rank on one of two
+    stages: 20-40% on this host, was missed: its step observations stay in the band and the
+    level follows them up.) A run with no step seen yet counts the change."""
+    before = [ms for s, ms in step_ms.items() if s < d.onset_step]
+    during = [ms for s, ms in step_ms.items() if d.onset_step <= s <= d.step]
+    refs = [r for r in (first_step_ms, statistics.median(before) if len(before) >= 3 else None)
+            if r]
+    ref = min(refs) if refs else None
+    if not ref or not during:
+        return True
+    rise = statistics.median(during) - ref
+    return rise >= share * (d.current - d.baseline) and rise >= min_gain * ref
+
+
 def costs_the_step(d: Detection, calls: int, first_step_ms: float | None, min_gain: float) -> bool:
     """Whether a link or collective that got slower adds at least `min_gain` of the plan's first
     step time to every step: (current - baseline) per call times its `calls` per step. A change
@@ -230,7 +260,8 @@ class Watch:
     """What the controller acts on, from the per-step signals of the running plan: nothing in
     the first `warmup_steps` steps of a plan, links smoothed over `link_smooth_steps`, then the
     detections that call for re-planning (`worth_replanning`), a rank's slowdown only when it is
-    slower than its peers (`slower_than_peers`) and the step slowed with it, and a link or
+    slower than its peers (`slower_than_peers`) and the step slowed with it (`step_followed`),
+    and a link or
     collective that got faster only when it recovers from a slowdown detected before or the
     step got faster with it (`moved_the_job`). Pure: the controller feeds it the same numbers
     on every rank, so every rank reaches the same verdict."""
@@ -265,7 +296,9 @@ class Watch:
         shift = self.acfg.min_shift
         moved = moved_the_job(d, self.step_ms, first.get(("step", "step")), shift)
         if d.kind == "compute" and d.shift > 0 and not (
-                slower_than_peers(d, signals, first, shift) and moved):
+                slower_than_peers(d, signals, first, shift)
+                and step_followed(d, self.step_ms, first.get(("step", "step")), self.acfg.min_gain,
+                                  self.acfg.step_share)):
             return False
         if d.kind in ("link", "collective"):
             if d.shift > 0:
