@@ -483,3 +483,25 @@ def test_each_tp_and_cp_call_pays_the_measured_call_time():
     m.links, m.call_ms, m.dp_bucket_bytes = {(0, 1): (None, 0.01)}, 0.5, 0.2e6
     fine = CostModel(_cfg().spec, 16, 2, 2, m).components(cp2)[1]
     assert fine - comm[0.5, False][1] == pytest.approx(3 * 0.5)
+
+
+def test_the_healthy_step_is_the_lower_of_the_level_and_the_steps_before_the_onset():
+    """detect.step_followed by hand: rank 1 +50 ms (100 -> 150) detected over steps 10-14 whose
+    median step is 160 ms. Against a healthy 130 the step followed (+30 >= 25); the reference is
+    the lower of the plan's first step level and the steps before the onset, whichever of the two
+    the host inflated. A rise under min_gain (5%) of the step is never enough."""
+    from commpipe.adapt.detect import Detection, step_followed
+
+    d = Detection("compute", "rank 1", 100.0, 150.0, 0.5, onset_step=10, step=14)
+    during = {s: 160.0 for s in range(10, 15)}
+    early = {s: 130.0 for s in range(5, 10)}
+    late = {s: 160.0 for s in range(5, 10)}        # an in-band blip restarted the count
+    assert step_followed(d, {**early, **during}, 160.0, 0.05)     # level drifted up: steps win
+    assert step_followed(d, {**late, **during}, 130.0, 0.05)      # steps were the fault's: level
+    assert not step_followed(d, {**late, **during}, 160.0, 0.05)  # both high: nothing moved
+    assert not step_followed(d, {**early, 14: 130.0, **{s: 130.0 for s in range(10, 14)}},
+                             130.0, 0.05)
+    small = Detection("compute", "rank 1", 100.0, 106.0, 0.06, onset_step=10, step=14)
+    steps = {**early, **{s: 135.0 for s in range(10, 15)}}        # +5 ms: half of 6, under 5%
+    assert not step_followed(small, steps, 130.0, 0.05)
+    assert step_followed(small, steps, 130.0, 0.03)

@@ -122,6 +122,7 @@ def test_fa2_attention_runs_at_its_hopper_share_by_hand():
     assert framework_job_fields("torchtitan", "bf16")["attn_kernel"] == "fa2"
     assert framework_job_fields("llama3", "bf16")["attn_kernel"] == "fa2"
     assert framework_job_fields("megatron", "bf16")["attn_kernel"] == "fused"
+    assert framework_job_fields("nemo", "fp8")["attn_kernel"] == "fused"
 
 
 def test_attention_kernel_flag_overrides_the_preset(capsys):
@@ -148,22 +149,39 @@ def test_2021_preset_turns_off_what_its_stack_lacked_and_flags_still_apply(capsy
     assert fields["flash_attention"] is False and fields["sequence_parallel"] is False
     assert fields["dp_overlap"] is False and fields["grad_fp32"] is False
     gpt = ["estimate", "--model", "arch=gpt,layers=24,hidden=2304,heads=24,vocab=51200", "--gpu",
-           "a100-80gb", "--gpus", "32", "--dp", "32", "--global-batch", "512", "--seq-len", "2048",
-           "--zero", "0", "--recompute", "full", "--micro-batch-size", "4"]
+           "a100-80gb", "--gpus", "32", "--tp", "2", "--dp", "16", "--global-batch", "512",
+           "--seq-len", "2048", "--zero", "0", "--recompute", "full", "--micro-batch-size", "4"]
     era = _json(capsys, gpt + ["--framework", "megatron-lm-2021"])
     flash = _json(capsys, gpt + ["--framework", "megatron-lm-2021", "--flash-attention", "on"])
+    sp = _json(capsys, gpt + ["--framework", "megatron-lm-2021", "--sequence-parallel"])
+    overlap = _json(capsys, gpt + ["--framework", "megatron-lm-2021", "--dp-overlap"])
     by_hand = _json(capsys, gpt + ["--framework", "megatron-lm", "--flash-attention", "off",
                                    "--no-dp-overlap", "--no-sequence-parallel"])
     assert flash["step_time_s"] < 0.9 * era["step_time_s"]
     assert era["memory_gb_per_gpu"] > flash["memory_gb_per_gpu"]      # the s x s scores
-    # megatron-lm's remaining differences (TP overlap: tp is 1 here; fp32 gradient reduction)
+    assert sp["memory_gb_per_gpu"] < era["memory_gb_per_gpu"]         # norms' inputs sharded
+    assert overlap["breakdown_s"]["dp"] < era["breakdown_s"]["dp"]    # hidden behind the backward
+    # megatron-lm's remaining differences: fp32 gradient reduction and TP overlap
     assert era["breakdown_s"]["dp"] < by_hand["breakdown_s"]["dp"]     # fp16 vs fp32 all-reduce
-    assert era["breakdown_s"]["compute"] == pytest.approx(by_hand["breakdown_s"]["compute"])
+    both = _json(capsys, gpt + ["--framework", "megatron-lm-2021", "--tp-overlap", "--grad-fp32"])
+    assert both["step_time_s"] == pytest.approx(by_hand["step_time_s"], rel=1e-12)
+    assert both["memory_gb_per_gpu"] == pytest.approx(by_hand["memory_gb_per_gpu"], rel=1e-12)
+    assert main(gpt + ["--sequence-parallel", "--no-sequence-parallel"]) == 2
+    assert "contradict each other" in capsys.readouterr().err
+
+    # `plan` searches only what that stack had: no CP, no ZeRO, 1F1B or interleaved pipelines,
+    # full recompute or none (selective recompute came with sequence parallelism, 2022)
+    top = _json(capsys, ["plan", "--model", "llama3-70b", "--gpu", "a100-80gb", "--gpus", "64",
+                         "--global-batch", "64", "--seq-len", "8192", "--top", "5",
+                         "--framework", "megatron-lm-2021"])
+    assert top and all(e["cp"] == 1 and e["zero"] == 0 for e in top)
+    assert {e["schedule"] for e in top} <= {"1f1b", "interleaved"}
+    assert {e["recompute"] for e in top} <= {"none", "full"}
 
     class Args:     # what argparse gives `estimate` without those flags
         global_batch, seq_len, precision, framework, gpu = 8, 2048, "bf16", "megatron-lm-2021", "a100"
         flash_attention, no_dp_overlap, no_sequence_parallel = "auto", False, False
-        grad_fp32 = tp_overlap = eager_ops = fsdp_copies = False
+        grad_fp32 = tp_overlap = eager_ops = fsdp_copies = dp_overlap = sequence_parallel = False
         expert_imbalance, attention_kernel = 1.25, None
     job = job_from_args(Args)
     assert (job.flash_attention, job.sequence_parallel, job.dp_overlap) == (False, False, False)

@@ -25,7 +25,7 @@ from commpipe.plan.cluster import (
     override_links,
     probe_call_overhead,
 )
-from commpipe.plan.frameworks import FRAMEWORKS, default_framework, framework_job_fields
+from commpipe.plan.frameworks import FRAMEWORKS, default_framework, framework_job_fields, resolve_framework
 from commpipe.plan.gpus import resolve_gpu
 from commpipe.plan.layout import ATTN_KERNELS, PRECISIONS, RECOMPUTE, SCHEDULES, ZERO_STAGES, Job, runtime_job
 from commpipe.plan.pass_split import describe as describe_pass
@@ -61,10 +61,16 @@ def add_common_arguments(p, require_layout: bool = False) -> None:
                    help="accumulate and all-reduce gradients in fp32 (Megatron-LM's default)")
     g.add_argument("--no-dp-overlap", action="store_true",
                    help="DP gradient reduction after the backward instead of overlapped with it")
+    g.add_argument("--dp-overlap", action="store_true",
+                   help="DP gradient reduction overlapped with the backward, over a --framework "
+                        "that does not (megatron-lm-2021)")
     g.add_argument("--tp-overlap", action="store_true",
                    help="TP collectives pipelined with their GEMMs (TE userbuffers, --tp-comm-overlap)")
     g.add_argument("--no-sequence-parallel", action="store_true",
                    help="TP without sequence parallelism (all-reduce, norms replicated)")
+    g.add_argument("--sequence-parallel", action="store_true",
+                   help="TP with sequence parallelism over a --framework without it "
+                        "(megatron-lm-2021)")
     g.add_argument("--flash-attention", default="auto", choices=("auto", "on", "off"),
                    help="auto: the --framework's (on but for megatron-lm-2021); off: attention as "
                         "batched GEMMs with the s x s scores in memory (2021-era stacks)")
@@ -150,10 +156,13 @@ def job_from_args(args) -> Job:
     fields.update(framework_job_fields(framework_from_args(args), args.precision))
     if args.flash_attention != "auto":
         fields["flash_attention"] = args.flash_attention == "on"
-    if args.no_dp_overlap:
-        fields["dp_overlap"] = False
-    if args.no_sequence_parallel:
-        fields["sequence_parallel"] = False
+    for name in ("dp_overlap", "sequence_parallel"):
+        on, off = getattr(args, name, False), getattr(args, "no_" + name, False)
+        if on and off:
+            flag = name.replace("_", "-")
+            raise ValueError(f"--{flag} and --no-{flag} contradict each other; give one")
+        if on or off:
+            fields[name] = bool(on)
     explicit = {"grad_fp32": args.grad_fp32, "tp_overlap": args.tp_overlap,
                 "eager_ops": getattr(args, "eager_ops", False),
                 "fsdp_copies": getattr(args, "fsdp_copies", False)}
@@ -355,6 +364,8 @@ def _plan_layers(args) -> int:
     if not args.profile:
         eff = with_measured_pass(eff, spec, job, cluster.gpu)
     check_experts(spec, job, fixed.get("ep"))
+    # what the framework's stack cannot vary stays as it runs it, unless fixed by hand
+    fixed = {**resolve_framework(framework_from_args(args)).limits, **fixed}
     try:
         result = search(spec, job, cluster, eff, fixed, top=args.top)
     except ValueError as e:

@@ -25,6 +25,9 @@ class Framework:
     fields: dict = field(default_factory=dict)       # Job fields, any precision
     bf16_grad_fp32: bool = True     # gradients reduced in fp32 under bf16 ...
     fp8_grad_fp32: bool = False     # ... and under fp8
+    limits: dict = field(default_factory=dict)  # what `plan` may search: dimensions the stack
+    #                                             cannot vary, pinned unless the user fixes them
+    #                                             (a tuple: the values it has)
 
 
 FRAMEWORKS: dict[str, Framework] = {
@@ -60,13 +63,17 @@ FRAMEWORKS: dict[str, Framework] = {
     # optimizer, the "local" DDP all-reducing gradients after the backward (--DDP-impl local;
     # no overlap), in the training precision (--accumulate-allreduce-grads-in-fp32 off by
     # default), no TP overlap, the unfused vocab-parallel cross-entropy, pipeline messages
-    # scatter-gathered over TP (on by default), 1F1B or interleaved pipelines.
+    # scatter-gathered over TP (on by default); `plan` searches only what it has: 1F1B or
+    # interleaved pipelines, full activation checkpointing or none, no context parallelism, no
+    # ZeRO.
     "megatron-lm-2021": Framework("megatron-lm-2021", "Megatron-LM@a8d172b (April 2021)",
                                   {"flash_attention": False, "sequence_parallel": False,
                                    "dp_overlap": False, "tp_overlap": False, "fp8_params": False,
                                    "eager_ops": False, "fsdp_copies": False,
                                    "fused_swiglu": True, "ce_kernel": "megatron-unfused"},
-                                  bf16_grad_fp32=False),
+                                  bf16_grad_fp32=False,
+                                  limits={"cp": 1, "zero": 0, "schedule": ("1f1b", "interleaved"),
+                                          "recompute": ("none", "full")}),
     # NeMo 24.07 (NeMo-Framework-Launcher@24.07 training configs and NeMo's performance scripts):
     # tp_comm_overlap=True; fp8_params not set, so cfg.get('fp8_params', False) in
     # megatron_gpt_model.py keeps bf16 weights beside TE's cached FP8 copies;

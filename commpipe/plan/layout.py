@@ -258,6 +258,9 @@ def _recomputes(searched, fixed: dict) -> list:
 
 
 def _pick(options: list, value):
+    """The options a fixed value leaves: all (None), the value, or those of a tuple of values."""
     if value is None:
         return options
+    if isinstance(value, tuple):
+        return [o for o in options if o in value]
     return [value] if value in options else []
