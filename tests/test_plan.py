@@ -310,6 +310,11 @@ def test_calibrate_cli_from_csv_then_plan_with_profile(tmp_path, capsys):
                  "--profile", str(prof)]) == 0
     assert "fit error (MAPE)" in capsys.readouterr().out
     assert json.loads(prof.read_text())["schema"] == "commpipe-profile/1"
+    # a preset is not applied to the runs being fitted: refused, not silently ignored
+    assert main(["plan", "--calibrate", str(tmp_path), "--gpu", "a100-80gb", "--framework",
+                 "megatron-lm-2021", "--profile", str(tmp_path / "other.json")]) == 2
+    assert "--framework presets are not applied there" in capsys.readouterr().err
+    assert not (tmp_path / "other.json").exists()
     assert main(["plan", "--model", "tiny", "--gpu", "a100-80gb", "--gpus", "4", "--gpus-per-node", "4",
                  "--global-batch", "8", "--seq-len", "64", "--profile", str(prof), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)[0]["feasible"]

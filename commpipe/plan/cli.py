@@ -327,6 +327,12 @@ def add_intervals(estimates, cluster) -> None:
 
 def run(args) -> int:
     if args.calibrate:
+        if getattr(args, "framework", None):
+            raise ValueError("--calibrate fits to runs whose settings come from their own files "
+                             "(config.json, a CSV's columns) and the flags; --framework presets "
+                             "are not applied there: drop --framework, give the flags it would "
+                             "set (e.g. --flash-attention off, --no-sequence-parallel), and pass "
+                             "--framework to the `plan` that reads the --profile")
         from commpipe.plan.cli_calibrate import run_calibration
         return run_calibration(args)
     if not args.model:
