@@ -183,13 +183,12 @@ def moved_the_job(d: Detection, step_ms: dict[int, float], first_step_ms: float 
                   min_shift: float) -> bool:
     """Whether the steps over which `d` held (`d.onset_step` to `d.step`) moved with it: their
     median step time at least `min_shift` above the plan's first step-time baseline for a
-    series that got slower, at least `min_shift` below it for one that got faster. A change
-    costs or saves the job what it moves the step: a rank whose busy time rose while the step
-    did not is waiting less elsewhere (its compute filled a pipeline bubble, or the host
-    descheduled it where it would have waited anyway), and a link whose transfers got faster
-    while the step did not was not what the step waited for (a sub-millisecond activation
-    send whose time is mostly the host's scheduling); no layout wins back time that was not
-    lost. A run with no step baseline yet counts the change."""
+    series that got slower, at least `min_shift` below it for one that got faster. The Watch
+    asks it of a link or collective that got faster (a rank that got slower answers to
+    `step_followed`). A change saves the job what it moves the step: a link whose transfers got
+    faster while the step did not was not what the step waited for (a sub-millisecond
+    activation send whose time is mostly the host's scheduling). A run with no step baseline
+    yet counts the change."""
     during = [ms for s, ms in step_ms.items() if d.onset_step <= s <= d.step]
     if not first_step_ms or not during:
         return True
@@ -218,11 +217,12 @@ def step_followed(d: Detection, step_ms: dict[int, float], first_step_ms: float 
     level follows them up.) A run with no step seen yet counts the change."""
     before = [ms for s, ms in step_ms.items() if s < d.onset_step]
     during = [ms for s, ms in step_ms.items() if d.onset_step <= s <= d.step]
-    refs = [r for r in (first_step_ms, statistics.median(before) if len(before) >= 3 else None)
-            if r]
-    ref = min(refs) if refs else None
-    if not ref or not during:
+    refs = [first_step_ms] if first_step_ms else []
+    if len(before) >= 3:
+        refs.append(statistics.median(before))
+    if not refs or not during:
         return True
+    ref = min(refs)
     rise = statistics.median(during) - ref
     return rise >= share * (d.current - d.baseline) and rise >= min_gain * ref
 
@@ -261,9 +261,8 @@ class Watch:
     the first `warmup_steps` steps of a plan, links smoothed over `link_smooth_steps`, then the
     detections that call for re-planning (`worth_replanning`), a rank's slowdown only when it is
     slower than its peers (`slower_than_peers`) and the step slowed with it (`step_followed`),
-    and a link or
-    collective that got faster only when it recovers from a slowdown detected before or the
-    step got faster with it (`moved_the_job`). Pure: the controller feeds it the same numbers
+    and a link or collective that got faster only when it recovers from a slowdown detected
+    before or the step got faster with it (`moved_the_job`). Pure: the controller feeds it the same numbers
     on every rank, so every rank reaches the same verdict."""
 
     def __init__(self, acfg):
@@ -293,22 +292,20 @@ class Watch:
         return [d for d in found if self._acts_on(d, signals, first)]
 
     def _acts_on(self, d: Detection, signals: dict, first: dict) -> bool:
-        shift = self.acfg.min_shift
-        moved = moved_the_job(d, self.step_ms, first.get(("step", "step")), shift)
+        acfg, first_step = self.acfg, first.get(("step", "step"))
         if d.kind == "compute" and d.shift > 0 and not (
-                slower_than_peers(d, signals, first, shift)
-                and step_followed(d, self.step_ms, first.get(("step", "step")), self.acfg.min_gain,
-                                  self.acfg.step_share)):
+                slower_than_peers(d, signals, first, acfg.min_shift)
+                and step_followed(d, self.step_ms, first_step, acfg.min_gain, acfg.step_share)):
             return False
         if d.kind in ("link", "collective"):
             if d.shift > 0:
-                if not costs_the_step(d, self.calls.get((d.kind, d.key), 1),
-                                      first.get(("step", "step")), self.acfg.min_gain):
+                if not costs_the_step(d, self.calls.get((d.kind, d.key), 1), first_step,
+                                      acfg.min_gain):
                     return False
                 self.slow_links.add(d.key)
             elif d.key in self.slow_links:
                 self.slow_links.discard(d.key)
-            elif not moved:
+            elif not moved_the_job(d, self.step_ms, first_step, acfg.min_shift):
                 return False
         return worth_replanning(d, self.stragglers)
 

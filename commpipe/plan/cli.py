@@ -152,8 +152,7 @@ def job_from_args(args) -> Job:
     for flag in ("global_batch", "seq_len"):
         if getattr(args, flag) is None:
             raise ValueError(f"--{flag.replace('_', '-')} is required")
-    fields = {"flash_attention": None, "dp_overlap": True, "sequence_parallel": True}
-    fields.update(framework_job_fields(framework_from_args(args), args.precision))
+    fields = framework_job_fields(framework_from_args(args), args.precision)
     if args.flash_attention != "auto":
         fields["flash_attention"] = args.flash_attention == "on"
     for name in ("dp_overlap", "sequence_parallel"):
