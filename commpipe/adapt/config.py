@@ -9,12 +9,6 @@ Defaults and why:
   min_shift=0.25  a relative shift of 25% against the baseline. Step and compute times on a
                   shared host wander by ~5-10% step to step (measured on our 2-core CI box), so
                   25% stays clear of noise; a change smaller than that rarely pays for a switch.
-  hold_share=0.5  once a run of shifted steps has begun, a step shifted the same way by half
-                  of min_shift (12.5%) holds it instead of restarting the count; the run's
-                  median must still be min_shift off to be a detection. A 1.5x straggler's
-                  compute read +41% to +57% on our 2-core host with single steps inside the
-                  25% band, each of which had restarted a 5-step count (detected after 6-11
-                  steps); a step back at the baseline still ends a blip (commpipe.adapt.detect).
   warmup_steps=2  the first 2 steps of a plan (at the start, after a switch or a resume) are not
                   observed: they carry one-off costs (allocations, first process-group calls).
   baseline_steps=4 observations (their median) that set the reference level, at the start and
@@ -84,7 +78,6 @@ from dataclasses import dataclass
 class AdaptConfig:
     min_steps: int = 5
     min_shift: float = 0.25
-    hold_share: float = 0.5
     baseline_steps: int = 4
     warmup_steps: int = 2
     horizon: int = 100
@@ -124,9 +117,6 @@ class AdaptConfig:
         if not 0.0 < self.min_shift < 10.0:
             raise ValueError(f"--adapt-min-shift {self.min_shift} must be a fraction > 0 "
                              "(0.25 means a 25% change)")
-        if not 0.0 < self.hold_share <= 1.0:
-            raise ValueError(f"hold_share {self.hold_share} must be in (0, 1] (1 ends a run at "
-                             "the first step back inside the band)")
         if self.baseline_steps < 1 or self.warmup_steps < 0:
             raise ValueError("baseline_steps must be >= 1 and warmup_steps >= 0")
         if self.horizon < 1:

@@ -6,11 +6,6 @@ differs from the baseline by at least `min_shift` (relative). A change is detect
 `min_steps` consecutive observations are shifted in the same direction; then the baseline moves
 to the new level (the median of those observations), so a lasting change fires once and a
 later recovery fires again. A blip shorter than `min_steps` resets the run and is ignored.
-The band has two edges, as a Schmitt trigger's: a run begins with an observation shifted by
-`min_shift` and holds while the next stay shifted the same way by `hold` x `min_shift`; at
-`min_steps` observations their median must be shifted by `min_shift` for a detection, else
-the run was the level wandering and is folded into it. One noisy step of a lasting fault then
-neither restarts the count nor is a fault taken from readings inside the band.
 Between changes the baseline follows the level: it is the median of the last
 2 x `baseline_steps` observations within the band (a run's first steps are often slower than
 its steady state, as allocators, caches and the host settle; a baseline fixed on them would
@@ -58,12 +53,10 @@ class _Series:
 
 
 class Detector:
-    def __init__(self, min_steps: int, min_shift: float, baseline_steps: int, hold: float = 1.0):
-        if min_steps < 1 or min_shift <= 0 or baseline_steps < 1 or not 0 < hold <= 1:
-            raise ValueError("min_steps and baseline_steps must be >= 1, min_shift > 0 and "
-                             "0 < hold <= 1")
+    def __init__(self, min_steps: int, min_shift: float, baseline_steps: int):
+        if min_steps < 1 or min_shift <= 0 or baseline_steps < 1:
+            raise ValueError("min_steps and baseline_steps must be >= 1 and min_shift > 0")
         self.min_steps, self.min_shift, self.baseline_steps = min_steps, min_shift, baseline_steps
-        self.hold = hold
         self.series: dict[tuple[str, str], _Series] = {}
 
     def reset(self) -> None:
@@ -108,10 +101,13 @@ class Detector:
         base = s.baseline
         shift = (value - base) / base if base > 0 else (0.0 if value == base else float("inf"))
         sign = (shift > 0) - (shift < 0)
-        held = bool(s.run) and sign == s.sign and abs(shift) >= self.hold * self.min_shift
-        if abs(shift) < self.min_shift and not held:
+        if abs(shift) < self.min_shift:
             s.run, s.sign = [], 0          # back within the band: a blip ends here
-            self._follow(s, [value])
+            s.level = (s.level + [value])[-2 * self.baseline_steps:]
+            if len(s.level) >= self.baseline_steps:     # follow the level
+                s.baseline = statistics.median(s.level)
+                if not s.fired:
+                    s.first = s.baseline
             return None
         if sign != s.sign:
             s.run, s.sign = [], sign
@@ -119,23 +115,11 @@ class Detector:
         if len(s.run) < self.min_steps:
             return None
         current = statistics.median(v for _, v in s.run)
-        moved = (current - base) / base if base > 0 else shift
-        if abs(moved) < self.min_shift:    # held by readings inside the band: the level wandered
-            values, s.run, s.sign = [v for _, v in s.run], [], 0
-            self._follow(s, values)
-            return None
-        det = Detection(kind, key, base, current, moved, s.run[0][0], step)
+        det = Detection(kind, key, base, current, (current - base) / base if base > 0 else shift,
+                        s.run[0][0], step)
         s.baseline, s.level, s.fired = current, [v for _, v in s.run], True
         s.run, s.sign = [], 0
         return det
-
-    def _follow(self, s: _Series, values: list) -> None:
-        """In-band observations: the baseline follows their level."""
-        s.level = (s.level + values)[-2 * self.baseline_steps:]
-        if len(s.level) >= self.baseline_steps:
-            s.baseline = statistics.median(s.level)
-            if not s.fired:
-                s.first = s.baseline
 
     def observe_all(self, step: int, signals: dict[tuple[str, str], float | None],
                     smooth: dict[str, int] | None = None) -> list[Detection]:
@@ -283,8 +267,7 @@ class Watch:
 
     def __init__(self, acfg):
         self.acfg = acfg
-        self.detector = Detector(acfg.min_steps, acfg.min_shift, acfg.baseline_steps,
-                                 acfg.hold_share)
+        self.detector = Detector(acfg.min_steps, acfg.min_shift, acfg.baseline_steps)
         self.stragglers: set[str] = set()
         self.slow_links: set[str] = set()       # links and collectives detected slower
         self.steps_in_plan = 0
