@@ -17,13 +17,15 @@ from pathlib import Path
 
 from commpipe.report.tables import terminal_table
 
+STEPS, MBIT = 10, 50.0     # the layout demo's defaults
+
 
 def add_arguments(p) -> None:
     p.add_argument("--out", default="runs/demo", help="sweep folder (default runs/demo); "
                    "finished layouts are reused, delete the folder to start over")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--inter-node-mbit", type=float, default=50.0,
-                   help="inter-node link rate of the emulated cluster (default 50)")
+    p.add_argument("--steps", type=int, default=STEPS, help=f"steps per layout (default {STEPS})")
+    p.add_argument("--inter-node-mbit", type=float, default=MBIT,
+                   help=f"inter-node link rate of the emulated cluster (default {MBIT:g})")
     p.add_argument("--cluster", default="auto", choices=("auto", "emulated", "local"),
                    help="auto: emulated when possible, else local loopback")
     p.add_argument("--adaptive", action="store_true",
@@ -46,6 +48,17 @@ def run(args) -> int:
     if args.adaptive:
         from commpipe.adapt.demo import format_summary, run_adaptive_demo
 
+        ignored = [flag for flag, given in (
+            ("--cluster local", args.cluster == "local"),
+            ("--steps", args.steps != STEPS),
+            ("--inter-node-mbit", args.inter_node_mbit != MBIT)) if given]
+        if ignored:
+            print(f"commpipe demo: error: {', '.join(ignored)} set the layout demo; the adaptive "
+                  "demo runs its own scenario on the emulated cluster (root and iproute2; "
+                  "docs/adaptive.md). Drop the flag, or train with --adapt on your layout: "
+                  "commpipe train ... --adapt", file=sys.stderr)
+            return 2
+
         out = Path(args.out if args.out != "runs/demo" else "runs/demo-adaptive")
         print(f"commpipe demo --adaptive -> {out}")
         try:
@@ -60,8 +73,9 @@ def run(args) -> int:
     from commpipe.cluster.sweep import run_demo_sweep
 
     out = Path(args.out)
-    print(f"commpipe demo: 8 layouts x {args.steps} steps, 4 nodes x 2 ranks, "
-          f"{args.inter_node_mbit:g} Mbit/s between nodes -> {out}")
+    link = ("local loopback" if args.cluster == "local"
+            else f"{args.inter_node_mbit:g} Mbit/s between nodes")
+    print(f"commpipe demo: 8 layouts x {args.steps} steps, 4 nodes x 2 ranks, {link} -> {out}")
     _, html = run_demo_sweep(out, steps=args.steps, inter_node_mbit=args.inter_node_mbit,
                              cluster=args.cluster)
     # a table that fits a 100-column terminal; report.html holds every column and figure

@@ -115,6 +115,21 @@ def test_payback_refuses_a_switch_that_costs_more_than_its_horizon_saves():
     assert not payback(100.0, 97.0, 0.0, 1000, 100, 2.0, 0.05).admit
 
 
+@pytest.mark.parametrize("flags, said", [
+    (["--cluster", "local"], "--cluster local set the layout demo"),
+    (["--steps", "4"], "--steps set the layout demo"),
+    (["--inter-node-mbit", "200", "--steps", "4"], "--steps, --inter-node-mbit set the layout demo"),
+])
+def test_the_adaptive_demo_refuses_the_layout_demos_flags(tmp_path, capsys, flags, said):
+    """`demo --adaptive` runs a fixed scenario on the emulated cluster: the layout demo's flags
+    are refused before anything starts, not silently ignored."""
+    from commpipe.cli import main
+
+    assert main(["demo", "--adaptive", "--out", str(tmp_path / "d"), *flags]) == 2
+    assert said in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()
+
+
 def test_flags_and_drill_spec_fail_early_with_a_fix():
     assert parse_slow_rank("1:3@20") == SlowRank(1, 3.0, 20)
     assert parse_slow_rank("2:1.5") == SlowRank(2, 1.5, 0)

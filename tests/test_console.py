@@ -183,6 +183,9 @@ def test_each_decision_log_record_becomes_console_lines():
     assert record_lines(stay) == [
         "adapt: step 14: stay on " + A["name"] + ": predicted gain 2.0% is below the minimum 5%; "
         "best candidate " + B["name"] + ", predicted 400 ms -> 392 ms per step (2% less)"]
+    slower = stay | {"predicted_best_ms": 440.0, "reason": "predicted gain -10.0% is below the "
+                     "minimum 5%"}    # the best candidate predicted slower: 10% more, not -10% less
+    assert record_lines(slower)[0].endswith("predicted 400 ms -> 440 ms per step (10% more)")
     trial = {"step": 18, "action": "trial", "plan": B["name"], "predicted_ms": 300.0,
              "measured_ms": 416.4, "to": A}
     assert record_lines(trial) == [f"adapt: step 18: trial of {B['name']}: predicted 300 ms, "

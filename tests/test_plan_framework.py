@@ -187,3 +187,13 @@ def test_2021_preset_turns_off_what_its_stack_lacked_and_flags_still_apply(capsy
     assert (job.flash_attention, job.sequence_parallel, job.dp_overlap) == (False, False, False)
     Args.framework = "megatron"
     assert job_from_args(Args) == Job(8, 2048, **framework_job_fields("megatron", "bf16"))
+
+
+def test_fsdp_copies_without_zero3_names_the_stage_it_contradicts(capsys):
+    """estimate's ZeRO stage is 0 unless --zero is given: the refusal says so and how to fix it,
+    rather than naming a --zero 0 the user never typed."""
+    argv = [a for a in EST if a not in ("--zero", "1")] + ["--fsdp-copies"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "ZeRO stage 0 (--zero, 0 unless given to estimate): add --zero 3" in err
+    assert main(EST[:-1] + ["3", "--fsdp-copies", "--json"]) == 0

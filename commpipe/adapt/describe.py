@@ -48,7 +48,8 @@ def decision_line(rec: dict) -> str:
     if action in ("stay", "switch"):
         g = gain(rec)
         predicted = (f"predicted {_ms(rec.get('predicted_current_ms'))} -> "
-                     f"{_ms(rec.get('predicted_best_ms'))} per step ({g:.0%} less)"
+                     f"{_ms(rec.get('predicted_best_ms'))} per step "
+                     f"({abs(g):.0%} {'less' if g >= 0 else 'more'})"
                      if g is not None else "")
         if action == "stay":
             best = f"; best candidate {_plan(rec['to'])}, {predicted}" if rec.get("to") else ""

@@ -216,8 +216,9 @@ def check_framework_flags(args, spec, zero: int | None) -> None:
         raise ValueError(f"--eager-ops counts the kernels of torchtitan's Llama op by op; this model is "
                          f"arch={spec.arch}, priced with fused kernels (drop --eager-ops)")
     if getattr(args, "fsdp_copies", False) and zero is not None and zero != 3:
-        raise ValueError(f"--fsdp-copies prices FSDP2's buffer copies under ZeRO-3; it contradicts "
-                         f"--zero {zero} (use --zero 3, or leave --zero to the search)")
+        raise ValueError(f"--fsdp-copies prices FSDP2's buffer copies under ZeRO-3; the layout has "
+                         f"ZeRO stage {zero} (--zero, 0 unless given to estimate): add --zero 3, "
+                         "or leave --zero to plan's search")
 
 
 def for_cluster(job: Job, cluster, framework: str | None = None) -> Job:

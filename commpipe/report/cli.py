@@ -2,7 +2,7 @@
 
     commpipe sweep --grid demo8 --out runs/demo
     commpipe report runs/demo                 # -> runs/demo/report.html
-    commpipe report runs/study --study shared/data/study_perlmutter_llama8b.csv
+    commpipe report runs/study --study ../shared/data/study_perlmutter_llama8b.csv
 
 DIR is a sweep folder (sweep.jsonl + one run folder per layout), any folder of `commpipe
 train --out` run folders, or one run folder (its monitor, links and timeline summarised alone).

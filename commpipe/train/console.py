@@ -20,7 +20,8 @@ import statistics
 from pathlib import Path
 
 # what a run folder may hold, in the order the summary names them
-RUN_FILES = ("metrics.jsonl", "config.json", "adapt.jsonl", "checkpoints", "monitor", "trace")
+RUN_FILES = ("metrics.jsonl", "config.json", "adapt.jsonl", "checkpoints", "monitor", "trace",
+             "tensorboard")
 
 
 def format_count(n: float, unit: str = "") -> str:
