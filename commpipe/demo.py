@@ -53,7 +53,8 @@ def run(args) -> int:
             ("--steps", args.steps != STEPS),
             ("--inter-node-mbit", args.inter_node_mbit != MBIT)) if given]
         if ignored:
-            print(f"commpipe demo: error: {', '.join(ignored)} set the layout demo; the adaptive "
+            verb = "is" if len(ignored) == 1 else "are"
+            print(f"commpipe demo: error: {', '.join(ignored)} {verb} for the layout demo; the adaptive "
                   "demo runs its own scenario on the emulated cluster (root and iproute2; "
                   "docs/adaptive.md). Drop the flag, or train with --adapt on your layout: "
                   "commpipe train ... --adapt", file=sys.stderr)

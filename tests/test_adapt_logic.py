@@ -116,9 +116,9 @@ def test_payback_refuses_a_switch_that_costs_more_than_its_horizon_saves():
 
 
 @pytest.mark.parametrize("flags, said", [
-    (["--cluster", "local"], "--cluster local set the layout demo"),
-    (["--steps", "4"], "--steps set the layout demo"),
-    (["--inter-node-mbit", "200", "--steps", "4"], "--steps, --inter-node-mbit set the layout demo"),
+    (["--cluster", "local"], "--cluster local is for the layout demo"),
+    (["--steps", "4"], "--steps is for the layout demo"),
+    (["--inter-node-mbit", "200", "--steps", "4"], "--steps, --inter-node-mbit are for the layout demo"),
 ])
 def test_the_adaptive_demo_refuses_the_layout_demos_flags(tmp_path, capsys, flags, said):
     """`demo --adaptive` runs a fixed scenario on the emulated cluster: the layout demo's flags
