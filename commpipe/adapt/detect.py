@@ -262,8 +262,8 @@ class Watch:
     detections that call for re-planning (`worth_replanning`), a rank's slowdown only when it is
     slower than its peers (`slower_than_peers`) and the step slowed with it (`step_followed`),
     and a link or collective that got faster only when it recovers from a slowdown detected
-    before or the step got faster with it (`moved_the_job`). Pure: the controller feeds it the same numbers
-    on every rank, so every rank reaches the same verdict."""
+    before or the step got faster with it (`moved_the_job`). Pure: the controller feeds it the
+    same numbers on every rank, so every rank reaches the same verdict."""
 
     def __init__(self, acfg):
         self.acfg = acfg
