@@ -22,11 +22,14 @@ was measured with is the table's by assumption.
 Inputs: the model (mixtral-8x7b), the GPU and cluster, the stated layout (the distributed
 optimizer: ZeRO-1; overlapped gradient reduction), the framework preset megatron. Nothing is
 fitted here: the efficiency constants are the planner's GPU defaults (timing.MEASURED_GPU,
-fitted on dense vTrain A100 runs), the expert imbalance its default 1.25 and, to show how much
+fitted on dense vTrain A100 runs), the MoE layers' host operations counted in Megatron-Core's
+code (commpipe.plan.moe_host), the expert imbalance its default 1.25 and, to show how much
 rides on it, 1.0 (perfect balance) and 1.1. Error = predicted / published TFLOP/s - 1.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from commpipe.models.family import resolve
 from commpipe.plan.cluster import default_cluster
@@ -105,8 +108,8 @@ def megatron_bridge_rows() -> list[float]:
     """Print the rows; return measured / predicted of each."""
     print(f"\nsource: {MB_SOURCE}, the MoE rows (force-balanced experts: imbalance 1.0)\n")
     print(f"{'row':<26} {'prec':<7} {'layout':<44} {'published':>9} {'predicted':>9} "
-          f"{'error':>7}  memory")
-    errors = []
+          f"{'error':>7} {'no host ops':>11} {'error':>7}  memory")
+    errors, bare_errors = [], []
     for row, model, gpu, gpus, prec, gbs, mbs, seq, tp, pp, vpp, ep, published in MB_ROWS:
         spec = resolve(model)
         cluster = default_cluster(resolve_gpu(gpu), gpus, 8)
@@ -118,11 +121,18 @@ def megatron_bridge_rows() -> list[float]:
         e = estimate(spec, layout, job, cluster)
         tokens = gbs * seq / e.step_time_s / gpus
         errors.append(tokens / published - 1)
+        # side by side: the same row without the MoE layers' host operations (moe_host.py)
+        bare = estimate(spec, layout, replace(job, moe_host_ops=False), cluster)
+        bare_tokens = gbs * seq / bare.step_time_s / gpus
+        bare_errors.append(bare_tokens / published - 1)
         fit = "fits" if e.feasible else "over"
         print(f"{row:<26} {prec:<7} {layout.short():<44} {published:>9.0f} {tokens:>9.0f} "
-              f"{errors[-1]:>+7.1%}  {e.memory_gb_per_gpu:.0f} GB ({fit})")
-    mape = sum(abs(x) for x in errors) / len(errors)
-    print(f"\n{len(errors)} rows: MAPE {mape:.1%}, bias {sum(errors) / len(errors):+.1%}")
+              f"{errors[-1]:>+7.1%} {bare_tokens:>11.0f} {bare_errors[-1]:>+7.1%}  "
+              f"{e.memory_gb_per_gpu:.0f} GB ({fit})")
+    for name, errs in (("", errors), (" without host operations", bare_errors)):
+        mape = sum(abs(x) for x in errs) / len(errs)
+        print(f"{'' if name else chr(10)}{len(errs)} rows{name}: MAPE {mape:.1%}, "
+              f"bias {sum(errs) / len(errs):+.1%}")
     return [1 / (1 + x) for x in errors]
 
 

@@ -93,7 +93,7 @@ FRAMEWORKS: dict[str, Framework] = {
     "torchtitan": Framework("torchtitan", "torchtitan@0413364 (PyTorch 2.4-2.5)",
                             {"tp_overlap": False, "fp8_params": False, "cp_comm": "allgather",
                              "eager_ops": True, "fsdp_copies": True, "fused_swiglu": False,
-                             "attn_kernel": "fa2"},
+                             "attn_kernel": "fa2", "moe_host_ops": False},
                             fp8_grad_fp32=True),
     # Meta's Llama 3 stack as the paper describes it (arXiv:2407.21783 Sec. 3.3.2: all-gather
     # context parallelism, Sec. 3.3.4: gradients accumulated and reduce-scattered in fp32); no

@@ -101,6 +101,9 @@ class Job:
     #                             gradients into, flat NCCL buffers on the compute stream (kernels.py)
     expert_imbalance: float = 1.25  # MoE: token copies routed to the busiest EP rank over the
     #                             mean (Switch Transformer's capacity factor; plan/moe.py)
+    moe_host_ops: bool = True   # MoE: the host operations of Megatron-Core's router, all-to-all
+    #                             dispatcher and grouped experts added to each MoE layer's pass
+    #                             (moe_host.py); False: not priced (torchtitan, not counted)
     param_gather_chained: bool = False  # Megatron-LM before Megatron-Core 0.9: the distributed
     #                             optimizer's bucket all-gathers chained, each launched when the
     #                             previous one is waited on (zero_costs.py); False: a chunk's

@@ -65,6 +65,7 @@ from commpipe.plan.moe import (
     routed_rows,
     routed_spec,
 )
+from commpipe.plan.moe_host import moe_host_seconds
 
 
 def all_to_all(cluster: Cluster, nbytes: float, size: int, stride: int) -> float:
@@ -140,16 +141,18 @@ def add_routed_costs(spec, layout, job, cluster: Cluster, eff, costs, fused: boo
             # per element, HBM-bound, as timing.py's dense layers); backward: twice, as there
             elem += fp8_cast_bytes(shapes[len(router):], job) / hbm
             calls = 2 if key and layout.ep > 1 else 0
-            per_layer[key] = (gemm, elem, calls * a2a)
+            host = moe_host_seconds(moe, layout, job, cluster.gpu, eff) if key else (0.0, 0.0)
+            per_layer[key] = (gemm, elem, calls * a2a, host)
     ep_f, ep_b = [], []
     for s, layers in enumerate(split_layers(moe.layers, layout.pp * layout.vpp)):
         f = i = w = comm_f = comm_b = 0.0
         for layer in layers:
-            gemm, elem, comm = per_layer[moe.is_moe_layer(layer)]
-            f += gemm + elem
+            gemm, elem, comm, (host_f, host_b) = per_layer[moe.is_moe_layer(layer)]
+            f += gemm + elem + host_f
             # backward: input-gradient GEMMs, twice the forward's HBM traffic, and under full
-            # recompute the forward (with its all-to-alls) replayed first
-            i += gemm + 2 * elem + (gemm + elem if full else 0.0)
+            # recompute the forward (with its all-to-alls) replayed first; the MoE layer's host
+            # operations (moe_host.py, the replay's included)
+            i += gemm + 2 * elem + (gemm + elem if full else 0.0) + host_b
             w += gemm
             comm_f += comm
             comm_b += comm * (2 if full else 1)
