@@ -102,3 +102,22 @@ def test_more_local_experts_cost_more_host_time_at_a_fixed_token_count():
         steps[ep] = on - off
     # 8 micro-batches x 4 layers, the per-expert operations (2 + 4 per expert) at OP_S
     assert steps[2] - steps[8] == pytest.approx(8 * 4 * 6 * (64 - 16) * OP_S, rel=0.02)
+
+
+def test_estimate_reports_the_counted_operations_and_their_time(capsys):
+    """`estimate --json` carries a MoE layer's added operations and seconds (moe.host_*), and
+    the text report prints them: Mixtral 8x7B at ep 8 (one local expert), bf16: 29 + 2 forward,
+    14 + 4 backward."""
+    import json
+
+    from commpipe.cli import main
+
+    argv = ["estimate", "--model", "mixtral-8x7b", "--gpu", "h100", "--gpus", "64", "--tp", "1",
+            "--pp", "4", "--ep", "8", "--zero", "1", "--global-batch", "256", "--seq-len", "4096"]
+    main(argv + ["--json"])
+    moe = json.loads(capsys.readouterr().out)["moe"]
+    assert moe["host_ops_per_layer"] == {"forward": 31, "backward": 18}
+    assert moe["host_s_per_layer"]["forward"] == pytest.approx(31 * OP_S, rel=1e-9)
+    assert moe["host_s_per_layer"]["backward"] == pytest.approx(18 * OP_S, rel=1e-9)
+    main(argv)
+    assert "issues 31 + 18 operations" in capsys.readouterr().out

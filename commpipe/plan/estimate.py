@@ -342,7 +342,8 @@ def _finish_once(est: Estimate, spec: ModelSpec, job: Job, cluster: Cluster, cos
     layout, m = est.layout, est.microbatches
     args = cost_table_args(costs, layout, cluster)
     if moe_plan.routed_spec(spec) is not None:
-        est.moe = moe_summary(spec, layout, job, cluster) | {"a2a_braided": "ep_comm" in args}
+        est.moe = (moe_summary(spec, layout, job, cluster, costs.moe_host)
+                   | {"a2a_braided": "ep_comm" in args})
     makespan_ms, busy_ms = simulate_step(layout.schedule, layout.pp, layout.vpp, m, **args)
     tails = _tails(costs)
     worst = max(range(layout.pp), key=lambda r: tails[r])

@@ -65,7 +65,7 @@ from commpipe.plan.moe import (
     routed_rows,
     routed_spec,
 )
-from commpipe.plan.moe_host import moe_host_seconds
+from commpipe.plan.moe_host import moe_host_seconds, moe_layer_ops
 
 
 def all_to_all(cluster: Cluster, nbytes: float, size: int, stride: int) -> float:
@@ -142,6 +142,8 @@ def add_routed_costs(spec, layout, job, cluster: Cluster, eff, costs, fused: boo
             elem += fp8_cast_bytes(shapes[len(router):], job) / hbm
             calls = 2 if key and layout.ep > 1 else 0
             host = moe_host_seconds(moe, layout, job, cluster.gpu, eff) if key else (0.0, 0.0)
+            if key and host[0] > 0:
+                costs.moe_host = (*moe_layer_ops(moe, layout, job, cluster.gpu), *host)
             per_layer[key] = (gemm, elem, calls * a2a, host)
     ep_f, ep_b = [], []
     for s, layers in enumerate(split_layers(moe.layers, layout.pp * layout.vpp)):
@@ -193,8 +195,9 @@ def expert_optimizer_seconds(spec, layout, job, cluster: Cluster, rank: int, zer
     return (adam + cast) / hbm_rate(cluster.gpu)
 
 
-def summary(spec, layout, job, cluster: Cluster) -> dict:
-    """What `estimate --json` reports of the MoE layers under `layout` (key "moe")."""
+def summary(spec, layout, job, cluster: Cluster, host: tuple = (0, 0, 0.0, 0.0)) -> dict:
+    """What `estimate --json` reports of the MoE layers under `layout` (key "moe"); `host`:
+    StageCosts.moe_host, the host operations a MoE layer adds (moe_host.py)."""
     moe = routed_spec(spec)
     rows = routed_rows(layout, job, moe)
     a2a = a2a_seconds(spec, layout, job, cluster)
@@ -202,4 +205,6 @@ def summary(spec, layout, job, cluster: Cluster) -> dict:
             "tokens_per_expert": rows / (moe.experts // layout.ep),
             "a2a_bytes_per_call": rows * moe.hidden * job.activation_bytes,
             "a2a_s_per_call": a2a,
-            "active_params": M.active_param_count(moe), "total_params": M.param_count(moe)}
+            "active_params": M.active_param_count(moe), "total_params": M.param_count(moe),
+            "host_ops_per_layer": {"forward": host[0], "backward": host[1]},
+            "host_s_per_layer": {"forward": host[2], "backward": host[3]}}

@@ -115,3 +115,9 @@ def print_estimate(e: Estimate, cluster) -> None:
                   f"{m['a2a_s_per_call'] * 1e3:.3f} ms per call, 4 per MoE layer and micro-batch, "
                   + ("in flight behind the other pass of a braid" if m.get("a2a_braided")
                      else "exposed"))
+        ops, secs = m.get("host_ops_per_layer"), m.get("host_s_per_layer")
+        if ops and ops["forward"]:
+            print(f"host: a MoE layer issues {ops['forward']} + {ops['backward']} operations "
+                  f"(forward + backward) beyond a dense MLP's, {secs['forward'] * 1e3:.2f} + "
+                  f"{secs['backward'] * 1e3:.2f} ms a micro-batch (Megatron-Core's, counted; "
+                  f"commpipe.plan.moe_host)")

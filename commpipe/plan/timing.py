@@ -195,6 +195,8 @@ class StageCosts:
     zero_b: list[float] = field(default_factory=list)   # ... and ZeRO-2/3 gradient reduce-scatters
     ep_f: list[float] = field(default_factory=list)     # exposed EP all-to-alls (moe_costs.py)
     ep_b: list[float] = field(default_factory=list)
+    moe_host: tuple = (0, 0, 0.0, 0.0)  # a MoE layer's host operations and seconds beyond a dense
+    #                                     MLP's, forward and backward (moe_host.py)
 
     @property
     def f(self) -> list[float]:
