@@ -121,3 +121,22 @@ def test_estimate_reports_the_counted_operations_and_their_time(capsys):
     assert moe["host_s_per_layer"]["backward"] == pytest.approx(18 * OP_S, rel=1e-9)
     main(argv)
     assert "issues 31 + 18 operations" in capsys.readouterr().out
+
+
+def test_a_layout_that_loses_on_its_all_to_alls_is_not_blamed_on_compute():
+    """`plan`'s "why common alternatives lose" names the exposed EP all-to-alls when they are
+    the term that grew most (full recompute replays them), not the compute, which shrank."""
+    from commpipe.plan.search import explain_loss
+
+    spec = resolve("arch=moe,name=q,layers=4,hidden=2048,heads=32,kv_heads=4,head_dim=128,"
+                   "vocab=151936,experts=128,top_k=8,expert_ffn=768")
+    cluster = default_cluster(resolve_gpu("b200"), 8, 8)
+    job = Job(global_batch=128, seq_len=4096, precision="fp8", expert_imbalance=1.0)
+
+    def est(**kw):
+        return estimate(spec, Layout(tp=1, cp=1, pp=1, dp=8, zero=1, ep=8, **kw), job, cluster)
+
+    best, alt = est(micro_batch_size=4), est(micro_batch_size=16, recompute="full")
+    assert alt.breakdown["ep"] - best.breakdown["ep"] > alt.breakdown["compute"] - best.breakdown["compute"]
+    line = explain_loss(alt, best, cluster)
+    assert "EP8 all-to-alls inside a node expose" in line and "compute" not in line

@@ -232,6 +232,13 @@ def explain_loss(alt: Estimate, best: Estimate, cluster: Cluster) -> str:
         return head + f"CP{lay.cp} ring exchange {group_place(lay, cluster, 'cp')} exposes {x} ms"
     if term == "optimizer":
         return head + f"optimizer step {x} ms (states not sharded or more parameters per GPU)"
+    if term == "ep":
+        inside, _ = cluster.placement(lay.ep, lay.tp)
+        where = "inside a node" if inside else "across nodes"
+        return head + (f"EP{lay.ep} all-to-alls {where} expose {x} ms per step "
+                       f"({alt.microbatches} micro-batches of {lay.micro_batch_size})")
+    if term != "compute":
+        return head + f"{term} {x} ms per step on the busiest rank"
     return head + f"compute {x} ms per step on the busiest rank ({compute_cause(alt, best)})"
 
 
