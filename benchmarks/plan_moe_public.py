@@ -5,7 +5,8 @@
     python benchmarks/plan_moe_public.py --write-interval   # and store the range plan prints
 
 Published runs: Mixtral 8x7B in bf16 on 64 H100 (below), and the MoE rows of Megatron-Bridge
-25.11's performance summary the planner can express, all FP8 (`megatron_bridge_rows`).
+25.11's and 26.02's performance summaries the planner can express, all FP8
+(`megatron_bridge_rows`; the 26.02 rows held out: priced only after the last change).
 
 NVIDIA's Megatron-Core MoE README (megatron/core/transformer/moe/README.md in NVIDIA/Megatron-LM)
 gives, for dropless Mixtral 8x7B in bf16 with the all-to-all token dispatcher on 64 H100 80GB
@@ -103,14 +104,31 @@ MB_ROWS = [
     ("DGX-B200 DeepSeekV3", "deepseek-v3", "b200", 256, "FP8-MX", 2048, 1, 4096, 1, 16, 1, 8, 2139),
 ]
 
+# Megatron-Bridge 26.02's rows of the same summary (NVIDIA-NeMo/Megatron-Bridge@c0b9a00,
+# docs/performance-summary.md, "26.02 NeMo Container"; its note: force-balanced and dropless),
+# priced only after the MoE host operations (commpipe.plan.moe_host) were counted on
+# Megatron-Core 0.15 and nothing adjusted after: the held-out rows, on a later Megatron-Core.
+# The same selection: DGX-B200 and DGX-H100, TP1. Left out besides GPT OSS: the H100
+# Qwen3_235B_a22B row (TP2 with EP32: its recipe keeps the experts whole,
+# expert_tensor_parallel_size=1, where the planner splits experts over TP); GB200, GB300, B300.
+# "FP8" on the H100 rows is priced as current scaling, as moe_host does on Hopper.
+MB_2602_SOURCE = ("NVIDIA-NeMo/Megatron-Bridge@c0b9a00 docs/performance-summary.md, 26.02 NeMo "
+                  "Container")
+MB_2602_ROWS = [
+    ("DGX-B200 DeepSeekV3", "deepseek-v3", "b200", 256, "MXFP8", 4096, 1, 4096, 1, 16, 1, 8, 2689),
+    ("DGX-B200 Qwen3_30B_a3B", QWEN3_30B, "b200", 8, "MXFP8", 512, 1, 4096, 1, 1, 1, 8, 9691),
+    ("DGX-B200 Qwen3_235B_a22B", QWEN3_235B, "b200", 256, "MXFP8", 8192, 1, 4096, 1, 8, 1, 8, 3805),
+    ("DGX-H100 Qwen3_30B_a3B", QWEN3_30B, "h100", 16, "FP8", 1024, 1, 4096, 1, 2, 12, 8, 5113),
+]
 
-def megatron_bridge_rows() -> list[float]:
+
+def megatron_bridge_rows(rows=MB_ROWS, source=MB_SOURCE) -> list[float]:
     """Print the rows; return measured / predicted of each."""
-    print(f"\nsource: {MB_SOURCE}, the MoE rows (force-balanced experts: imbalance 1.0)\n")
+    print(f"\nsource: {source}, the MoE rows (force-balanced experts: imbalance 1.0)\n")
     print(f"{'row':<26} {'prec':<7} {'layout':<44} {'published':>9} {'predicted':>9} "
           f"{'error':>7} {'no host ops':>11} {'error':>7}  memory")
     errors, bare_errors = [], []
-    for row, model, gpu, gpus, prec, gbs, mbs, seq, tp, pp, vpp, ep, published in MB_ROWS:
+    for row, model, gpu, gpus, prec, gbs, mbs, seq, tp, pp, vpp, ep, published in rows:
         spec = resolve(model)
         cluster = default_cluster(resolve_gpu(gpu), gpus, 8)
         job = Job(gbs, seq, precision="fp8", expert_imbalance=1.0,
@@ -151,6 +169,6 @@ def write_interval(ratios: list[float]) -> None:
 if __name__ == "__main__":
     import sys
 
-    ratios = [main(), *megatron_bridge_rows()]
+    ratios = [main(), *megatron_bridge_rows(), *megatron_bridge_rows(MB_2602_ROWS, MB_2602_SOURCE)]
     if "--write-interval" in sys.argv[1:]:
         write_interval(ratios)

@@ -62,7 +62,7 @@ def interval(value: float) -> tuple[float, float]:
 #     python benchmarks/plan_moe_public.py --write-interval
 # -- begin: written by benchmarks/plan_moe_public.py --write-interval
 MOE_RATIO_RANGE = (0.6369, 1.1083)
-MOE_ROWS = 5
+MOE_ROWS = 9
 # -- end
 
 
