@@ -313,3 +313,34 @@ def test_grid_text_stays_text_in_report_md_and_results_csv(tmp_path):
     raw = (root / "results.csv").read_text()
     assert not any(cell.startswith(("=", "+", "@")) for line in raw.splitlines()
                    for cell in next(csv.reader([line])))
+
+
+def test_a_link_class_measured_only_with_small_messages_says_so(tmp_path):
+    """A pipeline whose every message is under MIN_BANDWIDTH_BYTES (2,000 bytes: 0.002 GB/s over
+    1 ms) has no bandwidth to show; the terminal table says "small" there, with a legend, where
+    a class never measured keeps "–"; a class with one large enough step gives its rate."""
+    from commpipe.report.links import class_columns
+    from commpipe.report.tables import collect, terminal_table
+
+    def p2p(step, src, dst, cls, ms, bw):
+        return {"step": step, "kind": "p2p", "dim": "pp", "src": src, "dst": dst,
+                "link_class": cls, "matched": 4, "transfer_ms": ms, "bandwidth_gbps": bw}
+
+    _jsonl(tmp_path / "sw" / "sweep.jsonl", [{"name": "pp", "label": "TP1/CP1/PP2", "tp": 1,
+                                               "cp": 1, "pp": 2, "dp": 1, "status": "ok",
+                                               "reason": ""}])
+    run = tmp_path / "sw" / "pp"
+    _jsonl(run / "metrics.jsonl", _metrics([1.0, 0.5, 0.5], [0.1, 1, 1], [5, 4, 3]))
+    (run / "monitor").mkdir()
+    small = [p2p(s, 0, 1, "intra_node", 1.0, 0.002) for s in range(3)]
+    _jsonl(run / "monitor" / "links.jsonl", small)
+    assert class_columns(run)["small_messages"] == ["pp_intra"]
+    lines = terminal_table(collect(tmp_path / "sw")).splitlines()
+    # m, step ms, bubble, PP intra, PP inter, TP intra, TP inter, loss
+    assert lines[2].split()[-8:] == ["–", "500", "–", "small", "–", "–", "–", "3"]
+    assert any(line.startswith("small: every message under 4 KiB") for line in lines)
+    # one step of 1 MB messages: a rate, and no legend
+    _jsonl(run / "monitor" / "links.jsonl", small + [p2p(2, 0, 1, "intra_node", 1.0, 1.0)])
+    assert class_columns(run)["small_messages"] == []
+    lines = terminal_table(collect(tmp_path / "sw")).splitlines()
+    assert lines[2].split()[-5] == "1" and not any(line.startswith("small:") for line in lines)

@@ -12,8 +12,9 @@ expert parallelism's all-to-all exchanges (EP: dispatch and combine, one record 
 step; a group's other EP calls, the row counts before them (op all_to_all_counts) and the
 gradient norm's scalar sum, are not a link) and, as DP, the expert gradients' all-reduce over
 the ranks holding the same experts (edp). Steps whose timed calls were smaller than
-MIN_BANDWIDTH_BYTES (scalar reductions) time latency, not the link, and are left out of
-bandwidth.
+MIN_BANDWIDTH_BYTES (scalar reductions, a tiny model's sharded activations) time latency, not the
+link, and are left out of bandwidth; a link class with only such steps is named in the results
+row's `small_messages` (the terminal table prints "small" there).
 """
 
 from __future__ import annotations
@@ -79,14 +80,19 @@ def link_rows(run_dir, warmup: int = 1) -> list[dict]:
                 continue
             key = (dim, r["op"], tuple(r["group"]))
             n, bw = r.get("sampled") or 0, r.get("busbw_gbps")
-        a = acc.setdefault(key, {"link_class": r.get("link_class"), "steps": [], "n": 0})
-        if n and bw and r.get("transfer_ms") and measures_bandwidth(r):
-            a["steps"].append((bw, r["transfer_ms"]))
-            a["n"] += n
+        a = acc.setdefault(key, {"link_class": r.get("link_class"), "steps": [], "n": 0,
+                                 "small": 0})
+        if n and bw and r.get("transfer_ms"):
+            if measures_bandwidth(r):
+                a["steps"].append((bw, r["transfer_ms"]))
+                a["n"] += n
+            else:
+                a["small"] += 1
     out = []
     for key, a in sorted(acc.items(), key=lambda kv: str(kv[0])):
         row = {"dim": key[0], "kind": "p2p" if key[1] == "p2p" else "collective",
                "link_class": a["link_class"], "timed": a["n"], "steps": a["steps"],
+               "small_steps": a["small"],
                "gbps": _median(bw for bw, _ in a["steps"]),
                "transfer_ms": _median(ms for _, ms in a["steps"])}
         if key[1] == "p2p":
@@ -95,6 +101,14 @@ def link_rows(run_dir, warmup: int = 1) -> list[dict]:
             row.update(op=key[1], group=list(key[2]))
         out.append(row)
     return out
+
+
+def small_only(links: list[dict]) -> set[tuple[str, str]]:
+    """(dim, link class) pairs whose timed calls were all under MIN_BANDWIDTH_BYTES: measured,
+    but no bandwidth to give (a tp2 x cp2 pipeline of the tiny preset sends 2 KiB messages)."""
+    small = {(lk["dim"], lk["link_class"]) for lk in links if lk.get("small_steps")}
+    timed = {(lk["dim"], lk["link_class"]) for lk in links if lk["gbps"] is not None}
+    return small - timed
 
 
 def class_summary(links: list[dict]) -> list[dict]:
@@ -116,8 +130,12 @@ def class_summary(links: list[dict]) -> list[dict]:
 def class_columns(run_dir, warmup: int = 1) -> dict:
     """{f"{dim}_intra_gbps": .., f"{dim}_inter_gbps": ..} for a results row."""
     out = {}
-    for s in class_summary(link_rows(run_dir, warmup)):
+    links = link_rows(run_dir, warmup)
+    for s in class_summary(links):
         out[f"{s['dim']}_{s['link_class'].split('_')[0]}_gbps"] = s["gbps"]
+    # no rate, but measured: every message was too small to time the link (terminal_table)
+    out["small_messages"] = sorted(f"{d}_{c.split('_')[0]}" for d, c in small_only(links)
+                                   if c in CLASSES)
     return out
 
 

@@ -367,6 +367,9 @@ def terminal_table(rows: list[dict], width: int = 100, report: str = "report.htm
             return r.get("label") or r["name"]
         if key == "bubble":
             return "–" if r.get(key) is None else f"{r[key]:.0%}"
+        if r.get(key) is None and key.endswith("_gbps") and \
+                key[:-len("_gbps")] in (r.get("small_messages") or ()):
+            return "small"
         return fmt(r.get(key), 4 if key == "final_loss" else 3)
 
     ok = [r for r in rows if r["status"] == "ok"]
@@ -387,6 +390,11 @@ def terminal_table(rows: list[dict], width: int = 100, report: str = "report.htm
     lines = [line(head), line(["-" * w for w in widths])] + [line(b) for b in body]
     lines.append(f"GB/s: PP per message, TP{'/EP all-to-all' if ep else ''} bus bandwidth; intra = links "
                  "inside a node, inter = across nodes.")
+    if any(r.get("small_messages") for r in ok):
+        from commpipe.report.links import MIN_BANDWIDTH_BYTES
+
+        lines.append(f"small: every message under {MIN_BANDWIDTH_BYTES // 1024} KiB, which times "
+                     "the call's latency, not the link's bandwidth.")
     for r in rows:      # wrapped, not cut: the reason ends with what to change
         if r["status"] != "ok":
             lines += textwrap.wrap(f"{r.get('label') or r['name']}: {r['status']}: {r.get('reason') or ''}",
