@@ -29,7 +29,8 @@ token all-to-all, permutation and chunk-sort kernels, three all-to-alls; each gr
 cuBLAS call per local expert (fc1, fc2; backward: data and weight gradients), FP8 quantisation
 per expert: one MXFP8 kernel, four for per-tensor current scaling (amax, scale, cast)). The MoE
 layer's extra operations are the difference, plus the shared experts' dense MLP where the model
-has them; full recompute replays the forward's in the backward. Added to the pass as
+has them; full recompute replays the forward's in the backward (an independent recount of the
+forward: 34 + 2 L and 41 + 4 L, the same per-expert terms). Added to the pass as
 overhead_s is: every MoE forward blocks the host on the GPU once (the all-to-all's split sizes),
 so its operations after that point are not issued ahead of the GPU.
 
