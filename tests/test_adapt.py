@@ -197,6 +197,15 @@ def test_slow_rank_drill_moves_layers_off_the_slow_stage(four_ranks):
     timed = [d for d in evals if "call_ms" in (d.get("probed") or {})]
     assert timed and timed[0] is evals[0] and len(timed) == 1, [d.get("probed") for d in evals]
     assert 0.0 < timed[0]["probed"]["call_ms"] < 1e3
+    # every rank runs on this machine: the calls timed by 2 of them are priced for all of them
+    # on its cores (link_probe.host_sharing)
+    import os
+
+    share, probed = host[0]["sharing"], timed[0]["probed"]
+    cores = len(os.sched_getaffinity(0))
+    assert share == {"ranks": 4, "cores": cores, "timing_ranks": 2,
+                     "factor": max(1.0, 4 / cores) / max(1.0, 2 / cores)}
+    assert probed["call_ms"] == pytest.approx(probed["call_ms_alone"] * share["factor"])
     layouts = [m["layout"] for m in metrics]
     assert layouts[0].endswith("m4x1") and "layers 3,1" in layouts[-1]
     # the switch was confirmed by measurement: each trialled candidate ran its warm-up and 3

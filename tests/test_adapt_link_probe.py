@@ -76,3 +76,16 @@ def test_a_calls_time_is_its_mean_beyond_the_links_price():
     rs = 0.6 - (4096 / 1e6 + 0.1)
     assert link_probe.call_ms(ops, 8192, 0.1, 1.0) == pytest.approx((ar + ag + rs) / 3)
     assert link_probe.call_ms({}, 8192, 0.1, 1.0) == 0.0
+
+
+@pytest.mark.parametrize("ranks,timing,cores,factor", [
+    (4, 2, 2, 2.0),      # the demo: 4 ranks on 2 cores, the calls timed by 2 of them
+    (8, 2, 2, 4.0),      # 8 ranks on 2 cores
+    (4, 1, 2, 2.0),      # rank 1 on another machine: rank 0 timed alone
+    (8, 2, 64, 1.0),     # a core for every rank: nothing to share
+    (3, 2, 2, 1.5)])
+def test_calls_in_training_are_stretched_by_the_ranks_sharing_the_cores(ranks, timing, cores,
+                                                                        factor):
+    """Busy ranks per core in training over those while the calls were timed, as
+    commpipe.plan.host's processor sharing prices a collective call's host time."""
+    assert link_probe.sharing_factor(ranks, timing, cores) == pytest.approx(factor)

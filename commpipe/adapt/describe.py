@@ -89,6 +89,10 @@ def host_line(rec: dict) -> str:
         parts.append("a gloo collective call after compute (ranks 0-1) took " + ", ".join(
             f"{op.replace('_', '-')} {_ms(v['mean_ms'])}" for op, v in rec["calls"].items())
             + " (mean)")
+        share = rec.get("sharing") or {}
+        if share.get("factor", 1.0) > 1.0:
+            parts.append(f"{share['ranks']} ranks share this machine's {share['cores']} cores: "
+                         f"calls in training priced x{share['factor']:.2g}")
     if rec.get("op_work"):
         parts.append(f"issuing an eager op takes as long as {rec['op_work']:.3g} FLOPs of "
                      "compute")
@@ -106,9 +110,12 @@ def probe_lines(rec: dict) -> list[str]:
     if "call_ms" in probed:
         took = (f", in {probed['calls_seconds']:.2f} s" if "calls_seconds" in probed
                 else " (timed at the start)")
+        shared = (f" ({_ms(probed['call_ms_alone'])} timed alone, x{probed['sharing_factor']:.2g}"
+                  " for the ranks sharing this machine's cores)"
+                  if probed.get("sharing_factor", 1.0) > 1.0 else "")
         lines.append(f"{PREFIX} step {rec['step']}: a gloo collective call after compute "
-                     f"(ranks 0-1) costs {_ms(probed['call_ms'])} beyond its link, added to each "
-                     f"TP and CP call a candidate makes{took}")
+                     f"(ranks 0-1) costs {_ms(probed['call_ms'])} beyond its link{shared}, added "
+                     f"to each TP and CP call a candidate makes{took}")
     return lines
 
 

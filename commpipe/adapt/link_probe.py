@@ -105,8 +105,33 @@ def measure_host(trainer) -> dict | None:
         record |= {"op_work": op_work(trainer), "op_work_seconds": time.perf_counter() - t0}
     if comm.backend == "gloo" and comm.dims.world_size > 1:
         ops, nbytes, took = measure_calls(comm)
-        record |= {"calls": ops, "call_bytes": nbytes, "calls_seconds": took}
+        record |= {"calls": ops, "call_bytes": nbytes, "calls_seconds": took,
+                   "sharing": host_sharing(comm)}
     return record if comm.rank == 0 and len(record) > 2 else None
+
+
+def host_sharing(comm) -> dict:
+    """Collective: how many ranks share rank 0's machine and its cores, and the factor a call's
+    host time timed by `measure_calls` (ranks 0 and 1 busy, the others asleep) takes in
+    training, when every rank of the machine uses the CPU: processor sharing, as
+    commpipe.plan.host stretches a collective call's host time by the busy ranks per core,
+        factor = max(1, ranks / cores) / max(1, timing ranks / cores)."""
+    import os
+
+    from commpipe.monitor.clock import machine_identity
+
+    machines = comm.gather_objects(machine_identity(), "world")
+    here = machines[0]
+    ranks = sum(m == here for m in machines)
+    timing = 1 + (len(machines) > 1 and machines[1] == here)
+    cores = len(os.sched_getaffinity(0))
+    return {"ranks": ranks, "cores": cores, "timing_ranks": timing,
+            "factor": sharing_factor(ranks, timing, cores)}
+
+
+def sharing_factor(ranks: int, timing_ranks: int, cores: int) -> float:
+    """Busy ranks per core in training over those while the calls were timed (at least 1)."""
+    return max(1.0, ranks / cores) / max(1.0, timing_ranks / cores)
 
 
 def call_ms(ops: dict, nbytes: int, latency_ms: float, gbps: float) -> float:

@@ -55,8 +55,12 @@ class KnownRates:
                                               for (a, b), (lat, gbps) in rates.items()}}
         if self.call_ms is None and (self.host or {}).get("calls"):
             # the calls timed at the start, less what they paid on the link known now
+            # beyond the link, stretched by the ranks that share the machine's cores in
+            # training (link_probe.host_sharing: the calls were timed with the others asleep)
             lat, gbps = self.links.get((0, 1)) or (None, None)
-            self.call_ms = link_probe.call_ms(self.host["calls"], self.host["call_bytes"],
-                                              lat or 0.0, gbps or float("inf"))
-            out["call_ms"] = self.call_ms
+            alone = link_probe.call_ms(self.host["calls"], self.host["call_bytes"],
+                                       lat or 0.0, gbps or float("inf"))
+            factor = (self.host.get("sharing") or {}).get("factor", 1.0)
+            self.call_ms = alone * factor
+            out |= {"call_ms": self.call_ms, "call_ms_alone": alone, "sharing_factor": factor}
         return out if out and comm.rank == 0 else None

@@ -21,8 +21,10 @@ commpipe.report, commpipe.adapt.describe and the demo read:
                                        measured before planning: {seconds, links: {"a->b":
                                        {latency_ms, gbps}}}, and once a run on gloo a
                                        collective call's time beyond its link, from the
-                                       calls the `host` record timed at the start: {call_ms}
-                                       (commpipe.adapt.link_probe)
+                                       calls the `host` record timed at the start: {call_ms,
+                                       call_ms_alone, sharing_factor}: as timed, and stretched
+                                       by the ranks sharing the machine's cores in training
+                                       (commpipe.adapt.link_probe.host_sharing)
   steps_left, candidates_admitted, candidates_over_memory, planning_s, time
                                        the steps the payback could count on, how many
                                        candidates paid back, how many the planner's memory

@@ -41,6 +41,17 @@ def clock_identity() -> str | None:
     return f"{boot}|{ns}|{info.implementation}"
 
 
+def machine_identity() -> str:
+    """Equal on two processes exactly when they share one machine's cores: the same host name
+    and boot id, whatever their network namespace (the emulated cluster's nodes share one)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "-"
+    return f"{socket.gethostname()}|{boot}"
+
+
 def node_identity() -> str:
     """Equal on two processes exactly when they run on one node: the same host (name and boot
     id) and the same network namespace. Ranks of one real host share all three, and talk over
