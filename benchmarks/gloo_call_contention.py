@@ -30,7 +30,7 @@ PAIR = "call_pair"
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--nproc", type=int, default=4, help="ranks to spawn without torchrun")
+    p.add_argument("--nproc", type=int, default=4, help="local ranks to spawn (not under torchrun)")
     p.add_argument("--rounds", type=int, default=8, help="rounds (an even number: busy/idle pairs)")
     p.add_argument("--calls", type=int, default=30, help="timed calls per op and round")
     p.add_argument("--flags", default=None, help=argparse.SUPPRESS)   # the ranks' shared folder
@@ -99,6 +99,9 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.rounds < 2 or args.rounds % 2:
         raise SystemExit("--rounds must be an even number >= 2")
+    if "WORLD_SIZE" in os.environ:
+        raise SystemExit("run it without torchrun: it spawns its --nproc local ranks itself, which "
+                         "share a folder to end each busy round")
     if args.nproc < 3:
         raise SystemExit("--nproc must be at least 3: ranks 0-1 time calls, the others compute")
     from _local_ranks import run_ranks

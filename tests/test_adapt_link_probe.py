@@ -89,3 +89,25 @@ def test_calls_in_training_are_stretched_by_the_ranks_sharing_the_cores(ranks, t
     """Busy ranks per core in training over those while the calls were timed, as
     commpipe.plan.host's processor sharing prices a collective call's host time."""
     assert link_probe.sharing_factor(ranks, timing, cores) == pytest.approx(factor)
+
+
+class _Gathered:
+    """A comm whose gather_objects returns the given rows (one per rank)."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def gather_objects(self, obj, dim="world"):
+        return self.rows
+
+
+@pytest.mark.parametrize("rows,expected", [
+    # 4 ranks free to use both cores of one machine
+    ([("m", [0, 1])] * 4, {"ranks": 4, "cores": 2, "timing_ranks": 2, "factor": 2.0}),
+    # each pinned to its own core: nothing shared
+    ([("m", [c]) for c in range(4)], {"ranks": 4, "cores": 4, "timing_ranks": 2, "factor": 1.0}),
+    # rank 1 on another machine: rank 0 timed alone, 3 ranks on 2 cores here
+    ([("m", [0, 1]), ("n", [0, 1]), ("m", [0, 1]), ("m", [0, 1])],
+     {"ranks": 3, "cores": 2, "timing_ranks": 1, "factor": 1.5})])
+def test_host_sharing_counts_the_ranks_and_cores_of_rank_0s_machine(rows, expected):
+    assert link_probe.host_sharing(_Gathered(rows)) == expected

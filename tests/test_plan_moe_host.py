@@ -140,3 +140,13 @@ def test_a_layout_that_loses_on_its_all_to_alls_is_not_blamed_on_compute():
     assert alt.breakdown["ep"] - best.breakdown["ep"] > alt.breakdown["compute"] - best.breakdown["compute"]
     line = explain_loss(alt, best, cluster)
     assert "EP8 all-to-alls inside a node expose" in line and "compute" not in line
+
+
+@pytest.mark.parametrize("name,key", [("b200", "mxfp8"), ("gb300", "mxfp8"), ("h100", "current"),
+                                      ("bigchip", "current")])
+def test_the_fp8_recipe_follows_the_gpu_generation_not_a_first_letter(name, key):
+    from commpipe.plan.moe_host import recipe
+
+    gpu = replace(resolve_gpu("h100"), name=name)
+    assert recipe(Job(8, 128, precision="fp8"), gpu) == key
+    assert recipe(Job(8, 128), gpu) == "bf16"

@@ -344,3 +344,6 @@ def test_a_link_class_measured_only_with_small_messages_says_so(tmp_path):
     assert class_columns(run)["small_messages"] == []
     lines = terminal_table(collect(tmp_path / "sw")).splitlines()
     assert lines[2].split()[-5] == "1" and not any(line.startswith("small:") for line in lines)
+    # small messages only in a dimension the table does not show: no legend for it
+    row = collect(tmp_path / "sw")[0] | {"small_messages": ["cp_intra"]}
+    assert "small" not in terminal_table([row])

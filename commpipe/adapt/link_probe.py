@@ -111,7 +111,8 @@ def measure_host(trainer) -> dict | None:
 
 
 def host_sharing(comm) -> dict:
-    """Collective: how many ranks share rank 0's machine and its cores, and the factor a call's
+    """Collective: how many ranks share rank 0's machine and the cores they may run on (the
+    union of their CPU affinities; a cgroup's CPU quota is not read), and the factor a call's
     host time timed by `measure_calls` (ranks 0 and 1 busy, the others asleep) takes in
     training, when every rank of the machine uses the CPU: processor sharing, as
     commpipe.plan.host stretches a collective call's host time by the busy ranks per core,
@@ -120,11 +121,13 @@ def host_sharing(comm) -> dict:
 
     from commpipe.monitor.clock import machine_identity
 
-    machines = comm.gather_objects(machine_identity(), "world")
+    rows = comm.gather_objects((machine_identity(), sorted(os.sched_getaffinity(0))), "world")
+    machines = [m for m, _ in rows]
     here = machines[0]
     ranks = sum(m == here for m in machines)
     timing = 1 + (len(machines) > 1 and machines[1] == here)
-    cores = len(os.sched_getaffinity(0))
+    # the cores those ranks may run on: ranks pinned one to a core share none
+    cores = len(set().union(*(set(c) for m, c in rows if m == here)))
     return {"ranks": ranks, "cores": cores, "timing_ranks": timing,
             "factor": sharing_factor(ranks, timing, cores)}
 

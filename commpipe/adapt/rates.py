@@ -54,9 +54,9 @@ class KnownRates:
             out = {"seconds": took, "links": {f"{a}->{b}": {"latency_ms": lat, "gbps": gbps}
                                               for (a, b), (lat, gbps) in rates.items()}}
         if self.call_ms is None and (self.host or {}).get("calls"):
-            # the calls timed at the start, less what they paid on the link known now
-            # beyond the link, stretched by the ranks that share the machine's cores in
-            # training (link_probe.host_sharing: the calls were timed with the others asleep)
+            # the calls timed at the start, less what they paid on the link known now, then
+            # stretched by the ranks that share the machine's cores in training
+            # (link_probe.host_sharing: the calls were timed with the others asleep)
             lat, gbps = self.links.get((0, 1)) or (None, None)
             alone = link_probe.call_ms(self.host["calls"], self.host["call_bytes"],
                                        lat or 0.0, gbps or float("inf"))

@@ -28,20 +28,26 @@ all-gather of them, four device-to-host copies and one blocking synchronisation 
 token all-to-all, permutation and chunk-sort kernels, three all-to-alls; each grouped GEMM one
 cuBLAS call per local expert (fc1, fc2; backward: data and weight gradients), FP8 quantisation
 per expert: one MXFP8 kernel, four for per-tensor current scaling (amax, scale, cast)). The MoE
-layer's extra operations are the difference, plus the shared experts' dense MLP where the model
-has them; full recompute replays the forward's in the backward (an independent recount of the
-forward: 34 + 2 L and 41 + 4 L, the same per-expert terms). Added to the pass as
-overhead_s is: every MoE forward blocks the host on the GPU once (the all-to-all's split sizes),
-so its operations after that point are not issued ahead of the GPU.
+layer's extra operations are the difference, or the whole block where the model has shared
+experts (their dense MLP issues the dense MLP's operations); full recompute replays the
+forward's in the backward (an independent recount of the forward: 34 + 2 L and 41 + 4 L, the
+same per-expert terms). Added to the pass as overhead_s is: every MoE forward blocks the host on
+the GPU once (the all-to-all's split sizes), so its operations after that point are not issued
+ahead of the GPU. The counts are TP 1's, applied at every tp and ep; the backward's,
+weight-gradient GEMMs included, go to the input-gradient pass (zero-bubble schedules issue the
+weight-gradient GEMMs later: the step's total is the same, their placement approximate).
 
 Which FP8 recipe: Megatron-Bridge 25.11's performance runs use per-tensor current scaling on
 Hopper and MXFP8 on Blackwell (docs/performance-summary.md, "FP8-CS", "FP8-MX"); GPUs named
-b*/gb* are taken as Blackwell. Not counted: stream and event calls (~37 forward, ~55 backward,
-constant), Python hooks per expert weight, torchtitan's MoE (its presets set
-`Job.moe_host_ops` False) and commpipe's own runtime (runtime_ops.py prices its host).
+b<digit> or gb<digit> (b200, gb200) are taken as Blackwell. Not counted: stream and event calls
+(~37 forward, ~55 backward, constant), Python hooks per expert weight, torchtitan's MoE (its
+presets set `Job.moe_host_ops` False) and commpipe's own runtime (runtime_ops.py prices its
+host).
 """
 
 from __future__ import annotations
+
+import re
 
 # Megatron-DeepSpeed's dense GPT layer (module docstring): forward, backward operations
 MDS_LAYER_OPS = (19, 32)
@@ -63,8 +69,7 @@ def recipe(job, gpu) -> str:
     """The operation counts' key: bf16, or the FP8 recipe Megatron-Bridge runs on this GPU."""
     if job.precision != "fp8":
         return "bf16"
-    name = gpu.name.lower()
-    return "mxfp8" if name.startswith(("b", "gb")) else "current"
+    return "mxfp8" if re.match(r"g?b\d", gpu.name.lower()) else "current"
 
 
 def moe_layer_ops(moe, layout, job, gpu) -> tuple[int, int]:

@@ -205,6 +205,12 @@ def group_place(layout: Layout, cluster: Cluster, dim: str) -> str:
     return "inside a node" if inside else "across nodes"
 
 
+# breakdown terms without a branch of their own in explain_loss
+OTHER_TERMS = {"dp_sm": "compute slowed by the DP reduction's NCCL SMs",
+               "step_sync": "the step's scalar all-reduces (loss, gradient norm)",
+               "embedding_sync": "the tied embedding's gradient all-reduce"}
+
+
 def explain_loss(alt: Estimate, best: Estimate, cluster: Cluster) -> str:
     """One line: the term of the step-time breakdown that grew most against the best."""
     lay = alt.layout
@@ -237,8 +243,10 @@ def explain_loss(alt: Estimate, best: Estimate, cluster: Cluster) -> str:
         where = "inside a node" if inside else "across nodes"
         return head + (f"EP{lay.ep} all-to-alls {where} expose {x} ms per step "
                        f"({alt.microbatches} micro-batches of {lay.micro_batch_size})")
+    if term in OTHER_TERMS:
+        return head + f"{OTHER_TERMS[term]} {x} ms per step"
     if term != "compute":
-        return head + f"{term} {x} ms per step on the busiest rank"
+        return head + f"{term} {x} ms per step"
     return head + f"compute {x} ms per step on the busiest rank ({compute_cause(alt, best)})"
 
 

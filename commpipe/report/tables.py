@@ -374,7 +374,9 @@ def terminal_table(rows: list[dict], width: int = 100, report: str = "report.htm
 
     ok = [r for r in rows if r["status"] == "ok"]
     # EP only in the link classes a run measured: the label keeps its room
-    ep = [c for c in EP_TERMINAL if any(r.get(c[1]) is not None for r in ok)]
+    ep = [c for c in EP_TERMINAL if any(r.get(c[1]) is not None
+                                        or c[1][:-len("_gbps")] in (r.get("small_messages") or ())
+                                        for r in ok)]
     columns = TERMINAL[:-1] + ep + TERMINAL[-1:]
     body = [[cell(r, key) for _, key in columns] for r in ok]
     head = [h for h, _ in columns]
@@ -390,7 +392,7 @@ def terminal_table(rows: list[dict], width: int = 100, report: str = "report.htm
     lines = [line(head), line(["-" * w for w in widths])] + [line(b) for b in body]
     lines.append(f"GB/s: PP per message, TP{'/EP all-to-all' if ep else ''} bus bandwidth; intra = links "
                  "inside a node, inter = across nodes.")
-    if any(r.get("small_messages") for r in ok):
+    if any(c == "small" for b in body for c in b[1:]):
         from commpipe.report.links import MIN_BANDWIDTH_BYTES
 
         lines.append(f"small: every message under {MIN_BANDWIDTH_BYTES // 1024} KiB, which times "
