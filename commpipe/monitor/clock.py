@@ -59,15 +59,10 @@ def node_identity() -> str:
     cluster (commpipe.cluster.netns) runs every node in its own network namespace of one host,
     so there the namespace tells the nodes apart, as their links do."""
     try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "-"
-    try:
         netns = os.readlink("/proc/self/ns/net")
     except OSError:
         netns = "-"
-    return f"{socket.gethostname()}|{boot}|{netns}"
+    return f"{machine_identity()}|{netns}"
 
 
 def estimate_offset(comm, rounds: int = 8, trust_shared_clock: bool = True) -> float:

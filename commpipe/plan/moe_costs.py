@@ -65,7 +65,7 @@ from commpipe.plan.moe import (
     routed_rows,
     routed_spec,
 )
-from commpipe.plan.moe_host import moe_host_seconds, moe_layer_ops
+from commpipe.plan.moe_host import NONE, moe_host
 
 
 def all_to_all(cluster: Cluster, nbytes: float, size: int, stride: int) -> float:
@@ -141,10 +141,10 @@ def add_routed_costs(spec, layout, job, cluster: Cluster, eff, costs, fused: boo
             # per element, HBM-bound, as timing.py's dense layers); backward: twice, as there
             elem += fp8_cast_bytes(shapes[len(router):], job) / hbm
             calls = 2 if key and layout.ep > 1 else 0
-            host = moe_host_seconds(moe, layout, job, cluster.gpu, eff) if key else (0.0, 0.0)
-            if key and host[0] > 0:
-                costs.moe_host = (*moe_layer_ops(moe, layout, job, cluster.gpu), *host)
-            per_layer[key] = (gemm, elem, calls * a2a, host)
+            host = moe_host(moe, layout, job, cluster.gpu, eff) if key else NONE
+            if key:
+                costs.moe_host = host
+            per_layer[key] = (gemm, elem, calls * a2a, host[2:])
     ep_f, ep_b = [], []
     for s, layers in enumerate(split_layers(moe.layers, layout.pp * layout.vpp)):
         f = i = w = comm_f = comm_b = 0.0
@@ -195,7 +195,7 @@ def expert_optimizer_seconds(spec, layout, job, cluster: Cluster, rank: int, zer
     return (adam + cast) / hbm_rate(cluster.gpu)
 
 
-def summary(spec, layout, job, cluster: Cluster, host: tuple = (0, 0, 0.0, 0.0)) -> dict:
+def summary(spec, layout, job, cluster: Cluster, host: tuple = NONE) -> dict:
     """What `estimate --json` reports of the MoE layers under `layout` (key "moe"); `host`:
     StageCosts.moe_host, the host operations a MoE layer adds (moe_host.py)."""
     moe = routed_spec(spec)

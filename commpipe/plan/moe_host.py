@@ -87,11 +87,15 @@ def moe_layer_ops(moe, layout, job, gpu) -> tuple[int, int]:
     return fwd, bwd
 
 
-def moe_host_seconds(moe, layout, job, gpu, eff) -> tuple[float, float]:
-    """(forward, backward) host seconds one MoE layer adds per micro-batch: 0 on a CPU, under
-    commpipe's own runtime and where `job.moe_host_ops` is off."""
+NONE = (0, 0, 0.0, 0.0)
+
+
+def moe_host(moe, layout, job, gpu, eff) -> tuple[int, int, float, float]:
+    """(forward, backward) operations and (forward, backward) host seconds one MoE layer adds
+    per micro-batch (StageCosts.moe_host): NONE on a CPU, under commpipe's own runtime and where
+    `job.moe_host_ops` is off."""
     if gpu.name == "cpu" or job.runtime == "commpipe" or not job.moe_host_ops:
-        return 0.0, 0.0
+        return NONE
     op = op_seconds(eff.overhead_s)
     f, b = moe_layer_ops(moe, layout, job, gpu)
-    return f * op, b * op
+    return f, b, f * op, b * op

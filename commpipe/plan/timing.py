@@ -196,7 +196,7 @@ class StageCosts:
     ep_f: list[float] = field(default_factory=list)     # exposed EP all-to-alls (moe_costs.py)
     ep_b: list[float] = field(default_factory=list)
     moe_host: tuple = (0, 0, 0.0, 0.0)  # a MoE layer's host operations and seconds beyond a dense
-    #                                     MLP's, forward and backward (moe_host.py)
+    #                                     MLP's, forward and backward (moe_host.moe_host)
 
     @property
     def f(self) -> list[float]:
