@@ -136,6 +136,11 @@ def add_arguments(p) -> None:
                         "dimension and link class with --comm-monitor) and adaptive events into "
                         "OUT/tensorboard (pip install tensorboard)")
     g.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    g.add_argument("--emulate-device", type=float, default=1.0, metavar="FACTOR",
+                   help="CPU: every compute operator takes FACTOR times its host time, the host "
+                        "idle for the extra as while an accelerator runs a kernel, so transfers "
+                        "in flight get the cores (benchmarks of overlap; values unchanged; "
+                        "default 1: off)")
     g.add_argument("--precision", default=None, choices=("fp32", "bf16"),
                    help="bf16: autocast with fp32 master weights, gradients, optimizer and loss "
                         "(default bf16 on CUDA, fp32 on CPU)")
@@ -204,7 +209,7 @@ def config_from_args(args) -> TrainConfig:
                        peer_copy_every=getattr(args, "peer_copy_every", None),
                        fail_at=parse_fail_at(args.fail_at), out=args.out, monitor=monitor,
                        trace=args.trace, tensorboard=args.tensorboard, log_every=args.log_every,
-                       device=args.device,
+                       device=args.device, emulate_device=args.emulate_device,
                        precision=args.precision, strict_order=args.strict_order,
                        recompute=args.recompute, sequence_parallel=args.sequence_parallel,
                        overlap=args.overlap, dp_bucket_mb=args.dp_bucket_mb,

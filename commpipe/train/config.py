@@ -62,6 +62,8 @@ class TrainConfig:
     tensorboard: bool = False         # scalars and adapt events into OUT/tensorboard
     log_every: int = 1
     device: str = "auto"
+    emulate_device: float = 1.0       # CPU: compute ops take this many times their host time,
+                                      # the host idle for the rest (commpipe.runtime.device_time)
     precision: str | None = None      # fp32 | bf16 (autocast); default bf16 on CUDA, fp32 on CPU
     strict_order: bool = False        # match point-to-point messages in issue order, as NCCL does
     adapt: Steering | None = None     # --adapt: commpipe.adapt.config.AdaptConfig
@@ -202,6 +204,12 @@ class TrainConfig:
             raise ValueError(f"--device {self.device}: PyTorch sees no CUDA GPU here "
                              f"(torch {torch.__version__}, CUDA build {torch.version.cuda}); use "
                              "--device cpu or auto")
+        on_cuda = self.device.startswith("cuda") or (self.device == "auto"
+                                                     and torch.cuda.is_available())
+        if self.emulate_device < 1.0 or (self.emulate_device > 1.0 and on_cuda):
+            raise ValueError(f"--emulate-device {self.emulate_device}: a factor >= 1 that stretches "
+                             "CPU compute (a GPU's kernels already leave the host free); give "
+                             "one >= 1 with --device cpu, or drop it")
 
     def _check_precision(self) -> None:
         """bf16: autocast on the device (CPU too), with fp32 master parameters, gradients,

@@ -51,7 +51,7 @@ SECTIONS = {
     "data": ("data", "tokenizer", "vocab_size", "eval_every", "eval_batches"),
     "checkpoint": ("save_every", "resume", "init_from", "fail_at"),
     "monitor": ("comm_monitor", "trace", "tensorboard", "log_every"),
-    "job": ("out", "overwrite", "device", "timeout_s", "hang_timeout_s", "elastic",
+    "job": ("out", "overwrite", "device", "emulate_device", "timeout_s", "hang_timeout_s", "elastic",
             "peer_copy_every"),
     "adapt": ("adapt", "adapt_min_steps", "adapt_min_shift", "adapt_horizon", "adapt_margin",
               "adapt_trials", "adapt_switch_cost", "adapt_resplit_only", "adapt_relaunch",
@@ -194,7 +194,8 @@ SAME = ("model", "ep", "schedule", "vpp", "micro_batch_size", "global_batch", "s
         "init_from",
         "resume", "overwrite", "timeout_s", "out", "trace", "log_every", "device", "precision",
         "strict_order", "recompute", "sequence_parallel", "overlap", "dp_bucket_mb",
-        "tp_forward_overlap", "tensorboard", "hang_timeout_s", "elastic", "peer_copy_every")
+        "tp_forward_overlap", "tensorboard", "hang_timeout_s", "elastic", "peer_copy_every",
+        "emulate_device")
 # derived when the config resolves (the model's shape, the vocabulary of --data, the balanced
 # split's costs) or fixed without a flag (AdamW's decay, betas, eps): not read back.
 # microbatches: the global batch is kept and the micro-batch count follows from it, so that

@@ -28,6 +28,7 @@ from commpipe.parallel.comm import Comm
 from commpipe.parallel.context import cp_positions, cp_split
 from commpipe.parallel.data import GradReducer, Zero1, clip_grad_norm_
 from commpipe.parallel.world import init_distributed
+from commpipe.runtime.device_time import emulated
 from commpipe.runtime.executor import PipelineRuntime
 from commpipe.runtime.recompute import ActivationMeter
 from commpipe.train import checkpoint
@@ -312,6 +313,7 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
     watchdog = start_watchdog(comm, cfg.hang_timeout_s)   # names a rank a stuck step waits on
     together = False  # did every rank leave the loop together (collective clean-up is safe)?
     profiler = kineto_trace(trainer)  # None unless --trace on CUDA
+    step_mode = emulated(cfg.emulate_device)
     try:
         if profiler is not None:
             profiler.start()
@@ -320,7 +322,8 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
                 raise RuntimeError(f"fault drill: --fail-at {comm.rank}:{trainer.step}")
             if trainer.runtime.events is not None:  # keep only the last step's timeline
                 trainer.runtime.events.clear()
-            rec = trainer.train_step()
+            with step_mode:       # --emulate-device: compute leaves the host idle, as a GPU's does
+                rec = trainer.train_step()
             if watchdog is not None:
                 watchdog.progress(trainer.step)
             if profiler is not None:
