@@ -60,6 +60,9 @@ def parse_args(argv=None):
                    help="comma-separated, of dualpipev, 1f1b, zbv, stp")
     p.add_argument("--rounds", type=int, default=3,
                    help="run the schedules this many times, alternating their order (default 3)")
+    p.add_argument("--emulate-device", type=float, default=1.0, metavar="FACTOR",
+                   help="train with --emulate-device FACTOR: compute takes FACTOR x its host "
+                        "time with the host idle for the extra, as on a GPU (default 1: off)")
     add_out(p)
     return p.parse_args(argv)
 
@@ -97,7 +100,7 @@ def main(argv=None) -> int:
     schedules = args.schedules.split(",")
     flags = {"steps": args.steps, "microbatches": args.microbatches, "model": args.model,
              "seq_len": args.seq_len, "micro_batch_size": 1, "ep": 2, "comm_monitor": "all",
-             "device": "cpu"}
+             "device": "cpu", "emulate_device": args.emulate_device if args.emulate_device > 1 else None}
     steps, ep = {}, {}
     # rounds run the schedules in turn, each round in the reverse order of the one before, so
     # drifting load hits all alike; a schedule's step time is the median over all its steps
@@ -120,7 +123,9 @@ def main(argv=None) -> int:
     print(f"\nemulated cluster: 2 nodes x 2 ranks, {args.mbit:g} Mbit/s between nodes; PP2 inside "
           f"a node, DP2 = EP2 across nodes; {args.model}, seq {args.seq_len}, "
           f"{args.microbatches} micro-batches, {args.steps} steps x {args.rounds} round(s) "
-          "(median of steps 1.. of every round)")
+          "(median of steps 1.. of every round)"
+          + (f"; compute emulated as device time x{args.emulate_device:g} (--emulate-device)"
+             if args.emulate_device > 1 else ""))
     print("schedule    | step s | ratio to dualpipev | EP exposed ms/step | EP transfer ms/step "
           "| hidden vs 1f1b")
     base, ref = times.get("dualpipev"), ep.get("1f1b", {}).get("exposed_ms")
