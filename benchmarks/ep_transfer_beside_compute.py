@@ -17,7 +17,8 @@ median; printed: the median over rounds.
   waits; printed is the wait left. A transfer that moves while its ranks compute leaves
   max(0, alone - C); one that needs the cores the compute holds leaves more.
 - the same with the compute under `--emulate-device` (commpipe.runtime.device_time: the host
-  idle for 2/3 of each operator's time, as a GPU leaves it while a kernel runs).
+  idle for (F - 1) / F of each operator's time with `--factor F`, as a GPU leaves it while a
+  kernel runs).
 
 No assertion; DualPipe-style hiding on this host (docs/moe.md) is bounded by the last columns.
 """
@@ -67,7 +68,7 @@ def worker(args) -> None:
     pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     in_a = rank in (0, 2)
     mine = pairs[0] if in_a else pairs[1]
-    n = args.kib * 1024 // 4
+    n = 2 * args.kib * 1024 // 4          # half stays on the rank, half crosses to the peer
     x, y = torch.randn(n), torch.empty(n)
 
     def exchange(compute_s: float = 0.0, factor: float = 1.0) -> tuple[float, float]:
@@ -132,7 +133,7 @@ def report(args, results: dict) -> None:
     print(f"2 emulated nodes x 2 ranks, {args.mbit:g} Mbit/s; {args.kib} KiB each way per "
           f"exchange (wire time {wire:.2f} ms); {os.cpu_count()} cores; median of {args.rounds} "
           f"rounds x {args.calls} exchanges")
-    print(f"{'mode':<31} {'ms':>6}  note")
+    print(f"{'mode':<31} {'ms':>6}  note (medians: 'in all' adds the compute's to the wait's)")
     alone = statistics.median(w for w, _ in results["alone"])
     for mode, values in results.items():
         ms = statistics.median(w for w, _ in values)
@@ -167,7 +168,7 @@ def main(argv=None) -> int:
                             prefix="cpxfer") as cluster:
         cmds = [NodeCommand(i, torchrun("--nnodes", "2", "--nproc-per-node", "2", "--node-rank",
                                         str(i), "--master-addr", cluster.node_ip(0),
-                                        "--master-port", "29631", __file__, *argv),
+                                        "--master-port", str(29600 + os.getpid() % 300), __file__, *argv),
                             {"GLOO_SOCKET_IFNAME": cluster.ifname, "XFER_FLAGS": out},
                             f"node{i}.log")
                 for i in range(2)]

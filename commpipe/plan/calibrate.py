@@ -143,6 +143,8 @@ def point_from_run(run: Path, defaults: dict) -> Point | None:
     times = times[2:] or times                 # the first steps include warm-up and compilation
     if cfg.get("schedule") not in SCHEDULES:   # a hand-written schedule CSV: not a searchable layout
         return None
+    if (cfg.get("emulate_device") or 1.0) > 1.0:   # an emulated device's step times, not this host's
+        return None
     spec = ModelSpec(**cfg["spec"]) if cfg.get("spec") else resolve_model(cfg["model"])
     dims = cfg["dims"]
     layout = Layout(dims["tp"], dims["cp"], dims["pp"], dims["dp"], cfg.get("vpp", 1) or 1,

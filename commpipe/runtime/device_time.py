@@ -3,8 +3,8 @@
 On a GPU the host issues a kernel and is free while it runs: the threads that move data
 (NCCL's proxy, a NIC's DMA) never wait for the compute they overlap. On a CPU host the compute
 *is* the host's time, so a transfer in flight competes with it for the cores: on a 2-core
-machine a 2.9 ms all-to-all between two emulated nodes still had 1.7 ms to go after 5 ms of
-computing beside it (docs/moe.md, "Hiding the all-to-alls"). To measure how a schedule hides
+machine an all-to-all between two emulated nodes took 1.28-1.45x as long while the other ranks
+computed (docs/moe.md, "Where the transfers' time goes"). To measure how a schedule hides
 communication where the compute does not take the host, `DeviceTime(factor)` times every compute
 operator of the training step (a TorchDispatchMode on the training thread) and then leaves the
 host idle for `factor - 1` times that long, as if a device were still running the kernel.

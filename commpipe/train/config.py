@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import asdict, dataclass, field
 
@@ -206,10 +207,13 @@ class TrainConfig:
                              "--device cpu or auto")
         on_cuda = self.device.startswith("cuda") or (self.device == "auto"
                                                      and torch.cuda.is_available())
-        if self.emulate_device < 1.0 or (self.emulate_device > 1.0 and on_cuda):
-            raise ValueError(f"--emulate-device {self.emulate_device}: a factor >= 1 that stretches "
-                             "CPU compute (a GPU's kernels already leave the host free); give "
-                             "one >= 1 with --device cpu, or drop it")
+        if not (math.isfinite(self.emulate_device) and self.emulate_device >= 1.0):
+            raise ValueError(f"--emulate-device {self.emulate_device}: give a finite factor >= 1 "
+                             "(3: compute takes 3x its time; 1: off)")
+        if self.emulate_device > 1.0 and on_cuda:
+            raise ValueError(f"--emulate-device {self.emulate_device}: CPU only, and this run is on "
+                             "CUDA (a GPU's kernels already leave the host free); drop the flag or "
+                             "add --device cpu")
 
     def _check_precision(self) -> None:
         """bf16: autocast on the device (CPU too), with fp32 master parameters, gradients,

@@ -88,6 +88,7 @@ class Trainer:
     forward_runner: PipelineRuntime | None = None   # validation: the schedule's forwards only
     meter: ActivationMeter | None = None            # activation_mb of each step
     build_s: float = 0.0   # seconds building the stages, runtime, reducer and optimizer
+    device_time: object = None   # --emulate-device: the mode each step runs under
 
     @classmethod
     def build(cls, cfg: TrainConfig, comm: Comm | None = None, source=None) -> Trainer:
@@ -160,6 +161,15 @@ class Trainer:
 
     # -- one optimizer step -----------------------------------------------------------------------
     def train_step(self) -> dict:
+        """One optimizer step; its metrics record. Under --emulate-device its compute operators
+        run as device time (commpipe.runtime.device_time), wherever the step is taken from (the
+        loop, the controller's trials, the adaptive demo's oracle)."""
+        if self.device_time is None:
+            self.device_time = emulated(self.cfg.emulate_device)
+        with self.device_time:
+            return self._step()
+
+    def _step(self) -> dict:
         cfg, comm = self.cfg, self.comm
         t0 = time.perf_counter()
         batch = replica_batch(self.source, self.step, cfg.global_batch, cfg.dp_microbatches,
@@ -313,7 +323,6 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
     watchdog = start_watchdog(comm, cfg.hang_timeout_s)   # names a rank a stuck step waits on
     together = False  # did every rank leave the loop together (collective clean-up is safe)?
     profiler = kineto_trace(trainer)  # None unless --trace on CUDA
-    step_mode = emulated(cfg.emulate_device)
     try:
         if profiler is not None:
             profiler.start()
@@ -322,8 +331,7 @@ def train(cfg: TrainConfig, comm: Comm | None = None, log=print, source=None) ->
                 raise RuntimeError(f"fault drill: --fail-at {comm.rank}:{trainer.step}")
             if trainer.runtime.events is not None:  # keep only the last step's timeline
                 trainer.runtime.events.clear()
-            with step_mode:       # --emulate-device: compute leaves the host idle, as a GPU's does
-                rec = trainer.train_step()
+            rec = trainer.train_step()
             if watchdog is not None:
                 watchdog.progress(trainer.step)
             if profiler is not None:
