@@ -152,32 +152,31 @@ def main(argv=None) -> int:
         sys.path.insert(0, str(REPO))
         worker(args)
         return 0
-    sys.path.insert(0, str(REPO))
-    from commpipe.cluster.launch import NodeCommand, run_commands, torchrun
-    from commpipe.cluster.netns import EmulatedCluster, available
+    from _emulated import runs_dir
 
-    ok, why = available()
-    if not ok:
-        print(f"ep_transfer_beside_compute: skipped: {why}")
+    out_dir = runs_dir("ep_transfer_beside_compute", None)   # None: no namespaces here (said why)
+    if out_dir is None:
         return 0
-    import tempfile
+    from commpipe.cluster.launch import NodeCommand, run_commands, torchrun
+    from commpipe.cluster.netns import EmulatedCluster
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    with tempfile.TemporaryDirectory(prefix="ep_transfer_") as out, \
-            EmulatedCluster(nodes=2, ranks_per_node=2, inter_node_mbit=args.mbit,
-                            prefix="cpxfer") as cluster:
+    out = str(out_dir)
+    with EmulatedCluster(nodes=2, ranks_per_node=2, inter_node_mbit=args.mbit,
+                         prefix="cpxfer") as cluster:
         cmds = [NodeCommand(i, torchrun("--nnodes", "2", "--nproc-per-node", "2", "--node-rank",
                                         str(i), "--master-addr", cluster.node_ip(0),
                                         "--master-port", str(29600 + os.getpid() % 300), __file__, *argv),
                             {"GLOO_SOCKET_IFNAME": cluster.ifname, "XFER_FLAGS": out},
                             f"node{i}.log")
                 for i in range(2)]
-        res = run_commands(cmds, out, cluster=cluster, timeout_s=600)
+        res = run_commands(cmds, out, cluster=cluster, timeout_s=600)   # logs kept in `out`
         log = (Path(out) / "logs" / "node0.log").read_text()
         print("\n".join(x for x in log.splitlines() if not x.startswith(("$", "[W", "W1"))))
         if not res.ok:
-            print(f"failed: {res.status}: {res.reason}")
+            print(f"failed: {res.status}: {res.reason} (logs in {out}/logs)")
             return 1
+    print(f"(logs in {out}/logs)")
     return 0
 
 
