@@ -45,6 +45,10 @@ def add_common_arguments(p, require_layout: bool = False) -> None:
     g.add_argument("--expert-imbalance", type=float, default=1.25,
                    help="MoE: token copies the busiest expert-parallel rank receives over the mean "
                         "(default 1.25, Switch Transformer's capacity factor; plan/moe.py)")
+    g.add_argument("--no-moe-host-ops", action="store_true",
+                   help="MoE: leave out the host time of Megatron-Core's MoE-layer operations "
+                        "(plan/moe_host.py), e.g. for layers captured in CUDA graphs; the "
+                        "torchtitan and commpipe presets leave it out already")
     g.add_argument("--global-batch", type=int, help="sequences per optimizer step")
     g.add_argument("--seq-len", type=int, help="tokens per sequence")
     g.add_argument("--precision", default="bf16", choices=PRECISIONS,
@@ -172,6 +176,8 @@ def job_from_args(args) -> Job:
         fields["fp8_params"] = False
     if getattr(args, "attention_kernel", None):
         fields["attn_kernel"] = args.attention_kernel
+    if getattr(args, "no_moe_host_ops", False):
+        fields["moe_host_ops"] = False
     return Job(args.global_batch, args.seq_len, precision=args.precision,
                expert_imbalance=args.expert_imbalance, **fields)
 
