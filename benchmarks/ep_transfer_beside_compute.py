@@ -60,7 +60,7 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from commpipe.runtime.device_time import DeviceTime
+    from commpipe.runtime.device_time import emulated
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -79,7 +79,7 @@ def worker(args) -> None:
             t0 = time.perf_counter()
             work = dist.all_to_all_single(y, x, group=mine, async_op=True)
             if compute_s:
-                with DeviceTime(factor) if factor > 1 else _nothing():
+                with emulated(factor):
                     _spin(compute_s)
             t1 = time.perf_counter()
             work.wait()
@@ -118,14 +118,6 @@ def worker(args) -> None:
     if rank == 0:
         report(args, results)
     dist.destroy_process_group()
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def report(args, results: dict) -> None:

@@ -134,7 +134,7 @@ def banner(cfg, comm, device) -> list[str]:
         lines.append(f"commpipe: schedule {cfg.schedule}, pp {cfg.dims.pp}{vpp} x "
                      f"{cfg.microbatches} micro-batches of {cfg.micro_batch_size}: bubble {b} "
                      f"(simulated with f=1, b=2 per stage)")
-    if getattr(cfg, "emulate_device", 1.0) > 1.0:
+    if cfg.emulate_device > 1.0:
         lines.append(f"commpipe: --emulate-device {cfg.emulate_device:g}: every compute operator "
                      f"takes {cfg.emulate_device:g}x its host time, the host idle for the extra "
                      "(step times are an emulated device's, not this CPU's)")

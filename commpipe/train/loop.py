@@ -16,7 +16,7 @@ import json
 import math
 import os
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -88,7 +88,7 @@ class Trainer:
     forward_runner: PipelineRuntime | None = None   # validation: the schedule's forwards only
     meter: ActivationMeter | None = None            # activation_mb of each step
     build_s: float = 0.0   # seconds building the stages, runtime, reducer and optimizer
-    device_time: object = None   # --emulate-device: the mode each step runs under
+    device_time: object = field(default_factory=nullcontext)  # each step runs under it
 
     @classmethod
     def build(cls, cfg: TrainConfig, comm: Comm | None = None, source=None) -> Trainer:
@@ -157,6 +157,7 @@ class Trainer:
             runtime.annotate = device.type == "cuda"   # action names as profiler annotations
         if cfg.slow_rank is not None:   # a commpipe.train.hooks.Drill
             cfg.slow_rank.install(trainer)
+        trainer.device_time = emulated(cfg.emulate_device)   # --emulate-device, else no-op
         return trainer
 
     # -- one optimizer step -----------------------------------------------------------------------
@@ -164,8 +165,6 @@ class Trainer:
         """One optimizer step; its metrics record. Under --emulate-device its compute operators
         run as device time (commpipe.runtime.device_time), wherever the step is taken from (the
         loop, the controller's trials, the adaptive demo's oracle)."""
-        if self.device_time is None:
-            self.device_time = emulated(self.cfg.emulate_device)
         with self.device_time:
             return self._step()
 
