@@ -12,6 +12,7 @@ loopback where network namespaces cannot be built: no root or no iproute2), then
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -31,6 +32,10 @@ def add_arguments(p) -> None:
     p.add_argument("--adaptive", action="store_true",
                    help="the adaptive-training story instead (docs/adaptive.md): a link blip to "
                         "ignore, then a lasting degrade; adaptive, static and oracle runs")
+    p.add_argument("--emulate-device", type=float, default=1.0, metavar="F",
+                   help="--adaptive: every run's compute takes F times its host time, the rest "
+                        "left idle as a GPU leaves the host (commpipe train --emulate-device; "
+                        "docs/adaptive.md). Default 1: the host's own compute")
     p.add_argument("--elastic", action="store_true",
                    help="elastic training (docs/checkpoints.md): a node lost, a rank hung, the "
                         "node back; the job continues on the ranks there are")
@@ -43,10 +48,20 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    emulate = getattr(args, "emulate_device", 1.0)
+    if emulate != 1.0 and (not args.adaptive or getattr(args, "elastic", False)):
+        print("commpipe demo: error: --emulate-device is for the adaptive demo (commpipe demo "
+              "--adaptive --emulate-device F); the other demos run on the host's compute",
+              file=sys.stderr)
+        return 2
+    if not math.isfinite(emulate) or emulate < 1.0:
+        print(f"commpipe demo: error: --emulate-device {emulate:g}: a finite factor >= 1 "
+              "(1: the host's own compute)", file=sys.stderr)
+        return 2
     if getattr(args, "elastic", False):
         return run_elastic(args)
     if args.adaptive:
-        from commpipe.adapt.demo import format_summary, run_adaptive_demo
+        from commpipe.adapt.demo import Scenario, format_summary, run_adaptive_demo
 
         ignored = [flag for flag, given in (
             ("--cluster local", args.cluster == "local"),
@@ -63,7 +78,7 @@ def run(args) -> int:
         out = Path(args.out if args.out != "runs/demo" else "runs/demo-adaptive")
         print(f"commpipe demo --adaptive -> {out}")
         try:
-            summary = run_adaptive_demo(out)
+            summary = run_adaptive_demo(out, Scenario(emulate_device=args.emulate_device))
         except RuntimeError as e:     # a run failed, or no emulated cluster: the demo failed
             print(f"commpipe demo: error: {e}", file=sys.stderr)
             return 1

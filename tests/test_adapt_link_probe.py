@@ -91,6 +91,18 @@ def test_calls_in_training_are_stretched_by_the_ranks_sharing_the_cores(ranks, t
     assert link_probe.sharing_factor(ranks, timing, cores) == pytest.approx(factor)
 
 
+@pytest.mark.parametrize("ranks,timing,cores,device,factor", [
+    (4, 2, 2, 2.0, 1.0),     # 4 ranks on 2 cores, each busy half its compute time: 1 per core
+    (8, 2, 2, 2.0, 2.0),     # 8 ranks, busy half the time: 2 per core
+    (8, 2, 2, 3.0, 4 / 3),   # busy a third of the time
+    (4, 2, 2, 1.0, 2.0)])    # no emulation: as above
+def test_an_emulated_device_leaves_the_cores_to_the_other_ranks(ranks, timing, cores, device,
+                                                                 factor):
+    """Under --emulate-device F a computing rank is on a core 1/F of the time (the rest it
+    leaves idle for the emulated device), so F times fewer ranks compete for the cores."""
+    assert link_probe.sharing_factor(ranks, timing, cores, device) == pytest.approx(factor)
+
+
 class _Gathered:
     """A comm whose gather_objects returns the given rows (one per rank)."""
 
@@ -111,3 +123,8 @@ class _Gathered:
      {"ranks": 3, "cores": 2, "timing_ranks": 1, "factor": 1.5})])
 def test_host_sharing_counts_the_ranks_and_cores_of_rank_0s_machine(rows, expected):
     assert link_probe.host_sharing(_Gathered(rows)) == expected
+
+
+def test_host_sharing_records_an_emulated_device():
+    got = link_probe.host_sharing(_Gathered([("m", [0, 1])] * 8), 2.0)
+    assert got == {"ranks": 8, "cores": 2, "timing_ranks": 2, "factor": 2.0, "emulated_device": 2.0}

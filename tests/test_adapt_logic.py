@@ -130,6 +130,34 @@ def test_the_adaptive_demo_refuses_the_layout_demos_flags(tmp_path, capsys, flag
     assert not (tmp_path / "d").exists()
 
 
+@pytest.mark.parametrize("flags, said", [
+    (["--emulate-device", "2"], "--emulate-device is for the adaptive demo"),
+    (["--adaptive", "--emulate-device", "0.5"], "a finite factor >= 1"),
+    (["--adaptive", "--emulate-device", "inf"], "a finite factor >= 1"),
+])
+def test_the_demos_refuse_an_emulated_device_they_cannot_use(tmp_path, capsys, flags, said):
+    from commpipe.cli import main
+
+    assert main(["demo", "--out", str(tmp_path / "d"), *flags]) == 2
+    assert said in capsys.readouterr().err
+    assert not (tmp_path / "d").exists()
+
+
+def test_the_adaptive_demo_passes_an_emulated_device_to_every_run():
+    """`demo --adaptive --emulate-device F`: the adaptive, static and oracle runs all train
+    with --emulate-device F, and their time limits grow with it; at 1 nothing is added."""
+    from commpipe.adapt.demo import Scenario
+    from commpipe.cluster.launch import train_flags
+
+    plain, emulated = Scenario(), Scenario(emulate_device=3.0)
+    assert "emulate_device" not in plain.train_flags() and plain.timeout_s(300) == 300
+    flags = emulated.train_flags(adapt=True)
+    assert flags["emulate_device"] == 3.0 and flags["adapt"] and flags["steps"] == 60
+    assert emulated.timeout_s(300) == 900
+    argv = train_flags(Layout(dp=4), flags, "out")
+    assert argv[argv.index("--emulate-device") + 1] == "3.0"
+
+
 def test_flags_and_drill_spec_fail_early_with_a_fix():
     assert parse_slow_rank("1:3@20") == SlowRank(1, 3.0, 20)
     assert parse_slow_rank("2:1.5") == SlowRank(2, 1.5, 0)
@@ -216,6 +244,39 @@ def _summary_inputs(tmp_path, after_ms: float, static_ms: float, chosen: tuple):
               "losses": [5.0 - 0.01 * s for s in range(10)]}
              for n, cp, dp, ms in (("pp2-dp2", 1, 2, 200.0), ("cp2-pp2", 2, 1, 300.0))]
     return {"best": cands[0], "candidates": cands, "sweep_s": 90.0}
+
+
+def test_each_oracle_layout_is_set_beside_the_controllers_prediction_for_it(tmp_path):
+    """The demo compares what the oracle measured for a layout with what the reacting decision
+    predicted for that very layout: same degrees, split, schedule and micro-batching."""
+    from commpipe.adapt.demo import format_summary, predicted_for
+
+    decision = {"candidates": [
+        {"plan": "tp1-cp1-pp2-dp2 zbh1 m2x2 layers 2,2", "predicted_ms": 450.0},
+        {"plan": "tp1-cp1-pp2-dp2 1f1b m2x2 layers 2,2", "predicted_ms": 515.0},
+        {"plan": "tp1-cp1-pp2-dp2 1f1b m4x1 layers 2,2", "predicted_ms": 642.0},
+        {"plan": "tp1-cp1-pp2-dp2 1f1b m4x1 layers 3,1", "predicted_ms": 700.0},
+        {"plan": "tp2-cp1-pp2-dp1 1f1b m8x1 layers 2,2", "predicted_ms": 900.0}]}
+    oracle = {"tp": 1, "cp": 1, "pp": 2, "dp": 2, "stage_layers": [2, 2], "schedule": "1f1b",
+              "microbatches": 4, "micro_batch_size": 1}
+    assert predicted_for(decision, oracle) == 642.0
+    assert predicted_for(decision, {**oracle, "microbatches": 8}) is None      # not logged
+    assert predicted_for(decision, {**oracle, "stage_layers": [3, 1]}) == 700.0
+    assert predicted_for(decision, {**oracle, "tp": 2, "dp": 1, "microbatches": 8}) == 900.0
+    assert predicted_for(None, oracle) is None
+    # the account prints it beside the oracle's measurement
+    from commpipe.adapt.demo import Scenario, summarize
+
+    oracle = _summary_inputs(tmp_path, after_ms=220.0, static_ms=1000.0, chosen=(1, 2))
+    s = summarize(tmp_path, Scenario(steps=30, blip=(4, 5), degrade_step=10),
+                  [(4, 20.0), (5, 1000.0), (10, 20.0)], oracle)
+    s["elapsed_s"] = 300.0
+    assert [c["predicted_ms"] for c in s["oracle_candidates"]] == [None, None]   # none logged
+    s["oracle_candidates"][0]["predicted_ms"] = 250.0
+    lines = format_summary(s).splitlines()
+    assert any(x.lstrip().startswith("pp2-dp2") and x.endswith(
+        "200 ms; the controller predicted 250 ms (measured 0.80x)") for x in lines)
+    assert not any("predicted" in x for x in lines if x.lstrip().startswith("cp2-pp2"))
 
 
 def test_demo_summary_checks_the_criteria_against_the_measured_oracle(tmp_path):

@@ -60,8 +60,10 @@ Defaults and why:
   default_intra_gbps=10.0, default_inter_gbps=1.0
                   a link class no transfer was measured on is priced at these rates (GB/s):
                   shared memory between processes of a host, a 10 Gbit/s network.
-  logged_candidates=20
-                  the decision record lists the 20 best predicted candidates (all are counted).
+  logged_candidates=100
+                  the decision record lists the 100 best predicted candidates (all are
+                  counted): every candidate of a few ranks (63 in the adaptive demo, whose
+                  summary compares them with the layouts its oracle measured).
   lagged=True     each step's summaries are gathered in the background and read after the
                   next step: a rank that finishes a step first goes on instead of waiting at
                   the gather for the slowest (what made --adapt cost ~3% of a healthy step on
@@ -100,7 +102,7 @@ class AdaptConfig:
     max_microbatches_per_stage: int = 4
     default_intra_gbps: float = 10.0
     default_inter_gbps: float = 1.0
-    logged_candidates: int = 20
+    logged_candidates: int = 100
     lagged: bool = True               # read each step's summaries after the next step
     resumed_from: dict | None = None  # set at start when resuming a relaunch request
     resume_state: dict | None = None  # the checkpoint's adaptive state (commpipe.adapt.resume)

@@ -106,17 +106,20 @@ def measure_host(trainer) -> dict | None:
     if comm.backend == "gloo" and comm.dims.world_size > 1:
         ops, nbytes, took = measure_calls(comm)
         record |= {"calls": ops, "call_bytes": nbytes, "calls_seconds": took,
-                   "sharing": host_sharing(comm)}
+                   "sharing": host_sharing(comm, trainer.cfg.emulate_device)}
     return record if comm.rank == 0 and len(record) > 2 else None
 
 
-def host_sharing(comm) -> dict:
+def host_sharing(comm, device_factor: float = 1.0) -> dict:
     """Collective: how many ranks share rank 0's machine and the cores they may run on (the
     union of their CPU affinities; a cgroup's CPU quota is not read), and the factor a call's
     host time timed by `measure_calls` (ranks 0 and 1 busy, the others asleep) takes in
     training, when every rank of the machine uses the CPU: processor sharing, as
     commpipe.plan.host stretches a collective call's host time by the busy ranks per core,
-        factor = max(1, ranks / cores) / max(1, timing ranks / cores)."""
+        factor = max(1, ranks / (device_factor * cores)) / max(1, timing ranks / cores).
+    Under `--emulate-device F` (`device_factor`) a computing rank leaves the host idle for
+    F - 1 of every F seconds of its compute, as a rank whose GPU runs the kernels does: 1/F
+    of it is busy on a core."""
     import os
 
     from commpipe.monitor.clock import machine_identity
@@ -128,13 +131,15 @@ def host_sharing(comm) -> dict:
     timing = 1 + (len(machines) > 1 and machines[1] == here)
     # the cores those ranks may run on: ranks pinned one to a core share none
     cores = len(set().union(*(set(c) for m, c in rows if m == here)))
-    return {"ranks": ranks, "cores": cores, "timing_ranks": timing,
-            "factor": sharing_factor(ranks, timing, cores)}
+    out = {"ranks": ranks, "cores": cores, "timing_ranks": timing,
+           "factor": sharing_factor(ranks, timing, cores, device_factor)}
+    return out | ({"emulated_device": device_factor} if device_factor > 1.0 else {})
 
 
-def sharing_factor(ranks: int, timing_ranks: int, cores: int) -> float:
-    """Busy ranks per core in training over those while the calls were timed (at least 1)."""
-    return max(1.0, ranks / cores) / max(1.0, timing_ranks / cores)
+def sharing_factor(ranks: int, timing_ranks: int, cores: int, device_factor: float = 1.0) -> float:
+    """Busy ranks per core in training over those while the calls were timed (at least 1); a
+    rank under `--emulate-device F` is busy 1/F of its compute time."""
+    return max(1.0, ranks / (device_factor * cores)) / max(1.0, timing_ranks / cores)
 
 
 def call_ms(ops: dict, nbytes: int, latency_ms: float, gbps: float) -> float:
