@@ -237,3 +237,41 @@ def test_a_plan_that_left_the_slow_link_still_prices_it_at_its_last_measured_rat
     # what the running plan measures itself replaces what was known
     memory.recall(_two_nodes(DP_ACROSS, INTER_GBPS), learn=True)
     assert memory.collective == {"inter_node": INTER_GBPS}
+
+
+# -- groups sharing a node's link -------------------------------------------------------------------
+
+@pytest.mark.parametrize("groups, group, expected", [
+    ([[0, 1, 2, 3]], [0, 1, 2, 3], 1),                  # dp4: one ring across the two nodes
+    ([[0, 2], [1, 3]], [0, 2], 2),                      # tp2 x dp2: both DP groups cross
+    ([[0, 1], [2, 3]], [0, 1], 1),                      # inside a node: no node link
+    ([[0, 2, 4, 6], [1, 3, 5, 7]], [1, 3, 5, 7], 2),    # 4 nodes of 2: two rings per node
+    ([[0, 1], [2, 4], [3, 5]], [2, 4], 2),              # node 1 (2, 3) sends two groups' traffic
+])
+def test_groups_crossing_the_same_node_link_are_counted_on_the_busiest_node(groups, group,
+                                                                          expected):
+    from commpipe.plan.cluster import groups_on_a_node_link
+
+    assert groups_on_a_node_link(groups, lambda r: r // 2, group) == expected
+
+
+def test_a_candidate_gets_its_share_of_the_node_link_the_running_plan_measured():
+    """The inter-node bus rate was measured on the running plan's DP reduction: pp2 x dp2 with
+    DP across the nodes, whose two DP groups (0, 2) and (1, 3) share each node's link, so each
+    ran at half the link. dp4 runs one ring through it: twice that rate; the running plan's
+    own groups keep the measured rate. The bandwidth term of an all-reduce over n ranks is
+    2 (n - 1) / n * bytes / rate (the latency steps cancel in the difference)."""
+    from commpipe.adapt.model import CostModel
+
+    spec = _cfg().spec
+    m = CostModel(spec, 16, 4, 2, _two_nodes(DP_ACROSS, INTER_GBPS))
+    assert m.measured_share == 2
+
+    def per_byte(plan, ranks):      # ms per byte
+        return (m.all_reduce_ms(2e6, ranks, plan, "dp_cp")
+                - m.all_reduce_ms(1e6, ranks, plan, "dp_cp")) / 1e6
+
+    dp4 = Layout(tp=1, cp=1, pp=1, dp=4, stage_layers=(4,), schedule="1f1b", microbatches=2,
+                 micro_batch_size=1)
+    assert per_byte(dp4, [0, 1, 2, 3]) == pytest.approx(1e3 * 1.5 / (2 * INTER_GBPS * 1e9))
+    assert per_byte(DP_ACROSS, [0, 2]) == pytest.approx(1e3 * 1.0 / (INTER_GBPS * 1e9))

@@ -48,7 +48,7 @@ from commpipe.adapt.model_moe import edp_group, ep_stage_ms, stage_params
 from commpipe.layout import Layout
 from commpipe.models.family import family_of
 from commpipe.models.spec import ModelSpec
-from commpipe.plan.cluster import Cluster, Link
+from commpipe.plan.cluster import Cluster, Link, groups_on_a_node_link
 from commpipe.plan.gpus import GPU
 from commpipe.plan.runtime_ops import layer_ops, microbatch_ops, stage_ops
 from commpipe.schedules import generate
@@ -114,6 +114,9 @@ class CostModel:
         self.m = measured
         cur = measured.plan
         self.dims = cur.dims
+        # the inter-node bus rate was measured on the running plan's DP reduction (the large
+        # collective every plan makes), itself at its share of the node links
+        self.measured_share = self.link_share(cur, "dp_cp", cur.dims.group_of("dp_cp", 0))
         c = measured.costs
         host = measured.host_ms
         # per stage: its measured F + B (host gaps out), its FLOPs work and its ops, as work
@@ -290,32 +293,45 @@ class CostModel:
             return float("inf")
         return min(self.link(ranks[i], ranks[(i + 1) % len(ranks)])[1] for i in range(len(ranks)))
 
-    def cluster_for(self, ranks: list[int]) -> Cluster:
+    def cluster_for(self, ranks: list[int], plan: Layout | None = None, dim: str = "") -> Cluster:
         """The planner's cluster (commpipe.plan.cluster, whose collective pricing this uses) as
         the group `ranks` sees it: at the bus bandwidth measured for collectives of its link
         class when there is one, else at its slowest hop's point-to-point rate; the run's
-        backend sets the latency steps (gloo rings, NCCL trees)."""
+        backend sets the latency steps (gloo rings, NCCL trees). Across nodes, when `plan`
+        runs other groups of `dim` through the same node link at once, at its share of the
+        link (`link_share`)."""
         cls = "intra_node" if len({self.node(r) for r in ranks}) == 1 else "inter_node"
         fault = max((self.fault_on_link(a, b) for a in ranks for b in ranks if a != b),
                     default=1.0)
         gbps = self.m.collective_gbps.get(cls)
         gbps = gbps / fault if gbps else self.group_gbps(ranks)
+        if cls == "inter_node" and plan is not None:
+            gbps = gbps * self.measured_share / self.link_share(plan, dim, ranks)
         link = Link(gbps, self.base_latency / 1e3)
         return Cluster(MEASURED_RUN, self.world, self.rpn, intra=link, inter=link,
                        source="measured", backend=self.m.backend)
 
-    def all_reduce_ms(self, nbytes: float, ranks: list[int]) -> float:
-        return 1e3 * self.cluster_for(ranks).all_reduce(nbytes, len(ranks), 1) \
+    def link_share(self, plan: Layout, dim: str, ranks: list[int]) -> int:
+        """Groups of `dim` whose collectives cross a node link that `ranks` cross
+        (commpipe.plan.cluster.groups_on_a_node_link): a node's ranks share its one link, as
+        two all-to-alls between the emulated nodes took 1.4-1.9x one's time
+        (benchmarks/ep_transfer_beside_compute.py). Every pipeline stage's groups count: the
+        stages' reductions start a backward pass apart, and a slow link's last far longer."""
+        return groups_on_a_node_link(plan.dims.groups(dim), self.node, ranks)
+
+    def all_reduce_ms(self, nbytes: float, ranks: list[int], plan: Layout | None = None,
+                      dim: str = "") -> float:
+        return 1e3 * self.cluster_for(ranks, plan, dim).all_reduce(nbytes, len(ranks), 1) \
             if len(ranks) > 1 else 0.0
 
-    def cp_ms(self, k_bytes: float, ranks: list[int]) -> float:
+    def cp_ms(self, k_bytes: float, ranks: list[int], plan: Layout | None = None) -> float:
         """Context parallelism per layer and pass (commpipe.parallel.context): forward
         all-gathers K and V (each rank's `k_bytes` of each), backward reduce-scatters their
         gradients; the mean of the two, as the simulator adds one value to F and to B."""
         n = len(ranks)
         if n < 2:
             return 0.0
-        cl = self.cluster_for(ranks)
+        cl = self.cluster_for(ranks, plan, "cp")
         gather = 2 * cl.all_gather(n * k_bytes, n, 1)
         scatter = 2 * cl.reduce_scatter(n * k_bytes, n, 1)
         return 1e3 * (gather + scatter) / 2
@@ -365,11 +381,12 @@ class CostModel:
             if plan.tp > 1:   # Megatron TP: 2 all-reduces' traffic per layer and pass, made as
                 # 2 calls, or under sequence parallelism as 2 all-gathers and 2 reduce-scatters
                 calls = 4 if self.m.sequence_parallel else 2
-                comm += layers * (2 * self.all_reduce_ms(act_bytes, dims.group_of("tp", group[0]))
+                comm += layers * (2 * self.all_reduce_ms(act_bytes, dims.group_of("tp", group[0]),
+                                                         plan, "tp")
                                   + calls * self.m.call_ms)
             if plan.cp > 1:   # this rank's K (and V): [b, s/cp, kv_dim/tp], 2 calls a pass
                 k_bytes = act_bytes * spec.kv_dim / spec.hidden / plan.tp
-                comm += layers * (self.cp_ms(k_bytes, dims.group_of("cp", group[0]))
+                comm += layers * (self.cp_ms(k_bytes, dims.group_of("cp", group[0]), plan)
                                   + 2 * self.m.call_ms)
             comm += ep_stage_ms(self, plan, s, group)   # MoE: the EP all-to-alls
             tp_comm.append(comm)
@@ -393,19 +410,21 @@ class CostModel:
             shared, experts = max((stage_params(self.spec, plan, s) for s in range(n)), key=sum)
             if plan.ep == 1:     # edp is the dp x cp group: one reduction
                 shared, experts = shared + experts, 0.0
-            dp_ms = self._reduction_ms(4.0 * shared / plan.tp, dims.group_of("dp_cp", 0))
+            dp_ms = self._reduction_ms(4.0 * shared / plan.tp, dims.group_of("dp_cp", 0),
+                                       plan)
             if experts:
                 dp_ms += self._reduction_ms(4.0 * experts / plan.ep, edp_group(plan))
         return dp_ms
 
-    def _reduction_ms(self, nbytes: float, ranks: list[int]) -> float:
+    def _reduction_ms(self, nbytes: float, ranks: list[int], plan: Layout | None = None
+                      ) -> float:
         """A gradient all-reduce of `nbytes` over `ranks`, made as one call per bucket of
         `Measured.dp_bucket_bytes` (commpipe.parallel.data.GradReducer), each paying the
         measured call time on gloo."""
         if len(ranks) < 2 or nbytes <= 0:
             return 0.0
         calls = math.ceil(nbytes / self.m.dp_bucket_bytes)
-        return self.all_reduce_ms(nbytes, ranks) + calls * self.m.call_ms
+        return self.all_reduce_ms(nbytes, ranks, plan, "dp_cp") + calls * self.m.call_ms
 
     def stage_rate(self, plan: Layout, s: int) -> float:
         """Stage s's slowdown under `plan`: its slowest rank's measured factor."""

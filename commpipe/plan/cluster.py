@@ -276,6 +276,20 @@ def probe_call_overhead(path: str | Path, cluster: Cluster) -> float | None:
     return call_overhead(calls["ops"], nbytes, cluster)
 
 
+def groups_on_a_node_link(groups, node_of, group) -> int:
+    """How many of `groups` (the groups of one dimension whose collectives run at the same time,
+    e.g. one pipeline stage's DP groups) cross nodes through a node that `group` crosses from,
+    counted on its busiest node. A node with one scale-out link (`nics_per_node` 1: the emulated
+    cluster, one veth per node) carries them together, each at its share: two DP groups of
+    tp2 x dp2 across two nodes each get half the link a dp4 ring gets whole. 1 when `group`
+    stays inside one node."""
+    nodes = {node_of(r) for r in group}
+    if len(nodes) < 2:
+        return 1
+    crossing = [g for g in groups if len({node_of(r) for r in g}) > 1]
+    return max(sum(any(node_of(r) == n for r in g) for g in crossing) for n in nodes)
+
+
 def apply_links(cluster: Cluster, links: dict, source: str) -> Cluster:
     """Apply {"intra_node": {...}, "inter_node": {...}} (a profile's "links")."""
     intra = _link_from(links["intra_node"], f"{source} intra_node") if "intra_node" in links \
