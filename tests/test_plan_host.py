@@ -42,6 +42,12 @@ def test_gloo_rings_and_one_nic_per_node():
     assert c.all_gather(1e6, 4, 1) == pytest.approx(3 / 4 * 1e6 / 1e7 + 3 * 2e-4)
     # commpipe's gloo reduce-scatter: the same bytes in one all-to-all round, one latency step
     assert c.reduce_scatter(1e6, 4, 1) == pytest.approx(3 / 4 * 1e6 / 1e7 + 1 * 2e-4)
+    # tp2 x dp2 on the same nodes: the DP groups {0, 2} and {1, 3} both cross through each
+    # node's one link at once, each at half its rate (0.005 GB/s), 2(n-1) = 2 latency steps
+    assert c.all_reduce(1e6, 2, 2) == pytest.approx(2 * 1 / 2 * 1e6 / 5e6 + 2 * 2e-4)
+    # with a NIC per GPU (the default) nothing is shared
+    assert _cpu_cluster(backend="gloo").all_reduce(1e6, 2, 2) == pytest.approx(
+        2 * 1 / 2 * 1e6 / 1e7 + 2 * 2e-4)
     # NCCL with a NIC per GPU: 2 links per node, 2*ceil(log2 4) = 4 steps
     n = _cpu_cluster()
     assert n.all_reduce(1e6, 4, 1) == pytest.approx(2 * 3 / 4 * 1e6 / 2e7 + 4 * 2e-4)

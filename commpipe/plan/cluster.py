@@ -21,7 +21,10 @@ or a calibrated profile replaces them with measured values.
 
 Other clusters (all optional, defaults as above):
 - `nics_per_node`: scale-out NICs per node when fewer than GPUs; a group with k ranks per node then
-  drives min(k, nics_per_node) links (the emulated cluster of `commpipe sweep` has one per node).
+  drives min(k, nics_per_node) links (the emulated cluster of `commpipe sweep` has one per node),
+  shared with the other groups of its dimension crossing from the node at the same time
+  (gpus_per_node / k of them): tp2 x dp2 on nodes of 2 runs two DP groups through each node's
+  one link, each at half its rate.
 - `backend="gloo"`: gloo's all-reduce is a ring (gloo/allreduce.cc: reduce-scatter then
   all-gather around the ring), so it pays 2(n-1) latency steps and all-gather n-1, instead of
   NCCL's logarithmic trees. commpipe's reduce-scatter on gloo is one all-to-all (every chunk
@@ -128,7 +131,11 @@ class Cluster:
         inside, per_node = self.placement(size, stride)
         if inside:
             return self.intra.bandwidth_gbps * 1e9, self.intra
-        links = per_node if self.nics_per_node is None else min(per_node, self.nics_per_node)
+        if self.nics_per_node is None:      # a NIC per GPU (rail-optimised): none shared
+            links = per_node
+        else:   # the node's NICs carry at once every group crossing from it: its ranks over the
+            # group's members there (groups_on_a_node_link); each group gets its share
+            links = min(per_node, self.nics_per_node * per_node / self.gpus_per_node)
         bw = min(self.intra.bandwidth_gbps, links * self.inter.bandwidth_gbps)
         return bw * 1e9, self.inter
 
