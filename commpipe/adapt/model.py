@@ -13,7 +13,8 @@ stage costs are then unit_healthy * max(k_g over its ranks) * work, split into F
 measured ratio, plus the host time. Point-to-point links are looked up per rank pair in the
 monitor's measurements (else by node pair, else by link class); TP and CP collectives and the
 DP x CP gradient all-reduce are priced by the planner's `Cluster` (commpipe.plan.cluster: bus
-bytes and latency steps per backend) at the rate measured for their link class, activations at
+bytes and latency steps per backend) at the rate measured for their link class (across nodes
+at their share of each node's link: commpipe.adapt.model_links), activations at
 the run's element size (2 bytes under bf16), gradients in fp32 as GradReducer sums them; on
 gloo each TP and CP call, and each bucket of the gradient reduction, adds the per-call time
 measured as training makes calls (`Measured.call_ms`, commpipe.adapt.link_probe), as
@@ -44,21 +45,15 @@ import statistics
 from dataclasses import dataclass, field
 
 from commpipe.adapt.config import AdaptConfig
+from commpipe.adapt.model_links import MEASURED_RUN, MeasuredLinks  # noqa: F401 (re-exported)
 from commpipe.adapt.model_moe import edp_group, ep_stage_ms, stage_params
 from commpipe.layout import Layout
 from commpipe.models.family import family_of
 from commpipe.models.spec import ModelSpec
-from commpipe.plan.cluster import Cluster, Link, groups_on_a_node_link
-from commpipe.plan.gpus import GPU
 from commpipe.plan.runtime_ops import layer_ops, microbatch_ops, stage_ops
 from commpipe.schedules import generate
 from commpipe.sim.costs import CostTable
 from commpipe.sim.engine import simulate
-
-# Collectives are priced by the planner's Cluster, whose GPU entry only matters for compute,
-# which is measured here: a placeholder with no peak of its own.
-MEASURED_RUN = GPU("measured run", tflops=0.0, mem_gb=0.0, hbm_gbps=0.0, nvlink_gbps=0.0,
-                   nic_gbps=0.0)
 
 
 def replica_m(plan: Layout, d: int) -> int:
@@ -103,7 +98,7 @@ class Measured:
     reference: Measured | None = None
 
 
-class CostModel:
+class CostModel(MeasuredLinks):
     def __init__(self, spec: ModelSpec, seq_len: int, world: int, ranks_per_node: int,
                  measured: Measured, acfg: AdaptConfig | None = None):
         a = acfg or AdaptConfig()
@@ -244,97 +239,11 @@ class CostModel:
                 "slow_links": sorted(f"{a}->{b}" for a, b in self.slow_links),
                 "slow_ranks": sorted(self.slow_ranks)}
 
-    # -- links ---------------------------------------------------------------------------------
-    def node(self, rank: int) -> int:
-        return rank // self.rpn
-
-    def link_class(self, a: int, b: int) -> str:
-        return "intra_node" if self.node(a) == self.node(b) else "inter_node"
-
-    def class_gbps(self, cls: str) -> float:
-        if cls in self.m.collective_gbps:
-            return self.m.collective_gbps[cls]
-        vals = [bw for (a, b), (_, bw) in self.m.links.items()
-                if bw and self.link_class(a, b) == cls]
-        if vals:
-            return statistics.median(vals)
-        return self.default_gbps[cls]
-
-    def link(self, a: int, b: int) -> tuple[float, float]:
-        """(latency ms, GB/s) of a -> b: measured for this pair, else for this node pair (a
-        degraded node link slows every pair across it), else the class's median."""
-        lat, bw = self._measured_link(a, b)
-        return lat, bw / self.fault_on_link(a, b)
-
-    def fault_on_link(self, a: int, b: int) -> float:
-        """The factor on a -> b's time that carries the fault's unexplained time (1: healthy)."""
-        return self.fault_factor if (a, b) in self.slow_links else 1.0
-
-    def _measured_link(self, a: int, b: int) -> tuple[float, float]:
-        for key in ((a, b), (b, a)):
-            if key in self.m.links and self.m.links[key][1]:
-                return self.base_latency, self.m.links[key][1]
-        na, nb = self.node(a), self.node(b)
-        same_nodes = [bw for (x, y), (_, bw) in self.m.links.items()
-                      if bw and {self.node(x), self.node(y)} == {na, nb}]
-        if same_nodes:
-            return self.base_latency, min(same_nodes)
-        return self.base_latency, self.class_gbps(self.link_class(a, b))
-
     def slowdown(self, rank: int) -> float:
         """A rank's measured slowdown factor; a slow rank's carries the fault's unexplained
         time where no link was measured slow."""
         k = self.k.get(rank, 1.0)
         return k * self.fault_factor if rank in self.slow_ranks and not self.slow_links else k
-
-    def group_gbps(self, ranks: list[int]) -> float:
-        """A ring runs at its slowest hop."""
-        if len(ranks) < 2:
-            return float("inf")
-        return min(self.link(ranks[i], ranks[(i + 1) % len(ranks)])[1] for i in range(len(ranks)))
-
-    def cluster_for(self, ranks: list[int], plan: Layout | None = None, dim: str = "") -> Cluster:
-        """The planner's cluster (commpipe.plan.cluster, whose collective pricing this uses) as
-        the group `ranks` sees it: at the bus bandwidth measured for collectives of its link
-        class when there is one, else at its slowest hop's point-to-point rate; the run's
-        backend sets the latency steps (gloo rings, NCCL trees). Across nodes, when `plan`
-        runs other groups of `dim` through the same node link at once, at its share of the
-        link (`link_share`)."""
-        cls = "intra_node" if len({self.node(r) for r in ranks}) == 1 else "inter_node"
-        fault = max((self.fault_on_link(a, b) for a in ranks for b in ranks if a != b),
-                    default=1.0)
-        gbps = self.m.collective_gbps.get(cls)
-        gbps = gbps / fault if gbps else self.group_gbps(ranks)
-        if cls == "inter_node" and plan is not None:
-            gbps = gbps * self.measured_share / self.link_share(plan, dim, ranks)
-        link = Link(gbps, self.base_latency / 1e3)
-        return Cluster(MEASURED_RUN, self.world, self.rpn, intra=link, inter=link,
-                       source="measured", backend=self.m.backend)
-
-    def link_share(self, plan: Layout, dim: str, ranks: list[int]) -> int:
-        """Groups of `dim` whose collectives cross a node link that `ranks` cross
-        (commpipe.plan.cluster.groups_on_a_node_link): a node's ranks share its one link, as
-        two all-to-alls between the emulated nodes took 1.4-1.9x one's time
-        (benchmarks/ep_transfer_beside_compute.py). Every pipeline stage's groups count: the
-        stages' reductions start a backward pass apart, and a slow link's last far longer."""
-        return groups_on_a_node_link(plan.dims.groups(dim), self.node, ranks)
-
-    def all_reduce_ms(self, nbytes: float, ranks: list[int], plan: Layout | None = None,
-                      dim: str = "") -> float:
-        return 1e3 * self.cluster_for(ranks, plan, dim).all_reduce(nbytes, len(ranks), 1) \
-            if len(ranks) > 1 else 0.0
-
-    def cp_ms(self, k_bytes: float, ranks: list[int], plan: Layout | None = None) -> float:
-        """Context parallelism per layer and pass (commpipe.parallel.context): forward
-        all-gathers K and V (each rank's `k_bytes` of each), backward reduce-scatters their
-        gradients; the mean of the two, as the simulator adds one value to F and to B."""
-        n = len(ranks)
-        if n < 2:
-            return 0.0
-        cl = self.cluster_for(ranks, plan, "cp")
-        gather = 2 * cl.all_gather(n * k_bytes, n, 1)
-        scatter = 2 * cl.reduce_scatter(n * k_bytes, n, 1)
-        return 1e3 * (gather + scatter) / 2
 
     # -- prediction ----------------------------------------------------------------------------
     def predict(self, plan: Layout) -> float:
