@@ -50,9 +50,9 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     emulate = getattr(args, "emulate_device", 1.0)
     if emulate != 1.0 and (not args.adaptive or getattr(args, "elastic", False)):
-        print("commpipe demo: error: --emulate-device is for the adaptive demo (commpipe demo "
-              "--adaptive --emulate-device F); the other demos run on the host's compute",
-              file=sys.stderr)
+        print("commpipe demo: error: --emulate-device is for the adaptive demo alone (commpipe "
+              "demo --adaptive --emulate-device F, without --elastic); the layout and elastic "
+              "demos run on the host's compute", file=sys.stderr)
         return 2
     if not math.isfinite(emulate) or emulate < 1.0:
         print(f"commpipe demo: error: --emulate-device {emulate:g}: a finite factor >= 1 "

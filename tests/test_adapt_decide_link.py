@@ -80,14 +80,18 @@ def _two_nodes(plan, inter_gbps, extra_ms=0.0, load=1.0, reference=None):
     each stage `load` times slower), one all-reduce of AR bytes across the nodes, OTHER_MS and
     `extra_ms` of time the model does not see."""
     from commpipe.adapt.model import Measured
+    from commpipe.plan.cluster import groups_on_a_node_link
     from commpipe.sim.costs import CostTable
 
     t0, t1 = 2 * BLOCK * C * load, (2 * BLOCK + HEAD) * C * load
     dims = plan.dims
+    # each DP group ran at inter_gbps; the groups crossing a node link at once shared it, so the
+    # rate recorded for the whole link (signals.collective_rates) is that many times higher
+    share = groups_on_a_node_link(dims.groups("dp_cp"), lambda r: r // 2, dims.group_of("dp_cp", 0))
     links = {(a, b): (LAT_MS, 1.0) for a in range(4) for b in range(4) if a != b and a // 2 == b // 2}
     return Measured(plan, CostTable(f=[t0 / 3, t1 / 3], b=[2 * t0 / 3, 2 * t1 / 3]), 0.0,
                     t0 + 4 * t1 + AR / (inter_gbps * 1e6) + OTHER_MS + extra_ms, links=links,
-                    collective_gbps={"inter_node": inter_gbps},
+                    collective_gbps={"inter_node": share * inter_gbps},
                     rank_busy={r: 4 * (t0, t1)[dims.coords(r)["pp"]] for r in range(4)},
                     reference=reference, rebuild_s=0.1, groups_s=0.9)   # the run's own build
 
@@ -204,9 +208,10 @@ def test_a_host_wide_slowdown_with_no_slow_link_stays():
 def test_a_plan_that_left_the_slow_link_still_prices_it_at_its_last_measured_rate():
     """After the switch off the slow link the running plan sends no collective over it: its
     window measures no inter-node rate. The controller recalls the last rate an earlier plan
-    measured (SLOW_GBPS) instead of the class's default, so an all-reduce that would cross the
-    nodes again (ranks 0 and 2) is priced at it: AR bytes once around a 2-rank ring, 1.81 s,
-    plus its two latency steps; without the memory the model prices it at the default."""
+    measured instead of the class's default: the whole node link's, 2 x SLOW_GBPS (the degraded
+    plan's two DP groups each ran at SLOW_GBPS through it at once). So DP across the nodes again
+    (ranks 0 and 2 beside 1 and 3) is priced at SLOW_GBPS: AR bytes once around a 2-rank ring,
+    1.81 s, plus its two latency steps; without the memory the model prices it at the default."""
     from commpipe.adapt.config import AdaptConfig
     from commpipe.adapt.model import CostModel
     from commpipe.adapt.rates import KnownRates
@@ -214,7 +219,7 @@ def test_a_plan_that_left_the_slow_link_still_prices_it_at_its_last_measured_rat
 
     memory = KnownRates()
     memory.recall(_degraded(), learn=True)
-    assert memory.collective == {"inter_node": SLOW_GBPS}
+    assert memory.collective == {"inter_node": 2 * SLOW_GBPS}
     off = Layout(tp=1, cp=1, pp=2, dp=2, stage_layers=(2, 2), schedule="1f1b", microbatches=4,
                  micro_batch_size=1)          # DP inside the nodes
     spec = family_for_model("tiny").resolve("tiny")
@@ -227,16 +232,16 @@ def test_a_plan_that_left_the_slow_link_still_prices_it_at_its_last_measured_rat
     forgetful = CostModel(spec, 16, 4, 2, now())
     m = now()
     memory.recall(m, learn=True)
-    assert m.collective_gbps == {"inter_node": SLOW_GBPS}
+    assert m.collective_gbps == {"inter_node": 2 * SLOW_GBPS}
     recalled = CostModel(spec, 16, 4, 2, m)
-    assert recalled.all_reduce_ms(AR, [0, 2]) == pytest.approx(
+    assert recalled.all_reduce_ms(AR, [0, 2], DP_ACROSS, "dp_cp") == pytest.approx(
         AR / (SLOW_GBPS * 1e6) + 2 * LAT_MS, rel=1e-6)
     default = AdaptConfig().default_inter_gbps
     assert forgetful.all_reduce_ms(AR, [0, 2]) == pytest.approx(
         AR / (default * 1e6) + 2 * LAT_MS, rel=1e-6)
     # what the running plan measures itself replaces what was known
     memory.recall(_two_nodes(DP_ACROSS, INTER_GBPS), learn=True)
-    assert memory.collective == {"inter_node": INTER_GBPS}
+    assert memory.collective == {"inter_node": 2 * INTER_GBPS}
 
 
 # -- groups sharing a node's link -------------------------------------------------------------------
@@ -255,17 +260,17 @@ def test_groups_crossing_the_same_node_link_are_counted_on_the_busiest_node(grou
     assert groups_on_a_node_link(groups, lambda r: r // 2, group) == expected
 
 
-def test_a_candidate_gets_its_share_of_the_node_link_the_running_plan_measured():
-    """The inter-node bus rate was measured on the running plan's DP reduction: pp2 x dp2 with
-    DP across the nodes, whose two DP groups (0, 2) and (1, 3) share each node's link, so each
-    ran at half the link. dp4 runs one ring through it: twice that rate; the running plan's
-    own groups keep the measured rate. The bandwidth term of an all-reduce over n ranks is
-    2 (n - 1) / n * bytes / rate (the latency steps cancel in the difference)."""
+def test_a_candidate_gets_its_share_of_the_node_link():
+    """Measured.collective_gbps across nodes is a whole node link's rate: here 2 x INTER_GBPS,
+    recorded from pp2 x dp2 with DP across the nodes, whose two DP groups, (0, 2) and (1, 3),
+    each ran at INTER_GBPS through each node's link at once. dp4 runs one ring through it and
+    gets it whole; the running plan's groups get INTER_GBPS again. The bandwidth term of an
+    all-reduce over n ranks is 2 (n - 1) / n * bytes / rate (the latency steps cancel in the
+    difference); without a plan nothing is shared."""
     from commpipe.adapt.model import CostModel
 
-    spec = _cfg().spec
-    m = CostModel(spec, 16, 4, 2, _two_nodes(DP_ACROSS, INTER_GBPS))
-    assert m.measured_share == 2
+    m = CostModel(_cfg().spec, 16, 4, 2, _two_nodes(DP_ACROSS, INTER_GBPS))
+    assert m.m.collective_gbps == {"inter_node": 2 * INTER_GBPS}
 
     def per_byte(plan, ranks):      # ms per byte
         return (m.all_reduce_ms(2e6, ranks, plan, "dp_cp")
@@ -275,3 +280,21 @@ def test_a_candidate_gets_its_share_of_the_node_link_the_running_plan_measured()
                  micro_batch_size=1)
     assert per_byte(dp4, [0, 1, 2, 3]) == pytest.approx(1e3 * 1.5 / (2 * INTER_GBPS * 1e9))
     assert per_byte(DP_ACROSS, [0, 2]) == pytest.approx(1e3 * 1.0 / (INTER_GBPS * 1e9))
+    assert per_byte(None, [0, 2]) == pytest.approx(1e3 * 1.0 / (2 * INTER_GBPS * 1e9))
+
+
+def test_a_rate_timed_on_groups_sharing_a_node_link_is_recorded_for_the_whole_link():
+    """Two DP groups crossing the nodes at once, (0, 2) and (1, 3), each moved 1 MB in 10 ms:
+    0.1 GB/s each, so the node link carried 0.2 GB/s, the rate recorded (and recalled by later
+    plans, whose own groups then get their share of it). One group alone: its own rate."""
+    from commpipe.adapt.signals import collective_rates
+
+    def call(rank, group):
+        return {("dp", "all_reduce", group): [(1e6, 0.0, 0.010)]}
+
+    both = [{"rank": r, "timed": call(r, (r % 2, r % 2 + 2))} for r in range(4)]
+    assert collective_rates([both], ranks_per_node=2, min_bytes=65536) == \
+        {"inter_node": pytest.approx(0.2)}
+    one = [{"rank": r, "timed": call(r, (0, 2))} for r in (0, 2)]
+    assert collective_rates([one], ranks_per_node=2, min_bytes=65536) == \
+        {"inter_node": pytest.approx(0.1)}

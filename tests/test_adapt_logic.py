@@ -131,7 +131,8 @@ def test_the_adaptive_demo_refuses_the_layout_demos_flags(tmp_path, capsys, flag
 
 
 @pytest.mark.parametrize("flags, said", [
-    (["--emulate-device", "2"], "--emulate-device is for the adaptive demo"),
+    (["--emulate-device", "2"], "--emulate-device is for the adaptive demo alone"),
+    (["--adaptive", "--elastic", "--emulate-device", "2"], "without --elastic"),
     (["--adaptive", "--emulate-device", "0.5"], "a finite factor >= 1"),
     (["--adaptive", "--emulate-device", "inf"], "a finite factor >= 1"),
 ])
@@ -144,8 +145,8 @@ def test_the_demos_refuse_an_emulated_device_they_cannot_use(tmp_path, capsys, f
 
 
 def test_the_adaptive_demo_passes_an_emulated_device_to_every_run():
-    """`demo --adaptive --emulate-device F`: the adaptive, static and oracle runs all train
-    with --emulate-device F, and their time limits grow with it; at 1 nothing is added."""
+    """`demo --adaptive --emulate-device F`: the flags every run (adaptive, static, oracle) is
+    given carry --emulate-device F, and the time limits grow with it; at 1 nothing is added."""
     from commpipe.adapt.demo import Scenario
     from commpipe.cluster.launch import train_flags
 
@@ -156,6 +157,39 @@ def test_the_adaptive_demo_passes_an_emulated_device_to_every_run():
     assert emulated.timeout_s(300) == 900
     argv = train_flags(Layout(dp=4), flags, "out")
     assert argv[argv.index("--emulate-device") + 1] == "3.0"
+
+
+def test_the_demos_runs_train_with_the_emulated_device_and_its_time_limit(tmp_path,
+                                                                        monkeypatch):
+    """run_scenario (the adaptive and the static run) hands every rank `train_flags()` and the
+    stretched time limit; a run that went back to `sc.train` would lose --emulate-device."""
+    import commpipe.cluster.launch as launch
+    from commpipe.adapt.demo import Scenario, run_scenario
+
+    seen = {}
+
+    class Done:
+        ok = True
+
+    class FakeCluster:
+        nodes, ranks_per_node, ifname = 2, 2, "veth"
+
+        def node_ip(self, i):
+            return f"10.0.0.{i + 1}"
+
+        def set_rate(self, node, mbit):
+            seen.setdefault("rates", []).append(mbit)
+
+    monkeypatch.setattr(launch, "plan_commands",
+                        lambda lay, train, out, **kw: seen.update(train=train) or ["cmd"])
+    monkeypatch.setattr(launch, "run_commands",
+                        lambda cmds, out, cluster=None, timeout_s=0.0:
+                        seen.update(timeout=timeout_s) or Done())
+    run_scenario(FakeCluster(), Scenario(emulate_device=3.0), tmp_path, {"dp": 4}, True, [], 29999)
+    assert seen["train"]["emulate_device"] == 3.0 and seen["train"]["adapt"] is True
+    assert seen["timeout"] == 900
+    run_scenario(FakeCluster(), Scenario(), tmp_path, {"dp": 4}, False, [], 29999)
+    assert "emulate_device" not in seen["train"] and seen["timeout"] == 300
 
 
 def test_flags_and_drill_spec_fail_early_with_a_fix():
@@ -252,6 +286,8 @@ def test_each_oracle_layout_is_set_beside_the_controllers_prediction_for_it(tmp_
     from commpipe.adapt.demo import format_summary, predicted_for
 
     decision = {"candidates": [
+        {"plan": "tp1-cp1-pp2-dp2 1f1b m4x1 layers 2,2 ranks tp-cp-pp-dp", "predicted_ms": 300.0},
+        {"plan": "tp1-cp1-pp2-dp2 1f1b m4x1 layers 2,2 dp-m 6,2", "predicted_ms": 310.0},
         {"plan": "tp1-cp1-pp2-dp2 zbh1 m2x2 layers 2,2", "predicted_ms": 450.0},
         {"plan": "tp1-cp1-pp2-dp2 1f1b m2x2 layers 2,2", "predicted_ms": 515.0},
         {"plan": "tp1-cp1-pp2-dp2 1f1b m4x1 layers 2,2", "predicted_ms": 642.0},
@@ -259,7 +295,7 @@ def test_each_oracle_layout_is_set_beside_the_controllers_prediction_for_it(tmp_
         {"plan": "tp2-cp1-pp2-dp1 1f1b m8x1 layers 2,2", "predicted_ms": 900.0}]}
     oracle = {"tp": 1, "cp": 1, "pp": 2, "dp": 2, "stage_layers": [2, 2], "schedule": "1f1b",
               "microbatches": 4, "micro_batch_size": 1}
-    assert predicted_for(decision, oracle) == 642.0
+    assert predicted_for(decision, oracle) == 642.0    # not another rank order, nor dp-m
     assert predicted_for(decision, {**oracle, "microbatches": 8}) is None      # not logged
     assert predicted_for(decision, {**oracle, "stage_layers": [3, 1]}) == 700.0
     assert predicted_for(decision, {**oracle, "tp": 2, "dp": 1, "microbatches": 8}) == 900.0
@@ -275,7 +311,7 @@ def test_each_oracle_layout_is_set_beside_the_controllers_prediction_for_it(tmp_
     s["oracle_candidates"][0]["predicted_ms"] = 250.0
     lines = format_summary(s).splitlines()
     assert any(x.lstrip().startswith("pp2-dp2") and x.endswith(
-        "200 ms; the controller predicted 250 ms (measured 0.80x)") for x in lines)
+        "200 ms; the controller predicted 250 ms (measured/predicted 0.80)") for x in lines)
     assert not any("predicted" in x for x in lines if x.lstrip().startswith("cp2-pp2"))
 
 

@@ -372,13 +372,16 @@ def test_demo_says_why_the_model_missed_the_best_layout(tmp_path):
 def test_demo_says_when_its_layout_ran_faster_than_the_oracles_best(tmp_path):
     """The oracle measures 1f1b at each layout's default micro-batching; the controller may
     end on another layout whose schedule or micro-batching beats them all."""
+    from commpipe.adapt.demo import format_summary
+
     switch = DETECTED | {"step": 12, "action": "switch", "to": CP2, "switch_time_s": 0.1,
                          "candidates": CANDS, "predicted_best_ms": 250.0}
     s, text = _demo_account(tmp_path, [switch])
     assert "ran faster than every layout" not in text            # 300 ms against 200
+    assert not s["controller_batching_differs"]   # the same (unnamed) schedule and batching
     s["step_ms_after_switch"], s["after_switch_vs_oracle"] = 180.0, -0.1
-    from commpipe.adapt.demo import format_summary
-
+    assert "ran faster than every layout" not in format_summary(s)
+    s["controller_batching_differs"] = True
     assert ("(300 ms in the oracle sweep), and with its schedule and micro-batching ran faster "
             "than every layout the oracle measured (1f1b, default micro-batches); after the "
             "switch its steps took 180 ms (-10%)") in format_summary(s)

@@ -44,7 +44,7 @@ class Scenario:
     def train_flags(self, **more) -> dict:
         """`commpipe train` options of every run of the scenario (and the oracle's)."""
         emulate = {"emulate_device": self.emulate_device} if self.emulate_device > 1.0 else {}
-        return dict(self.train, steps=self.steps, **emulate, **more)
+        return {**self.train, "steps": self.steps, **emulate, **more}
 
     def timeout_s(self, host_s: float) -> float:
         """A run's time limit: `host_s`, stretched with the emulated device's compute."""
@@ -202,6 +202,10 @@ def summarize(out: Path, sc: Scenario, applied: list, oracle: dict) -> dict:
         "controller_choice_is_best": (chosen is not None and chosen["name"] == best["name"])
         if ran else None,
         "controller_choice_ms": chosen["median_ms"] if chosen else None,
+        # the oracle runs 1f1b at each layout's default micro-batching: did the controller's?
+        "controller_batching_differs": ran is not None and (
+            chosen is None or any(ran["to"].get(k) != chosen.get(k)
+                                  for k in ("schedule", "microbatches", "micro_batch_size"))),
         "same_steps_adaptive_static": same_steps,
         "max_loss_diff_adaptive_vs_static": loss_diff,
         "max_loss_diff_oracle_candidates_vs_static": oracle_loss_diff,
@@ -228,12 +232,16 @@ def _name_key(name: str) -> tuple | None:
 
 def predicted_for(decision: dict | None, c: dict) -> float | None:
     """What `decision` (the reaction to the degrade) predicted for oracle layout `c`: its logged
-    candidate with the same degrees, split, schedule and micro-batching, if there is one."""
+    candidate of the same title (degrees, schedule, micro-batching, split; the default rank
+    order, even micro-batches), if there is one."""
     if not decision or c.get("microbatches") is None:
         return None
-    batching = f" {c.get('schedule')} m{c['microbatches']}x{c.get('micro_batch_size')} "
-    return next((x["predicted_ms"] for x in decision.get("candidates", [])
-                 if _name_key(x["plan"]) == _layout_key(c) and batching in f" {x['plan']} "),
+    from commpipe.layout import Layout
+
+    title = Layout(tp=c["tp"], cp=c["cp"], pp=c["pp"], dp=c["dp"],
+                   stage_layers=tuple(c["stage_layers"]), schedule=c["schedule"],
+                   microbatches=c["microbatches"], micro_batch_size=c["micro_batch_size"]).title
+    return next((x["predicted_ms"] for x in decision.get("candidates", []) if x["plan"] == title),
                 None)
 
 
@@ -388,7 +396,7 @@ def format_summary(s: dict) -> str:
         note = f", {c['steps_measured']} steps, stopped early" if c["stopped_early"] else ""
         if c.get("predicted_ms"):
             note += (f"; the controller predicted {c['predicted_ms']:.0f} ms "
-                     f"(measured {c['median_ms'] / c['predicted_ms']:.2f}x)")
+                     f"(measured/predicted {c['median_ms'] / c['predicted_ms']:.2f})")
         lines.append(f"  {c['name']:<22} layers {','.join(map(str, c['stage_layers'])):<8} "
                      f"{c['median_ms']:8.0f} ms{note}")
     lines += outcome(s)
@@ -415,7 +423,7 @@ def outcome(s: dict) -> list[str]:
                     if s.get("controller_choice_ms") else "")
         head = (f"the controller did not reach the best static layout, {best}: it ended on "
                 f"{s['switch_to']}{measured}")
-        if after is not None and after < 0:   # the oracle runs 1f1b at each layout's default
+        if after is not None and after < 0 and s.get("controller_batching_differs"):
             head += (", and with its schedule and micro-batching ran faster than every layout "
                      "the oracle measured (1f1b, default micro-batches)")
     return [f"{head}; {ran}{without}", f"why: {s['why_not_best']}"]

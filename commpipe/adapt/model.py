@@ -109,9 +109,6 @@ class CostModel(MeasuredLinks):
         self.m = measured
         cur = measured.plan
         self.dims = cur.dims
-        # the inter-node bus rate was measured on the running plan's DP reduction (the large
-        # collective every plan makes), itself at its share of the node links
-        self.measured_share = self.link_share(cur, "dp_cp", cur.dims.group_of("dp_cp", 0))
         c = measured.costs
         host = measured.host_ms
         # per stage: its measured F + B (host gaps out), its FLOPs work and its ops, as work

@@ -25,7 +25,7 @@ MEASURED_RUN = GPU("measured run", tflops=0.0, mem_gb=0.0, hbm_gbps=0.0, nvlink_
 
 class MeasuredLinks:
     """Link and collective prices of CostModel: it sets `m` (Measured), `rpn`, `world`,
-    `default_gbps`, `base_latency`, `slow_links`, `fault_factor` and `measured_share`."""
+    `default_gbps`, `base_latency`, `slow_links` and `fault_factor`."""
 
     def node(self, rank: int) -> int:
         return rank // self.rpn
@@ -69,7 +69,8 @@ class MeasuredLinks:
             return float("inf")
         return min(self.link(ranks[i], ranks[(i + 1) % len(ranks)])[1] for i in range(len(ranks)))
 
-    def cluster_for(self, ranks: list[int], plan: Layout | None = None, dim: str = "") -> Cluster:
+    def cluster_for(self, ranks: list[int], plan: Layout | None = None, dim: str = "dp_cp"
+                    ) -> Cluster:
         """The planner's cluster (commpipe.plan.cluster, whose collective pricing this uses) as
         the group `ranks` sees it: at the bus bandwidth measured for collectives of its link
         class when there is one, else at its slowest hop's point-to-point rate; the run's
@@ -81,8 +82,8 @@ class MeasuredLinks:
                     default=1.0)
         gbps = self.m.collective_gbps.get(cls)
         gbps = gbps / fault if gbps else self.group_gbps(ranks)
-        if cls == "inter_node" and plan is not None:
-            gbps = gbps * self.measured_share / self.link_share(plan, dim, ranks)
+        if cls == "inter_node" and plan is not None:     # a whole node link's rate, shared
+            gbps = gbps / self.link_share(plan, dim, ranks)
         link = Link(gbps, self.base_latency / 1e3)
         return Cluster(MEASURED_RUN, self.world, self.rpn, intra=link, inter=link,
                        source="measured", backend=self.m.backend)
@@ -96,7 +97,7 @@ class MeasuredLinks:
         return groups_on_a_node_link(plan.dims.groups(dim), self.node, ranks)
 
     def all_reduce_ms(self, nbytes: float, ranks: list[int], plan: Layout | None = None,
-                      dim: str = "") -> float:
+                      dim: str = "dp_cp") -> float:
         return 1e3 * self.cluster_for(ranks, plan, dim).all_reduce(nbytes, len(ranks), 1) \
             if len(ranks) > 1 else 0.0
 

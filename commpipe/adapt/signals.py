@@ -180,15 +180,24 @@ def collective_times(summaries: list[dict]) -> dict[tuple, tuple[float, float]]:
 def collective_rates(window: list[list[dict]], ranks_per_node: int,
                      min_bytes: float) -> dict[str, float]:
     """Link class -> median bus bandwidth (GB/s) of the timed all-reduces of at least
-    `min_bytes` per call over a window (small ones, a loss or a norm, measure latency)."""
+    `min_bytes` per call over a window (small ones, a loss or a norm, measure latency). Across
+    nodes, the rate of a whole node link: each group's rate times the groups of its dimension
+    timed crossing the same node link (commpipe.plan.cluster.groups_on_a_node_link; they ran
+    at once, each at its share), so a rate measured by one plan prices another's groups
+    (commpipe.adapt.model_links.MeasuredLinks.link_share)."""
+    from commpipe.plan.cluster import groups_on_a_node_link
+
     rates: dict[str, list[float]] = {}
+    node = lambda r: r // ranks_per_node   # noqa: E731
     for summaries in window:
-        for (_dim, op, group), (nbytes, ms) in collective_times(summaries).items():
+        timed = collective_times(summaries)
+        for (dim, op, group), (nbytes, ms) in timed.items():
             if op != "all_reduce" or nbytes < min_bytes or ms <= 0:
                 continue
             n = len(group)
-            nodes = {g // ranks_per_node for g in group}
-            cls = "intra_node" if len(nodes) == 1 else "inter_node"
+            cls = "intra_node" if len({node(g) for g in group}) == 1 else "inter_node"
+            share = groups_on_a_node_link([list(g) for d, o, g in timed if (d, o) == (dim, op)],
+                                          node, group)
             rates.setdefault(cls, []).append(
-                algbw_bytes(op, nbytes, n) * busbw_factor(op, n) / (ms * 1e6))
+                share * algbw_bytes(op, nbytes, n) * busbw_factor(op, n) / (ms * 1e6))
     return {cls: statistics.median(v) for cls, v in rates.items()}

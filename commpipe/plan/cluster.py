@@ -285,7 +285,7 @@ def probe_call_overhead(path: str | Path, cluster: Cluster) -> float | None:
 
 def groups_on_a_node_link(groups, node_of, group) -> int:
     """How many of `groups` (the groups of one dimension whose collectives run at the same time,
-    e.g. one pipeline stage's DP groups) cross nodes through a node that `group` crosses from,
+    e.g. every DP group of a layout) cross nodes through a node that `group` crosses from,
     counted on its busiest node. A node with one scale-out link (`nics_per_node` 1: the emulated
     cluster, one veth per node) carries them together, each at its share: two DP groups of
     tp2 x dp2 across two nodes each get half the link a dp4 ring gets whole. 1 when `group`
