@@ -12,11 +12,11 @@ loopback where network namespaces cannot be built: no root or no iproute2), then
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 
 from commpipe.report.tables import terminal_table
+from commpipe.runtime.device_time import check_factor
 
 STEPS, MBIT = 10, 50.0     # the layout demo's defaults
 
@@ -54,9 +54,10 @@ def run(args) -> int:
               "demo --adaptive --emulate-device F, without --elastic); the layout and elastic "
               "demos run on the host's compute", file=sys.stderr)
         return 2
-    if not math.isfinite(emulate) or emulate < 1.0:
-        print(f"commpipe demo: error: --emulate-device {emulate:g}: a finite factor >= 1 "
-              "(1: the host's own compute)", file=sys.stderr)
+    try:
+        check_factor(emulate)
+    except ValueError as e:
+        print(f"commpipe demo: error: {e}", file=sys.stderr)
         return 2
     if getattr(args, "elastic", False):
         return run_elastic(args)

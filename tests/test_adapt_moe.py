@@ -141,7 +141,8 @@ def test_the_ep_all_to_all_is_the_planners(rpn, ranks):
     """The cost model's dispatch (or combine) in EP group `ranks` equals
     commpipe.plan.moe_costs for the same bytes and the rates measured between its ranks, and
     the alpha-beta formula by hand; each link class at the group's slowest measured pair."""
-    from commpipe.adapt.model import MEASURED_RUN, CostModel
+    from commpipe.adapt.model import CostModel
+    from commpipe.adapt.model_links import MEASURED_RUN
     from commpipe.adapt.model_moe import a2a_ms
     from commpipe.layout import Layout
     from commpipe.plan.cluster import Cluster, Link

@@ -145,7 +145,7 @@ def sharing_factor(ranks: int, timing_ranks: int, cores: int, device_factor: flo
 def call_ms(ops: dict, nbytes: int, latency_ms: float, gbps: float) -> float:
     """Per-call time (ms) of `measure_calls`' ops beyond what 2 ranks pay on a link of
     `latency_ms` and `gbps` (commpipe.plan.cluster.call_overhead, gloo's rings)."""
-    from commpipe.adapt.model import MEASURED_RUN
+    from commpipe.adapt.model_links import MEASURED_RUN
     from commpipe.plan.cluster import Cluster, Link, call_overhead
 
     link = Link(gbps, latency_ms / 1e3)

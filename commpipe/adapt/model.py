@@ -45,7 +45,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from commpipe.adapt.config import AdaptConfig
-from commpipe.adapt.model_links import MEASURED_RUN, MeasuredLinks  # noqa: F401 (re-exported)
+from commpipe.adapt.model_links import MeasuredLinks
 from commpipe.adapt.model_moe import edp_group, ep_stage_ms, stage_params
 from commpipe.layout import Layout
 from commpipe.models.family import family_of

@@ -45,7 +45,7 @@ def group_cluster(model, ranks: list[int]) -> Cluster:
     `model` (a CostModel): its members at positions 0..n-1 (stride 1) on their nodes, each link
     class at the slowest rate measured between the group's ranks of that class (`model.link`:
     per pair, else per node pair, else the class's rate)."""
-    from commpipe.adapt.model import MEASURED_RUN
+    from commpipe.adapt.model_links import MEASURED_RUN
 
     def rate(cls: str) -> float:
         rates = [model.link(a, b)[1] for a in ranks for b in ranks

@@ -28,8 +28,7 @@ NOT_COMPUTE = ("c10d", "_c10d_functional", "_dtensor")
 class DeviceTime(TorchDispatchMode):
     def __init__(self, factor: float):
         super().__init__()
-        if factor < 1.0:
-            raise ValueError(f"--emulate-device {factor}: a factor >= 1 (1: off)")
+        check_factor(factor)
         self.factor = factor
         self.op_s = 0.0         # compute operators' own host time
         self.idle_s = 0.0       # time left idle for the emulated device
@@ -50,6 +49,15 @@ class DeviceTime(TorchDispatchMode):
             self.idle_s += slept
             self._owed -= slept
         return out
+
+
+def check_factor(factor: float) -> None:
+    """Refuse a factor `--emulate-device` cannot use (`commpipe train`, `commpipe demo`)."""
+    import math
+
+    if not (math.isfinite(factor) and factor >= 1.0):
+        raise ValueError(f"--emulate-device {factor}: give a finite factor >= 1 "
+                         "(3: compute takes 3x its time; 1: off)")
 
 
 def emulated(factor: float):

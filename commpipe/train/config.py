@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 import os
 from dataclasses import asdict, dataclass, field
 
@@ -199,6 +198,8 @@ class TrainConfig:
     def _check_device(self) -> None:
         import torch
 
+        from commpipe.runtime.device_time import check_factor
+
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ValueError(f"--device {self.device!r}: use auto, cpu or cuda")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
@@ -207,9 +208,7 @@ class TrainConfig:
                              "--device cpu or auto")
         on_cuda = self.device.startswith("cuda") or (self.device == "auto"
                                                      and torch.cuda.is_available())
-        if not (math.isfinite(self.emulate_device) and self.emulate_device >= 1.0):
-            raise ValueError(f"--emulate-device {self.emulate_device}: give a finite factor >= 1 "
-                             "(3: compute takes 3x its time; 1: off)")
+        check_factor(self.emulate_device)
         if self.emulate_device > 1.0 and on_cuda:
             raise ValueError(f"--emulate-device {self.emulate_device}: CPU only, and this run is on "
                              "CUDA (a GPU's kernels already leave the host free); drop the flag or "
