@@ -17,9 +17,10 @@ For every tp x cp x pp x dp layout of 4 and of 8 CPU ranks that the tiny LLaMA a
    matmul peak and copy bandwidth), a `commpipe probe` of the same ranks (links), the cores the
    ranks had (`--host-cores`: this machine's, less what other processes used while the layout
    ran, sampled from /proc, each core worth what `--host-cores auto` measures the machine's
-   cores to run at once over their count), the scheduler's wake-up wait (half the kernel's default time
-   slice), the host time of a gloo call (the probe's 2-rank all-reduce less its two link
-   latencies), and each pass's eager ops at the host time per op `plan --gpu cpu` measures
+   cores to run at once over their count), the scheduler's wake-up wait (half the kernel's
+   default time slice), the host time of a gloo call (the calls after compute of the set's own
+   probe less what their links are priced at, as `plan --cluster probe.json` takes it), and
+   each pass's eager ops at the host time per op `plan --gpu cpu` measures
    (commpipe.plan.runtime_ops); with --fit-host instead the per-layer host terms of
    `plan --calibrate` on the runs of 1 and 2 ranks (their layouts are in neither set);
 3. compare, per set: Spearman rank correlation of measured and predicted step times
@@ -324,6 +325,9 @@ def predict_set(out: Path, name: str, world: int, cores: int, eff) -> list[dict]
     from commpipe.plan.estimate import estimate
 
     spec, job, full = planner_inputs(out, name, world, cores)
+    probe = out / f"probe-{name}.json"
+    if probe.exists():   # as `plan --cluster probe-<name>.json` takes it: this set's own probe
+        eff = replace(eff, coll_overhead_s=probe_call_s(probe, full))
     rows = []
     for c in measured_layouts(out / name, cores):
         cluster, host = on_spare_cores(full, eff, c["spare_cores"])
@@ -333,6 +337,7 @@ def predict_set(out: Path, name: str, world: int, cores: int, eff) -> list[dict]
                      "error": e.step_time_s * 1e3 / c["median_ms"] - 1,
                      "steps_ms": c["step_ms"] + c.get("step_ms_pass2", []),
                      "kappa": e.host_contention, "spare_cores": c["spare_cores"],
+                     "call_ms": eff.coll_overhead_s * 1e3,
                      "breakdown_ms": {k: v * 1e3 for k, v in e.breakdown.items() if v > 0}})
     return rows
 
@@ -358,7 +363,7 @@ def report(sets: dict, fitted: dict) -> None:
           f"{fitted['mape']:.0%}): "
           + ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in fitted["params"].items()))
     for name, rows in sets.items():
-        print(f"\n{name}")
+        print(f"\n{name}: host time per gloo call {rows[0]['call_ms']:.2f} ms (its probe)")
         print(f"{'layout':<18}{'measured ms':>12}{'predicted ms':>14}{'error':>8}{'spare':>7}"
               f"{'kappa':>7}   largest predicted terms (ms)")
         for r in sorted(rows, key=lambda r: r["measured_ms"]):

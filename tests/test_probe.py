@@ -45,6 +45,9 @@ def test_probe_cli_writes_schema(tmp_path, capfd):
     assert (calls["ranks"], calls["bytes"], calls["calls"]) == ([0, 1], 8192, 20)
     assert set(calls["ops"]) == {"all_reduce", "all_gather", "reduce_scatter"}
     assert all(0 < v["median_ms"] and 0 < v["mean_ms"] for v in calls["ops"].values())
+    for v in calls["ops"].values():      # 20 calls in 5 rounds; the mean is a middle round's
+        assert len(v["round_means_ms"]) == 5
+        assert min(v["round_means_ms"]) <= v["mean_ms"] <= max(v["round_means_ms"])
     table = capfd.readouterr().out
     assert "on 1 node(s)" in table and "inter_node" in table and "not measured" in table
     assert "calls after 0.5 ms of compute, 8K, ranks 0-1, mean ms: all_reduce" in table
@@ -193,3 +196,14 @@ def test_unmeasured_class_is_reported_with_its_default(tmp_path, capsys):
     assert (f"from probe:{path} (intra_node measured; inter_node not measured, default "
             f"{default_inter:g} GB/s and {INTER_LATENCY_S * 1e3:g} ms used)") in out
     assert "intra 100 GB/s" in out
+
+
+def test_a_calls_mean_is_the_median_of_its_rounds_means():
+    """One round slowed 10x by other work on the host (a process starting or exiting) leaves the
+    call's price at the usual rounds' mean; a slowdown every round pays moves it."""
+    from commpipe.monitor.probe import robust_mean_ms
+
+    usual = [[1e-3, 1.2e-3]] * 4
+    assert robust_mean_ms(usual + [[11e-3, 11e-3]]) == pytest.approx(1.1)    # plain mean: 3.08
+    assert robust_mean_ms([[2e-3, 2.4e-3]] * 5) == pytest.approx(2.2)
+    assert robust_mean_ms([[1e-3], [3e-3], [], [2e-3]]) == pytest.approx(2.0)  # an empty round

@@ -18,9 +18,11 @@ the world (all blocks at once, as data-parallel groups do); rank 0's group is re
 Calls as training makes them (gloo only): ranks 0 and 1 make each collective commpipe's runtime
 makes under tensor and context parallelism (all-reduce, all-gather, reduce-scatter; 8 KiB, an
 activation of a small model) `--calls` times, each after computing for 0.5 ms, as a layer's
-work separates its collectives, with no barrier between. The mean time of a call is what a step
-pays for it: the partner's late arrival, waking the rank that slept in the call and gloo's hand-off
-to its worker thread, none of which a barrier-timed all-reduce shows (on 2 vCPUs: 0.4-1.6 ms
+work separates its collectives, with no barrier between, in 5 rounds that each make every op in
+turn. The mean time of a call (the median of its 5 rounds' means, so that another process
+starting or exiting during one round does not set it) is what a step pays for it: the
+partner's late arrival, waking the rank that slept in the call and gloo's hand-off to its
+worker thread, none of which a barrier-timed all-reduce shows (on 2 vCPUs: 0.4-1.6 ms
 against the all-reduce's 0.3 ms median). The planner prices a gloo collective call's host time
 from it (commpipe.plan.cluster.probe_call_overhead).
 
@@ -36,7 +38,8 @@ JSON written by --out (schema "commpipe-probe/1", loadable by the cost model):
    "allreduce": [{"group_size", "ranks", "latency_ms", "busbw_gbps", "bandwidth_from",
                   "sizes": [{"bytes", "time_ms", "algbw_gbps", "busbw_gbps"}, ...]}, ...],
    "calls": {"ranks": [0, 1], "bytes", "gap_ms", "calls",
-             "ops": {"all_reduce": {"mean_ms", "median_ms"}, "all_gather": ..., "reduce_scatter": ...}}
+             "ops": {"all_reduce": {"mean_ms", "median_ms", "round_means_ms"}, "all_gather": ...,
+                     "reduce_scatter": ...}}
             | null (nccl, or an odd number of ranks)}
 A class is null when the layout has no such pair (one node, or one rank per node).
 ranks_per_node is the number of ranks on rank 0's node.
@@ -50,7 +53,7 @@ import statistics
 import time
 
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
-CALLS, CALL_BYTES, CALL_GAP_S = 200, 8192, 0.5e-3
+CALLS, CALL_BYTES, CALL_GAP_S, CALL_ROUNDS = 200, 8192, 0.5e-3, 5
 CALL_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
           "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
@@ -229,9 +232,13 @@ def _compute_for(seconds: float, a, b) -> None:
 
 
 def calls_after_compute(comm, nbytes: int, calls: int, warmup: int, gap_s: float,
-                        dim: str = "dp") -> dict:
-    """{op: {"mean_ms", "median_ms"}} of comm's `dim` group making each of CALL_OPS `calls`
-    times, every call after `gap_s` of compute and without a barrier (the module docstring)."""
+                        dim: str = "dp", rounds: int = CALL_ROUNDS) -> dict:
+    """{op: {"mean_ms", "median_ms", "round_means_ms"}} of comm's `dim` group making each of
+    CALL_OPS `calls` times, every call after `gap_s` of compute and without a barrier (the module
+    docstring). The calls are spread over `rounds` rounds, each making every op in turn, and an
+    op's mean_ms is the median of its rounds' means (`robust_mean_ms`): a burst of other work on
+    the host during one round (a process starting or exiting) does not set what a step is
+    priced at, while what every round pays does. median_ms is over every call."""
     import torch
 
     a, b = torch.randn(32, 64), torch.randn(64, 64)
@@ -240,19 +247,31 @@ def calls_after_compute(comm, nbytes: int, calls: int, warmup: int, gap_s: float
     make = {"all_reduce": lambda: comm.all_reduce(buf, dim),
             "all_gather": lambda: comm.all_gather(buf, dim),
             "reduce_scatter": lambda: comm.reduce_scatter(buf, dim)}
-    out = {}
+    rounds = max(1, min(rounds, calls))
+    per_round = [calls // rounds + (r < calls % rounds) for r in range(rounds)]
+    times = {op: [[] for _ in range(rounds)] for op in CALL_OPS}
+    comm.barrier(dim)
     for op in CALL_OPS:
-        times = []
-        comm.barrier(dim)
-        for i in range(warmup + calls):
+        for _ in range(warmup):
             _compute_for(gap_s, a, b)
-            t0 = time.perf_counter()
             make[op]()
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-        out[op] = {"mean_ms": statistics.fmean(times) * 1e3,
-                   "median_ms": statistics.median(times) * 1e3}
-    return out
+    for r, count in enumerate(per_round):
+        for op in CALL_OPS:
+            for _ in range(count):
+                _compute_for(gap_s, a, b)
+                t0 = time.perf_counter()
+                make[op]()
+                times[op][r].append(time.perf_counter() - t0)
+    return {op: {"mean_ms": robust_mean_ms(times[op]),
+                 "median_ms": statistics.median(t for rnd in times[op] for t in rnd) * 1e3,
+                 "round_means_ms": [statistics.fmean(rnd) * 1e3 for rnd in times[op]]}
+            for op in CALL_OPS}
+
+
+def robust_mean_ms(rounds: list[list[float]]) -> float:
+    """The median of the rounds' mean call times (seconds in, ms out): what a call costs on
+    average in the rounds that ran as the host usually runs."""
+    return statistics.median(statistics.fmean(r) for r in rounds if r) * 1e3
 
 
 def _probe(args) -> None:
