@@ -162,8 +162,9 @@ def test_the_ep_all_to_all_is_the_planners(rpn, ranks):
     got = a2a_ms(model, plan, ranks)
     lat = model.base_latency / 1e3
     assert lat == pytest.approx(1e-4)
+    # the planner with one scale-out link per node (the controller's premise, as its DP share)
     cluster = Cluster(MEASURED_RUN, 4, rpn, intra=Link(intra, lat), inter=Link(slow, lat),
-                      backend="gloo")
+                      backend="gloo", nics_per_node=1)
     layout = Layout(1, 1, 1, 4, 1, 1, "1f1b", ep=ep)
     job = Job(8, cfg.seq_len, precision="fp32")
     assert got == pytest.approx(1e3 * a2a_seconds(cfg.spec, layout, job, cluster), rel=1e-12)
@@ -171,8 +172,9 @@ def test_the_ep_all_to_all_is_the_planners(rpn, ranks):
     nbytes = 16 * 2 * 1.25 * 32 * 4
     if rpn >= ep:       # one node: (ep-1)/ep of it over the node's links
         want = (ep - 1) / ep * nbytes / (intra * 1e9) + lat
-    else:               # two ranks per node: a peer inside over the node, two across
-        want = max(1 / ep * nbytes / (intra * 1e9), 2 / ep * nbytes / (slow * 1e9)) + lat
+    else:               # two ranks per node: a peer inside over the node, two across, and
+        # both ranks of the node send their share across its one link at once: half its rate
+        want = max(1 / ep * nbytes / (intra * 1e9), 2 / ep * nbytes / (slow / 2 * 1e9)) + lat
     assert got == pytest.approx(1e3 * want, rel=1e-12)
     # each MoE layer of a stage adds a dispatch and a combine to the stage's F and to its B
     bare = Layout(tp=1, cp=1, pp=1, dp=4, stage_layers=(4,), schedule="1f1b", microbatches=2,

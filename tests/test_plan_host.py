@@ -55,6 +55,33 @@ def test_gloo_rings_and_one_nic_per_node():
         3 / 4 * 1e6 / 2e7 + 2 * 2e-4)
 
 
+def test_an_all_to_alls_senders_on_a_node_link():
+    """Every EP group dispatches at once, so a node's one link carries the members there of
+    each group crossing it: ep4 over 2 nodes of 2 has both of a node's ranks in one group; tp2 x
+    ep2 has one in each of two; EP groups inside their nodes send nothing across."""
+    from commpipe.adapt.model_links import groups_of
+    from commpipe.layout import Layout as PlanLayout
+    from commpipe.plan.cluster import groups_on_a_node_link, ranks_on_a_node_link
+
+    def node(r):
+        return r // 2
+
+    def plan(**kw):
+        return PlanLayout(**({"tp": 1, "cp": 1, "pp": 1, "dp": 4, "stage_layers": (2,),
+                             "schedule": "1f1b", "microbatches": 1, "micro_batch_size": 1} | kw))
+    ep4 = groups_of(plan(ep=4), "ep")
+    assert ep4 == [[0, 1, 2, 3]]
+    assert ranks_on_a_node_link(ep4, node, ep4[0]) == 2
+    assert groups_on_a_node_link(ep4, node, ep4[0]) == 1          # one group, two senders
+    across = groups_of(plan(tp=2, dp=2, ep=2), "ep")
+    assert sorted(map(sorted, across)) == [[0, 2], [1, 3]]
+    assert ranks_on_a_node_link(across, node, across[0]) == 2
+    inside = groups_of(plan(ep=2), "ep")
+    assert sorted(map(sorted, inside)) == [[0, 1], [2, 3]]
+    assert ranks_on_a_node_link(inside, node, inside[0]) == 1
+    assert sorted(map(sorted, groups_of(plan(ep=2), "edp"))) == [[0, 2], [1, 3]]
+
+
 def test_node_of_places_groups_and_pipeline_links():
     from commpipe.cluster.grids import Layout as GridLayout
     from commpipe.cluster.grids import node_of_rank

@@ -5,6 +5,8 @@ No process is launched."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from commpipe.cli import main
@@ -56,6 +58,30 @@ def test_all_to_all_time_matches_the_hand_formula(ep, per_node, imbalance):
     assert est.breakdown["ep"] == pytest.approx(m * layers * 4 * one, rel=1e-12)
     assert est.moe["a2a_bytes_per_call"] == pytest.approx(nbytes)
     assert est.to_dict()["ep"] == ep
+
+
+def test_all_to_alls_share_a_node_with_fewer_nics_than_gpus():
+    """One NIC per node of 2 GPUs: both ranks of a node dispatch across it at the same layer,
+    so each sends its remote share at half the NIC's rate (Cluster.node_links); with a NIC per
+    GPU each has one of its own."""
+    from commpipe.plan.moe_costs import all_to_all
+
+    spec, layout, job, cluster = _setup(8, per_node=2)
+    nbytes, nvlink, nic = 1e6, cluster.intra.bandwidth_gbps * 1e9, cluster.inter.bandwidth_gbps * 1e9
+    local = 1 / 8 * nbytes / nvlink
+    own = max(local, 6 / 8 * nbytes / nic) + cluster.inter.latency_s
+    shared = max(local, 6 / 8 * nbytes / (nic / 2)) + cluster.inter.latency_s
+    assert all_to_all(cluster, nbytes, 8, 1) == pytest.approx(own, rel=1e-12)
+    assert all_to_all(replace(cluster, nics_per_node=1), nbytes, 8, 1) == pytest.approx(
+        shared, rel=1e-12)
+    assert all_to_all(replace(cluster, nics_per_node=2), nbytes, 8, 1) == pytest.approx(
+        own, rel=1e-12)
+    # EP groups of stride 2 (tp2 inside them): one member per node, yet the node's other rank
+    # dispatches in the other EP group through the same NIC at the same time
+    alone = 3 / 4 * nbytes / nic + cluster.inter.latency_s
+    assert all_to_all(cluster, nbytes, 4, 2) == pytest.approx(alone, rel=1e-12)
+    assert all_to_all(replace(cluster, nics_per_node=1), nbytes, 4, 2) == pytest.approx(
+        3 / 4 * nbytes / (nic / 2) + cluster.inter.latency_s, rel=1e-12)
 
 
 def test_expert_gradients_reduce_over_edp_and_the_rest_over_dp():

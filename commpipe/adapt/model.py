@@ -319,18 +319,19 @@ class CostModel(MeasuredLinks):
             dp_ms = self._reduction_ms(4.0 * shared / plan.tp, dims.group_of("dp_cp", 0),
                                        plan)
             if experts:
-                dp_ms += self._reduction_ms(4.0 * experts / plan.ep, edp_group(plan))
+                dp_ms += self._reduction_ms(4.0 * experts / plan.ep, edp_group(plan), plan,
+                                            "edp")
         return dp_ms
 
-    def _reduction_ms(self, nbytes: float, ranks: list[int], plan: Layout | None = None
-                      ) -> float:
-        """A gradient all-reduce of `nbytes` over `ranks`, made as one call per bucket of
-        `Measured.dp_bucket_bytes` (commpipe.parallel.data.GradReducer), each paying the
-        measured call time on gloo."""
+    def _reduction_ms(self, nbytes: float, ranks: list[int], plan: Layout | None = None,
+                      dim: str = "dp_cp") -> float:
+        """A gradient all-reduce of `nbytes` over `ranks` (a group of `dim`), made as one call
+        per bucket of `Measured.dp_bucket_bytes` (commpipe.parallel.data.GradReducer), each
+        paying the measured call time on gloo."""
         if len(ranks) < 2 or nbytes <= 0:
             return 0.0
         calls = math.ceil(nbytes / self.m.dp_bucket_bytes)
-        return self.all_reduce_ms(nbytes, ranks, plan, "dp_cp") + calls * self.m.call_ms
+        return self.all_reduce_ms(nbytes, ranks, plan, dim) + calls * self.m.call_ms
 
     def stage_rate(self, plan: Layout, s: int) -> float:
         """Stage s's slowdown under `plan`: its slowest rank's measured factor."""

@@ -6,7 +6,8 @@ node link slows every pair across it), else its class's; a fault's unexplained t
 the links measured slow (`fault_on_link`). A collective is priced by the planner's `Cluster`
 (commpipe.plan.cluster: bus bytes and latency steps per backend) at the bus rate measured for
 its link class; across nodes at its share of each node's link, which every group of its
-dimension crossing from the node uses at once (`link_share`).
+dimension crossing from the node uses at once (`link_share`; an EP all-to-all's senders:
+`a2a_senders`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import statistics
 
 from commpipe.layout import Layout
-from commpipe.plan.cluster import Cluster, Link, groups_on_a_node_link
+from commpipe.plan.cluster import Cluster, Link, groups_on_a_node_link, ranks_on_a_node_link
 from commpipe.plan.gpus import GPU
 
 # Collectives are priced by the planner's Cluster, whose GPU entry only matters for compute,
@@ -94,7 +95,13 @@ class MeasuredLinks:
         two all-to-alls between the emulated nodes took 1.4-1.9x one's time
         (benchmarks/ep_transfer_beside_compute.py). Every pipeline stage's groups count: the
         stages' reductions start a backward pass apart, and a slow link's last far longer."""
-        return groups_on_a_node_link(plan.dims.groups(dim), self.node, ranks)
+        return groups_on_a_node_link(groups_of(plan, dim), self.node, ranks)
+
+    def a2a_senders(self, plan: Layout, ranks: list[int]) -> int:
+        """Ranks sending across the busiest node link that the EP group `ranks` crosses, while
+        every EP group of `plan` dispatches at once (commpipe.plan.cluster.ranks_on_a_node_link):
+        each gets that share of the link's measured rate."""
+        return ranks_on_a_node_link(groups_of(plan, "ep"), self.node, ranks)
 
     def all_reduce_ms(self, nbytes: float, ranks: list[int], plan: Layout | None = None,
                       dim: str = "dp_cp") -> float:
@@ -112,3 +119,14 @@ class MeasuredLinks:
         gather = 2 * cl.all_gather(n * k_bytes, n, 1)
         scatter = 2 * cl.reduce_scatter(n * k_bytes, n, 1)
         return 1e3 * (gather + scatter) / 2
+
+
+def groups_of(plan: Layout, dim: str) -> list[list[int]]:
+    """The groups of `dim` under `plan`: a dimension of its rank grid, or expert parallelism's
+    "ep" and "edp" groups (commpipe.parallel.expert.ep_groups)."""
+    if dim in ("ep", "edp"):
+        from commpipe.parallel.expert import ep_groups
+
+        eps, edps = ep_groups(plan.dims, plan.ep)
+        return eps if dim == "ep" else edps
+    return plan.dims.groups(dim)

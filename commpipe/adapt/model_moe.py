@@ -40,11 +40,12 @@ def stage_params(spec, plan, s: int) -> tuple[float, float]:
     return sum(moe_spec.layer_param_count(moe, i) for i in ids) - experts + ends, experts
 
 
-def group_cluster(model, ranks: list[int]) -> Cluster:
+def group_cluster(model, ranks: list[int], senders: int = 1) -> Cluster:
     """The planner's cluster (commpipe.plan.cluster) as the group `ranks` sees it, for
     `model` (a CostModel): its members at positions 0..n-1 (stride 1) on their nodes, each link
     class at the slowest rate measured between the group's ranks of that class (`model.link`:
-    per pair, else per node pair, else the class's rate)."""
+    per pair, else per node pair, else the class's rate); across nodes each member at its share
+    of its node's link, which `senders` ranks use at once (`MeasuredLinks.a2a_senders`)."""
     from commpipe.adapt.model_links import MEASURED_RUN
 
     def rate(cls: str) -> float:
@@ -56,14 +57,17 @@ def group_cluster(model, ranks: list[int]) -> Cluster:
     nodes = tuple(model.node(r) for r in ranks)
     nodes += tuple(model.node(r) for r in range(len(ranks), model.world))
     return Cluster(MEASURED_RUN, max(model.world, len(ranks)), model.rpn,
-                   intra=Link(rate("intra_node"), lat), inter=Link(rate("inter_node"), lat),
+                   intra=Link(rate("intra_node"), lat),
+                   inter=Link(rate("inter_node") / senders, lat),
                    source="measured", backend=model.m.backend, node_of=nodes)
 
 
 def a2a_ms(model, plan, ranks: list[int]) -> float:
     """One dispatch (or combine) all-to-all of one MoE layer and micro-batch in the EP group
     `ranks` under `plan`: the planner's bytes per call and all-to-all
-    (commpipe.plan.moe_costs) at the rates `model` measured between the group's ranks."""
+    (commpipe.plan.moe_costs) at the rates `model` measured between the group's ranks, a node
+    link's rate shared by every rank sending across it at once (the members there of each EP
+    group crossing it: with one link per node, as the planner's `nics_per_node` 1 prices)."""
     from commpipe.plan.layout import Job
     from commpipe.plan.moe_costs import a2a_bytes, all_to_all
 
@@ -71,8 +75,8 @@ def a2a_ms(model, plan, ranks: list[int]) -> float:
         return 0.0
     job = Job(plan.microbatches * plan.micro_batch_size * plan.dp, model.seq_len,
               precision="fp32" if model.m.element_bytes == 4 else "bf16")
-    return 1e3 * all_to_all(group_cluster(model, ranks), a2a_bytes(model.spec, plan, job),
-                            len(ranks), 1)
+    cluster = group_cluster(model, ranks, model.a2a_senders(plan, ranks))
+    return 1e3 * all_to_all(cluster, a2a_bytes(model.spec, plan, job), len(ranks), 1)
 
 
 def ep_stage_ms(model, plan, s: int, ranks: list[int]) -> float:

@@ -20,11 +20,12 @@ step inside a node and 10 us across (NCCL LL/Simple protocol ballpark). A `commp
 or a calibrated profile replaces them with measured values.
 
 Other clusters (all optional, defaults as above):
-- `nics_per_node`: scale-out NICs per node when fewer than GPUs; a group with k ranks per node then
-  drives min(k, nics_per_node) links (the emulated cluster of `commpipe sweep` has one per node),
-  shared with the other groups of its dimension crossing from the node at the same time
-  (gpus_per_node / k of them): tp2 x dp2 on nodes of 2 runs two DP groups through each node's
-  one link, each at half its rate.
+- `nics_per_node`: scale-out NICs per node when fewer than GPUs (the emulated cluster of
+  `commpipe sweep` has one per node). They carry at once every group of a dimension crossing
+  from the node (gpus_per_node / k groups of k ranks there), so a group with k ranks per node
+  gets nics_per_node * k / gpus_per_node links, at most k (`Cluster.node_links`): tp2 x dp2 on
+  nodes of 2 runs two DP groups through each node's one link, each at half its rate; the MoE
+  all-to-alls (moe_costs.all_to_all) share them the same way.
 - `backend="gloo"`: gloo's all-reduce is a ring (gloo/allreduce.cc: reduce-scatter then
   all-gather around the ring), so it pays 2(n-1) latency steps and all-gather n-1, instead of
   NCCL's logarithmic trees. commpipe's reduce-scatter on gloo is one all-to-all (every chunk
@@ -131,13 +132,18 @@ class Cluster:
         inside, per_node = self.placement(size, stride)
         if inside:
             return self.intra.bandwidth_gbps * 1e9, self.intra
-        if self.nics_per_node is None:      # a NIC per GPU (rail-optimised): none shared
-            links = per_node
-        else:   # the node's NICs carry at once every group crossing from it: its ranks over the
-            # group's members there (groups_on_a_node_link); each group gets its share
-            links = min(per_node, self.nics_per_node * per_node / self.gpus_per_node)
-        bw = min(self.intra.bandwidth_gbps, links * self.inter.bandwidth_gbps)
+        bw = min(self.intra.bandwidth_gbps, self.node_links(per_node) * self.inter.bandwidth_gbps)
         return bw * 1e9, self.inter
+
+    def node_links(self, per_node: int) -> float:
+        """Scale-out links a group with `per_node` members on each node drives across nodes, in
+        whole links' worth: one per member with a NIC per GPU (rail-optimised, none shared);
+        with `nics_per_node` fewer, the node's NICs carry every group of the dimension crossing
+        from it at once (its ranks over the group's members there: groups_on_a_node_link), so
+        the group gets nics_per_node * per_node / gpus_per_node of them."""
+        if self.nics_per_node is None:
+            return float(per_node)
+        return min(per_node, self.nics_per_node * per_node / self.gpus_per_node)
 
     def latency_steps(self, size: int, op: str = "all_reduce") -> int:
         """Latency-bound steps of a collective: NCCL trees ~log2(n), gloo rings n-1 per phase,
@@ -295,6 +301,18 @@ def groups_on_a_node_link(groups, node_of, group) -> int:
         return 1
     crossing = [g for g in groups if len({node_of(r) for r in g}) > 1]
     return max(sum(any(node_of(r) == n for r in g) for g in crossing) for n in nodes)
+
+
+def ranks_on_a_node_link(groups, node_of, group) -> int:
+    """How many ranks send across nodes at once through the busiest node `group` crosses from,
+    when every one of `groups` makes an all-to-all together (the EP groups at one MoE layer):
+    the members there of every group crossing nodes, each sending its share for the other
+    nodes through the node's one link. 1 when `group` stays inside one node."""
+    nodes = {node_of(r) for r in group}
+    if len(nodes) < 2:
+        return 1
+    crossing = [g for g in groups if len({node_of(r) for r in g}) > 1]
+    return max(sum(node_of(r) == n for g in crossing for r in g) for n in nodes)
 
 
 def apply_links(cluster: Cluster, links: dict, source: str) -> Cluster:

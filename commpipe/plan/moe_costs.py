@@ -38,6 +38,9 @@ EP group, which hold the same TP slice of other experts), so
     time  = (ep-1)/ep * bytes / NVLink   + one latency step      EP group inside a node
             max(peers on the node's share over NVLink, the other nodes' share over the NIC)
             + one latency step                                   EP group across nodes
+where the NIC is each member's share of the node's scale-out links (Cluster.node_links: with
+fewer NICs than GPUs, every EP group crossing from a node shares them, as the dispatch runs at
+the same layer on every rank).
 The EP group is `ep` consecutive ranks of the dp*cp group (stride tp in commpipe's rank grid),
 placed by Cluster.placement. The MoE layer's TP all-reduce (the routed and shared experts'
 partial sums reduced together) is the layer's second TP collective, which the layer machinery
@@ -77,9 +80,9 @@ def all_to_all(cluster: Cluster, nbytes: float, size: int, stride: int) -> float
     intra = cluster.intra.bandwidth_gbps * 1e9
     if inside:
         return (size - 1) / size * nbytes / intra + cluster.intra.latency_s
-    # one NIC per GPU (rail-optimised), shared when a node has fewer NICs than group members
-    nics = per_node if cluster.nics_per_node is None else min(per_node, cluster.nics_per_node)
-    nic = cluster.inter.bandwidth_gbps * 1e9 * nics / per_node
+    # the node's share of its NICs (Cluster.node_links: every EP group crossing from the node
+    # exchanges at the same layer), spread over the group's members there
+    nic = cluster.inter.bandwidth_gbps * 1e9 * cluster.node_links(per_node) / per_node
     local = (per_node - 1) / size * nbytes / intra
     remote = (size - per_node) / size * nbytes / nic
     return max(local, remote) + cluster.inter.latency_s
