@@ -321,13 +321,20 @@ def host_terms(out: Path, cores: int, wake_s: float = 0.0, fit: bool = False):
                  "wake_s": wake_s, "fitted": True}
 
 
-def predict_set(out: Path, name: str, world: int, cores: int, eff) -> list[dict]:
+def predict_set(out: Path, name: str, world: int, cores: int, eff, fitted: bool = False
+                ) -> list[dict]:
+    """Every measured layout of set `name` predicted with host terms `eff`; unless they were
+    fitted with the calibration runs' call time (`fitted`, as a calibrated profile's terms win
+    in `plan`), a gloo call's host time is the set's own probe's, as `plan --cluster
+    probe-<name>.json` takes it."""
     from commpipe.plan.estimate import estimate
 
     spec, job, full = planner_inputs(out, name, world, cores)
     probe = out / f"probe-{name}.json"
-    if probe.exists():   # as `plan --cluster probe-<name>.json` takes it: this set's own probe
+    call_from = "the calibration runs' probe"
+    if probe.exists() and not fitted:
         eff = replace(eff, coll_overhead_s=probe_call_s(probe, full))
+        call_from = "its probe"
     rows = []
     for c in measured_layouts(out / name, cores):
         cluster, host = on_spare_cores(full, eff, c["spare_cores"])
@@ -337,7 +344,7 @@ def predict_set(out: Path, name: str, world: int, cores: int, eff) -> list[dict]
                      "error": e.step_time_s * 1e3 / c["median_ms"] - 1,
                      "steps_ms": c["step_ms"] + c.get("step_ms_pass2", []),
                      "kappa": e.host_contention, "spare_cores": c["spare_cores"],
-                     "call_ms": eff.coll_overhead_s * 1e3,
+                     "call_ms": eff.coll_overhead_s * 1e3, "call_from": call_from,
                      "breakdown_ms": {k: v * 1e3 for k, v in e.breakdown.items() if v > 0}})
     return rows
 
@@ -363,7 +370,8 @@ def report(sets: dict, fitted: dict) -> None:
           f"{fitted['mape']:.0%}): "
           + ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in fitted["params"].items()))
     for name, rows in sets.items():
-        print(f"\n{name}: host time per gloo call {rows[0]['call_ms']:.2f} ms (its probe)")
+        print(f"\n{name}: host time per gloo call {rows[0]['call_ms']:.2f} ms "
+              f"({rows[0]['call_from']})")
         print(f"{'layout':<18}{'measured ms':>12}{'predicted ms':>14}{'error':>8}{'spare':>7}"
               f"{'kappa':>7}   largest predicted terms (ms)")
         for r in sorted(rows, key=lambda r: r["measured_ms"]):
@@ -423,7 +431,7 @@ def main(argv=None) -> int:
     _log(f"measured in {time.monotonic() - t0:.0f} s")
     eff, fitted = host_terms(out, args.cores, scheduler_wake_s(args.cores), fit=args.fit_host)
     sets = {name: predict_set(out, name, int(name.split("mbit")[-1].removeprefix("local")),
-                              args.cores, eff) for name in names}
+                              args.cores, eff, fitted["fitted"]) for name in names}
     report(sets, fitted)
     if args.write_interval:
         write_interval(sets)

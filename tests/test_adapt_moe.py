@@ -186,6 +186,28 @@ def test_the_ep_all_to_all_is_the_planners(rpn, ranks):
     assert with_ep - without - dp_diff == pytest.approx(2 * 2 * moe_layers * 2 * got, rel=1e-9)
 
 
+def test_the_experts_gradients_cross_a_node_link_at_their_groups_share():
+    """dp4 x ep2 on nodes of 2: the edp groups {0, 2} and {1, 3} (the ranks holding the same
+    experts) both cross between the nodes and reduce at once, so each gets half the link's
+    measured rate; the rest reduces over the dp4 ring, alone on the link."""
+    from commpipe.adapt.model import CostModel
+    from commpipe.adapt.model_moe import edp_group, stage_params
+
+    plan = Layout(tp=1, cp=1, pp=1, dp=4, stage_layers=(4,), schedule="1f1b", microbatches=2,
+                  micro_batch_size=1, ep=2)
+    links = {(a, b): (0.1, 2.0 if a // 2 == b // 2 else 0.25)
+             for a in range(4) for b in range(4) if a != b}
+    cfg = plan.apply(_cfg())
+    model = CostModel(cfg.spec, cfg.seq_len, 4, 2, _measured(plan, links))
+    assert edp_group(plan) == [0, 2]
+    assert model.link_share(plan, "edp", [0, 2]) == 2
+    shared, experts = stage_params(cfg.spec, plan, 0)
+    whole = model._reduction_ms(4.0 * shared, [0, 1, 2, 3], plan)
+    halved = model._reduction_ms(4.0 * experts / 2, [0, 2], plan, "edp")
+    assert halved > model._reduction_ms(4.0 * experts / 2, [0, 2])      # at the whole link
+    assert model._dp_ms(plan) == pytest.approx(whole + halved, rel=1e-12)
+
+
 # -- switching in memory (4 processes) -------------------------------------------------------------
 
 def _worker(rank: int, world: int, outdir: str) -> dict:

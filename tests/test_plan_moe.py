@@ -82,6 +82,12 @@ def test_all_to_alls_share_a_node_with_fewer_nics_than_gpus():
     assert all_to_all(cluster, nbytes, 4, 2) == pytest.approx(alone, rel=1e-12)
     assert all_to_all(replace(cluster, nics_per_node=1), nbytes, 4, 2) == pytest.approx(
         3 / 4 * nbytes / (nic / 2) + cluster.inter.latency_s, rel=1e-12)
+    # dp6's EP groups of 3 on nodes of 2 fill them unevenly: rank 2, alone on its node, sends
+    # 2/3 of its bytes across, the slowest member
+    six = default_cluster(resolve_gpu("h100"), 6, 2)
+    assert six.node_counts(3, 1) == [2, 1]
+    assert all_to_all(six, nbytes, 3, 1) == pytest.approx(
+        2 / 3 * nbytes / nic + six.inter.latency_s, rel=1e-12)
 
 
 def test_expert_gradients_reduce_over_edp_and_the_rest_over_dp():

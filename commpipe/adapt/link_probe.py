@@ -79,7 +79,9 @@ def measure(comm, pairs: list[tuple[int, int]]) -> tuple[dict, float]:
 def measure_calls(comm) -> tuple[dict | None, int, float]:
     """Collective: ranks 0 and 1, in a group of their own (`PAIR`, made here on every rank), time
     each collective after compute while the others wait. Returns ({op: {"mean_ms",
-    "median_ms"}} on ranks 0 and 1, else None; the bytes of each call; seconds taken)."""
+    "median_ms", "round_means_ms"}} on ranks 0 and 1 (commpipe.monitor.probe.calls_after_compute:
+    the mean is the median of its rounds' means), else None; the bytes of each call; seconds
+    taken)."""
     from commpipe.monitor.probe import CALL_BYTES, CALL_GAP_S, calls_after_compute
 
     t0 = time.perf_counter()

@@ -127,6 +127,12 @@ class Cluster:
         per_node = min(size, -(-g // stride))      # members i with i * stride < g
         return (size - 1) * stride < g, max(1, per_node)
 
+    def node_counts(self, size: int, stride: int) -> list[int]:
+        """Members of the group {0, stride, ..., (size-1)*stride} on each node it spans (uneven
+        when the group does not fill its nodes alike: dp6's EP groups of 3 on nodes of 2)."""
+        nodes = [self.node(i * stride) for i in range(size)]
+        return [nodes.count(n) for n in sorted(set(nodes))]
+
     def bus_bandwidth(self, size: int, stride: int) -> tuple[float, Link]:
         """Bus bandwidth (bytes/s) of a group and the link class that limits it."""
         inside, per_node = self.placement(size, stride)
@@ -291,28 +297,31 @@ def probe_call_overhead(path: str | Path, cluster: Cluster) -> float | None:
 
 def groups_on_a_node_link(groups, node_of, group) -> int:
     """How many of `groups` (the groups of one dimension whose collectives run at the same time,
-    e.g. every DP group of a layout) cross nodes through a node that `group` crosses from,
-    counted on its busiest node. A node with one scale-out link (`nics_per_node` 1: the emulated
-    cluster, one veth per node) carries them together, each at its share: two DP groups of
-    tp2 x dp2 across two nodes each get half the link a dp4 ring gets whole. 1 when `group`
-    stays inside one node."""
-    nodes = {node_of(r) for r in group}
-    if len(nodes) < 2:
-        return 1
-    crossing = [g for g in groups if len({node_of(r) for r in g}) > 1]
-    return max(sum(any(node_of(r) == n for r in g) for g in crossing) for n in nodes)
+    e.g. every DP group of a layout, every pipeline stage's among them) cross nodes through a
+    node that `group` crosses from, counted on its busiest node. A node with one scale-out link
+    (`nics_per_node` 1: the emulated cluster, one veth per node) carries them together, each at
+    its share: two DP groups of tp2 x dp2 across two nodes each get half the link a dp4 ring
+    gets whole. 1 when `group` stays inside one node."""
+    return _on_a_node_link(groups, node_of, group, lambda g, n: any(node_of(r) == n for r in g))
 
 
 def ranks_on_a_node_link(groups, node_of, group) -> int:
     """How many ranks send across nodes at once through the busiest node `group` crosses from,
-    when every one of `groups` makes an all-to-all together (the EP groups at one MoE layer):
-    the members there of every group crossing nodes, each sending its share for the other
-    nodes through the node's one link. 1 when `group` stays inside one node."""
+    when every one of `groups` makes an all-to-all together (the EP groups of a layout, every
+    pipeline stage's among them, as groups_on_a_node_link counts them): the members there of
+    every group crossing nodes, each sending its share for the other nodes through the node's
+    one link. 1 when `group` stays inside one node."""
+    return _on_a_node_link(groups, node_of, group, lambda g, n: sum(node_of(r) == n for r in g))
+
+
+def _on_a_node_link(groups, node_of, group, count) -> int:
+    """The largest, over the nodes `group` spans, of `count(g, node)` summed over the groups
+    crossing nodes; 1 when `group` stays inside one node."""
     nodes = {node_of(r) for r in group}
     if len(nodes) < 2:
         return 1
     crossing = [g for g in groups if len({node_of(r) for r in g}) > 1]
-    return max(sum(node_of(r) == n for g in crossing for r in g) for n in nodes)
+    return max(sum(count(g, n) for g in crossing) for n in nodes)
 
 
 def apply_links(cluster: Cluster, links: dict, source: str) -> Cluster:

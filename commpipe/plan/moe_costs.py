@@ -36,8 +36,8 @@ experts leaves this as it was (every TP rank exchanges all T k copies with the r
 EP group, which hold the same TP slice of other experts), so
     bytes = T * k * h * activation_bytes * imb
     time  = (ep-1)/ep * bytes / NVLink   + one latency step      EP group inside a node
-            max(peers on the node's share over NVLink, the other nodes' share over the NIC)
-            + one latency step                                   EP group across nodes
+            max over the group's nodes of (peers on the node's share over NVLink, the other
+            nodes' share over the NIC) + one latency step        EP group across nodes
 where the NIC is each member's share of the node's scale-out links (Cluster.node_links: with
 fewer NICs than GPUs, every EP group crossing from a node shares them, as the dispatch runs at
 the same layer on every rank).
@@ -76,16 +76,19 @@ def all_to_all(cluster: Cluster, nbytes: float, size: int, stride: int) -> float
     addressed evenly to the `size` ranks (its own share stays)."""
     if size <= 1 or nbytes <= 0:
         return 0.0
-    inside, per_node = cluster.placement(size, stride)
+    inside, _ = cluster.placement(size, stride)
     intra = cluster.intra.bandwidth_gbps * 1e9
     if inside:
         return (size - 1) / size * nbytes / intra + cluster.intra.latency_s
-    # the node's share of its NICs (Cluster.node_links: every EP group crossing from the node
-    # exchanges at the same layer), spread over the group's members there
-    nic = cluster.inter.bandwidth_gbps * 1e9 * cluster.node_links(per_node) / per_node
-    local = (per_node - 1) / size * nbytes / intra
-    remote = (size - per_node) / size * nbytes / nic
-    return max(local, remote) + cluster.inter.latency_s
+    slowest = 0.0
+    for here in cluster.node_counts(size, stride):   # the node with fewest members sends most
+        # each member's share of the node's NICs (Cluster.node_links: every EP group crossing
+        # from the node exchanges at the same layer)
+        nic = cluster.inter.bandwidth_gbps * 1e9 * cluster.node_links(here) / here
+        local = (here - 1) / size * nbytes / intra
+        remote = (size - here) / size * nbytes / nic
+        slowest = max(slowest, local, remote)
+    return slowest + cluster.inter.latency_s
 
 
 def a2a_bytes(spec, layout, job) -> float:
