@@ -27,7 +27,8 @@ For every tp x cp x pp x dp layout of 4 and of 8 CPU ranks that the tiny LLaMA a
    (scipy.stats.spearmanr), the measured time of the predicted best against the measured best,
    and the median |predicted / measured - 1|. Goals: >= 0.9, within 5%, <= 15%.
 
-Output folder (default runs/planner_rank): cpu.json, probe-<set>.json, <set>/ (the oracle's
+Output folder (default runs/planner_rank): cpu.json, probe-<set>.json (with probe-<set>-host.json,
+the cores other processes left the probe), <set>/ (the oracle's
 candidates.json and per-layout rows), result.json. Results and their reading: docs/planner.md,
 "Ranking this machine's layouts".
 """
@@ -76,7 +77,9 @@ class Host:
 
 # -- measuring ------------------------------------------------------------------------------------
 def probe(cluster, out: Path, port: int) -> None:
-    """`commpipe probe` on every rank of `cluster`, one torchrun per node."""
+    """`commpipe probe` on every rank of `cluster`, one torchrun per node; the cores other
+    processes left it (`spare_cores`, whole machine's worth) go to OUT/<probe>-host.json: its
+    call times are what a step pays only on a host as idle as the runs' (the report shows it)."""
     from commpipe.cluster.launch import NodeCommand, run_commands, torchrun
 
     inner = ["-m", "--", "commpipe", "probe", "--ranks-per-node", str(cluster.ranks_per_node),
@@ -87,9 +90,24 @@ def probe(cluster, out: Path, port: int) -> None:
                                     *inner), {"GLOO_SOCKET_IFNAME": cluster.ifname},
                         f"probe-node{i}.log")
             for i in range(cluster.nodes)]
-    result = run_commands(cmds, out.parent / f"{out.stem}-logs", cluster=cluster, timeout_s=300)
+    t0 = time.time()
+    with CpuMeter() as meter:
+        result = run_commands(cmds, out.parent / f"{out.stem}-logs", cluster=cluster,
+                              timeout_s=300)
     if not result.ok or not out.exists():
         raise RuntimeError(f"probe failed: {result.reason}")
+    cores = os.cpu_count()
+    (out.parent / f"{out.stem}-host.json").write_text(json.dumps(
+        {"cores": cores, "spare_cores": spare_cores(meter.samples, t0, time.time(), cores)}) + "\n")
+
+
+def probe_spare(out: Path, name: str) -> str:
+    """ ", which had S of N cores to spare" for set `name`'s probe, when it was metered."""
+    path = out / f"probe-{name}-host.json"
+    if not path.exists():
+        return ""
+    host = json.loads(path.read_text())
+    return f", which had {host['spare_cores']:.2f} of {host['cores']} cores to spare"
 
 
 def measure_set(name: str, cluster, out: Path, args, port: int, with_probe: bool = True) -> None:
@@ -331,10 +349,10 @@ def predict_set(out: Path, name: str, world: int, cores: int, eff, fitted: bool 
 
     spec, job, full = planner_inputs(out, name, world, cores)
     probe = out / f"probe-{name}.json"
-    call_from = "the calibration runs' probe"
+    call_from = "the calibration runs' probe" + probe_spare(out, "calib2")
     if probe.exists() and not fitted:
         eff = replace(eff, coll_overhead_s=probe_call_s(probe, full))
-        call_from = "its probe"
+        call_from = "its probe" + probe_spare(out, name)
     rows = []
     for c in measured_layouts(out / name, cores):
         cluster, host = on_spare_cores(full, eff, c["spare_cores"])
