@@ -5,6 +5,7 @@
     python benchmarks/planner_rank.py --reuse            # predict OUT's measurements again
     python benchmarks/planner_rank.py --reuse --fit-host # ... with host terms fitted, not measured
     python benchmarks/planner_rank.py --reuse --write-interval   # + the planner's CPU interval
+    python benchmarks/planner_rank.py --reuse --write-interval --pool OTHER_OUT   # over two runs
 
 For every tp x cp x pp x dp layout of 4 and of 8 CPU ranks that the tiny LLaMA admits (the demo's
 8-layer, 64-wide model, sequence 32, global batch 8, 1F1B):
@@ -406,13 +407,18 @@ def report(sets: dict, fitted: dict) -> None:
     print("goals: Spearman >= 0.90, best gap <= 5%, median |error| <= 15%")
 
 
-def write_interval(sets: dict) -> None:
+def write_interval(sets: dict, pooled: list[Path] = ()) -> None:
     """The 10th, 50th and 90th percentile of measured / predicted step time over every layout of
-    every set, into commpipe/plan/interval.py (the planner's CPU interval)."""
+    every set, and of the runs in `pooled` (other OUT folders' result.json: runs of other hours,
+    whose host ran at another speed), into commpipe/plan/interval.py (the planner's CPU
+    interval)."""
     import numpy as np
     from _interval_file import write_block
 
     ratios = [r["measured_ms"] / r["predicted_ms"] for rows in sets.values() for r in rows]
+    for folder in pooled:
+        other = json.loads((folder / "result.json").read_text())["sets"]
+        ratios += [r["measured_ms"] / r["predicted_ms"] for s in other.values() for r in s["rows"]]
     q = {k: round(float(np.percentile(ratios, k)), 4) for k in (10, 50, 90)}
     path = write_block("planner_rank.py", f"CPU_STEP_QUANTILES = {q}\nCPU_LAYOUTS = {len(ratios)}")
     _log(f"wrote {path}: measured / predicted step time {q} over {len(ratios)} layouts")
@@ -430,6 +436,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2, help="steps left out of the median (default 2)")
     ap.add_argument("--repeat-best", type=int, default=2,
                     help="the fastest this many are measured again after the others (default 2)")
+    ap.add_argument("--pool", nargs="*", default=[], metavar="OUT",
+                    help="with --write-interval: also count the layouts of these earlier runs' "
+                         "result.json (predicted with the code that wrote them: --reuse them first)")
     ap.add_argument("--write-interval", action="store_true",
                     help="store the quantiles of measured / predicted step time in "
                          "commpipe/plan/interval.py (the planner's CPU interval)")
@@ -452,7 +461,7 @@ def main(argv=None) -> int:
                               args.cores, eff, fitted["fitted"]) for name in names}
     report(sets, fitted)
     if args.write_interval:
-        write_interval(sets)
+        write_interval(sets, [Path(p) for p in args.pool])
     (out / "result.json").write_text(json.dumps(
         {"host_terms": fitted, "cores": args.cores, "steps": args.steps,
          "warmup": args.warmup, "sets": {n: {"score": score(r), "rows": r} for n, r in sets.items()}},

@@ -27,13 +27,14 @@ SOURCES = 6
 # Measured over predicted *step time* of commpipe on CPU ranks: every tp x cp x pp x dp layout of 4
 # and 8 ranks of a 2-core machine, local and on the emulated cluster at 50 and 500 Mbit/s, priced
 # by `estimate` from a probe, the cores left to the ranks, and each pass at the rates measured on
-# the model's first layer (docs/planner.md, "Ranking this machine's layouts", sixth session:
-# the runs measured afresh after the op counts of CP and TP layers).
+# the model's first layer, each set's gloo calls from its own probe (docs/planner.md, "Ranking
+# this machine's layouts", eighth session: two runs of every set, hours apart, pooled, so that
+# the host's drift in speed between a calibration and the runs is inside the interval).
 # Regenerate:
-#     python benchmarks/planner_rank.py --reuse --write-interval
+#     python benchmarks/planner_rank.py --reuse --write-interval --pool EARLIER_OUT
 # -- begin: written by benchmarks/planner_rank.py --write-interval
-CPU_STEP_QUANTILES = {10: 0.7816, 50: 0.9792, 90: 1.2012}
-CPU_LAYOUTS = 75
+CPU_STEP_QUANTILES = {10: 0.9062, 50: 1.1943, 90: 1.5738}
+CPU_LAYOUTS = 150
 # -- end
 
 
