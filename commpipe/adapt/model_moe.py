@@ -17,6 +17,7 @@ expert parallelism adds (commpipe.parallel.expert):
 
 from __future__ import annotations
 
+from commpipe.adapt.model_links import MEASURED_RUN, groups_of
 from commpipe.models import moe_spec
 from commpipe.models.spec import layer_param_count
 from commpipe.plan.cluster import Cluster, Link
@@ -46,8 +47,6 @@ def group_cluster(model, ranks: list[int], senders: int = 1) -> Cluster:
     class at the slowest rate measured between the group's ranks of that class (`model.link`:
     per pair, else per node pair, else the class's rate); across nodes each member at its share
     of its node's link, which `senders` ranks use at once (`MeasuredLinks.a2a_senders`)."""
-    from commpipe.adapt.model_links import MEASURED_RUN
-
     def rate(cls: str) -> float:
         rates = [model.link(a, b)[1] for a in ranks for b in ranks
                  if a != b and model.link_class(a, b) == cls]
@@ -86,18 +85,14 @@ def ep_stage_ms(model, plan, s: int, ranks: list[int]) -> float:
     moe = routed_spec(model.spec)
     if moe is None or plan.ep < 2:
         return 0.0
-    from commpipe.parallel.expert import ep_groups
-
     start = sum(plan.stage_layers[:s])
     layers = sum(1 for i in range(start, start + plan.stage_layers[s]) if moe.is_moe_layer(i))
     if not layers:
         return 0.0
-    groups = [g for g in ep_groups(plan.dims, plan.ep)[0] if set(g) & set(ranks)]
+    groups = [g for g in groups_of(plan, "ep") if set(g) & set(ranks)]
     return 2 * layers * max(a2a_ms(model, plan, g) for g in groups)
 
 
 def edp_group(plan) -> list[int]:
     """The ranks holding rank 0's experts under `plan` (its edp group)."""
-    from commpipe.parallel.expert import ep_groups
-
-    return list(ep_groups(plan.dims, plan.ep)[1][0])
+    return list(groups_of(plan, "edp")[0])

@@ -76,12 +76,12 @@ def all_to_all(cluster: Cluster, nbytes: float, size: int, stride: int) -> float
     addressed evenly to the `size` ranks (its own share stays)."""
     if size <= 1 or nbytes <= 0:
         return 0.0
-    inside, _ = cluster.placement(size, stride)
+    counts = cluster.node_counts(size, stride)
     intra = cluster.intra.bandwidth_gbps * 1e9
-    if inside:
+    if len(counts) == 1:                             # inside one node
         return (size - 1) / size * nbytes / intra + cluster.intra.latency_s
     slowest = 0.0
-    for here in cluster.node_counts(size, stride):   # the node with fewest members sends most
+    for here in counts:                              # the node with fewest members sends most
         # each member's share of the node's NICs (Cluster.node_links: every EP group crossing
         # from the node exchanges at the same layer)
         nic = cluster.inter.bandwidth_gbps * 1e9 * cluster.node_links(here) / here
