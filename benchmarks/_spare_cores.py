@@ -28,9 +28,9 @@ class CpuMeter:
         self.tick = os.sysconf("SC_CLK_TCK")
 
     def _busy(self) -> float:
-        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-        user, nice, system, _idle, _iowait, irq, softirq, steal = fields
-        return (user + nice + system + irq + softirq + steal) / self.tick
+        from commpipe.monitor.host_load import host_busy_s
+
+        return host_busy_s() or 0.0
 
     def _ours(self) -> float:
         import resource

@@ -143,9 +143,35 @@ def test_estimate_on_a_cpu_says_what_it_measured_the_pass_at(capsys):
     model = "arch=llama,layers=8,hidden=64,heads=4,kv_heads=2,ffn_hidden=128,vocab=256"
     main(["estimate", "--model", model, "--gpu", "cpu", "--gpus", "2", "--global-batch", "8",
           "--seq-len", "32", "--pp", "2", "--precision", "fp32"])
-    line = capsys.readouterr().out.strip().splitlines()[-1]
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("CPU pass"))
     got = re.fullmatch(r"CPU pass measured on the model's first layer \(one thread\): ([\d.]+) us "
                        r"per eager op, its FLOPs at ([\d.]+) GFLOP/s .*", line)
     split = measure(resolve_model(model), 32, "cpu", threads=1)
     assert got and float(got[1]) == pytest.approx(split.op_ms * 1e3, abs=0.05)
     assert float(got[2]) == pytest.approx(3 / (split.work_ms / 1e3) / 1e9, abs=0.05)
+
+
+def test_a_pass_measured_on_a_busy_host_is_flagged(capsys, monkeypatch):
+    """Other processes kept 1.5 of the host's cores busy while the pass was measured (over a
+    tenth of them): `estimate` says so under the pass's line, and with --json on stderr, stdout
+    staying one JSON object; an idle host's measurement gets no warning."""
+    import json
+    import os
+
+    from commpipe.cli import main
+    from commpipe.plan import pass_split
+
+    model = "arch=llama,layers=8,hidden=64,heads=4,kv_heads=2,ffn_hidden=128,vocab=256"
+    argv = ["estimate", "--model", model, "--gpu", "cpu", "--gpus", "2", "--global-batch", "8",
+            "--seq-len", "32", "--pp", "2", "--precision", "fp32"]
+    cores = os.cpu_count()
+    for others, warned in ((1.5 * cores / 2, True), (0.05 * cores, False), (None, False)):
+        measured = pass_split.PassSplit(op_ms=0.01, work_ms=1e-7, other_cores=others)
+        monkeypatch.setattr(pass_split, "measure", lambda *a, m=measured, **k: m)
+        main(argv)
+        out = capsys.readouterr().out
+        assert ("warning: other processes kept" in out) == warned
+        main(argv + ["--json"])
+        got = capsys.readouterr()
+        assert json.loads(got.out)["feasible"] is not None
+        assert ("while the CPU pass was measured" in got.err) == warned

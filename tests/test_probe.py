@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
+from pathlib import Path
 
 import pytest
 
@@ -49,6 +51,10 @@ def test_probe_cli_writes_schema(tmp_path, capfd):
     for v in calls["ops"].values():      # 20 calls in 5 rounds; the mean is the middle round's
         assert len(v["round_means_ms"]) == 5
         assert v["mean_ms"] == pytest.approx(statistics.median(v["round_means_ms"]))
+    # what other processes used of the host's cores meanwhile: one entry for the one node
+    (load,) = res["host_load"]
+    assert load["node"] == 0 and load["cores"] >= 1
+    assert load["other_cores"] is None or 0 <= load["other_cores"] <= load["cores"]
     table = capfd.readouterr().out
     assert "on 1 node(s)" in table and "inter_node" in table and "not measured" in table
     assert "calls after 0.5 ms of compute, 8K, ranks 0-1, mean ms: all_reduce" in table
@@ -208,3 +214,70 @@ def test_a_calls_mean_is_the_median_of_its_rounds_means():
     assert robust_mean_ms(usual + [[11e-3, 11e-3]]) == pytest.approx(1.1)    # plain mean: 3.08
     assert robust_mean_ms([[2e-3, 2.4e-3]] * 5) == pytest.approx(2.2)
     assert robust_mean_ms([[1e-3], [3e-3], [], [2e-3]]) == pytest.approx(2.0)  # an empty round
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads Linux's /proc/stat")
+def test_other_cores_counts_other_processes_work_and_not_the_measurers_own():
+    """A process spinning beside the measurement is one core of other work; the measuring
+    process spinning itself is none (its own CPU time is taken off the host's busy time)."""
+    import multiprocessing
+
+    from commpipe.monitor.host_load import Span, busy_warning, other_cores
+
+    def measured(work) -> float:
+        span = Span.start()
+        work()
+        value = other_cores([span.stop().to_dict()])
+        assert value is not None
+        return value
+
+    # on a host busy with other work the spinning rank takes a core from it, so its reading may
+    # be lower than the idle one's, never a core higher (as it is when its own time is counted)
+    idle = measured(lambda: time.sleep(0.8))
+    own = measured(lambda: _spin(0.8))
+    assert own <= idle + 0.5
+    ctx = multiprocessing.get_context("spawn")
+    other = ctx.Process(target=_spin, args=(3.0,))
+    other.start()
+    try:
+        time.sleep(1.0)                    # the child is up and spinning
+        busy = measured(lambda: time.sleep(1.0))
+    finally:
+        other.join()
+    assert 0.6 <= busy <= 2.3             # the child's core, and whatever else the host ran
+    assert busy_warning(busy, 2, "the probe ran").startswith("warning: other processes kept")
+    assert busy_warning(0.1, 2, "the probe ran") is None
+
+
+def test_other_cores_of_ranks_on_one_host_subtracts_each_ranks_own_time():
+    """Two ranks on one host, hand-written spans: the host was busy 3.0 CPU-s over 2 s, the ranks
+    used 1.2 and 0.8 s themselves, so others kept (3.0 - 2.0) / 2 = 0.5 cores busy."""
+    from commpipe.monitor.host_load import other_cores
+    from commpipe.monitor.probe import host_load
+
+    a = {"wall0": 10.0, "wall1": 12.0, "busy0": 100.0, "busy1": 102.9, "own0": 1.0, "own1": 2.2,
+         "cores": 4}
+    b = {"wall0": 10.0, "wall1": 11.9, "busy0": 100.1, "busy1": 103.0, "own0": 5.0, "own1": 5.8,
+         "cores": 4}
+    assert other_cores([a, b]) == pytest.approx(0.5)
+    assert other_cores([a | {"busy1": None}, b]) is None
+    c = {"wall0": 10.0, "wall1": 12.0, "busy0": 50.0, "busy1": 54.0, "own0": 0.0, "own1": 2.0,
+         "cores": 2}
+    loads = host_load([a, c, b], [0, 1, 0])
+    assert loads == [{"node": 0, "cores": 4, "other_cores": pytest.approx(0.5)},
+                     {"node": 1, "cores": 2, "other_cores": pytest.approx(1.0)}]
+    # the table warns where others took over a tenth of the cores: node 1 (1.0 of 2), not
+    # node 2 (0.5 of 8)
+    from commpipe.monitor.probe import format_table
+
+    table = format_table({"world_size": 3, "nodes": 2, "ranks_per_node": 2, "backend": "gloo",
+                          "device": "cpu", "fit": "", "pairs": {}, "allreduce": [],
+                          "host_load": loads[1:] + [{"node": 2, "cores": 8, "other_cores": 0.5}]})
+    assert "node 1: warning: other processes kept 1.0 of this host's 2 cores" in table
+    assert "node 2" not in table

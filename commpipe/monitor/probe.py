@@ -40,7 +40,10 @@ JSON written by --out (schema "commpipe-probe/1", loadable by the cost model):
    "calls": {"ranks": [0, 1], "bytes", "gap_ms", "calls",
              "ops": {"all_reduce": {"mean_ms", "median_ms", "round_means_ms"}, "all_gather": ...,
                      "reduce_scatter": ...}}
-            | null (nccl, or an odd number of ranks)}
+            | null (nccl, or an odd number of ranks),
+   "host_load": [{"node", "cores", "other_cores"}, ...]}   (cores other processes kept busy on
+            each node while the probe measured, commpipe.monitor.host_load; null without
+            /proc/stat; above a tenth of the node's cores the table ends with a warning)
 A class is null when the layout has no such pair (one node, or one rank per node).
 ranks_per_node is the number of ranks on rank 0's node.
 """
@@ -51,6 +54,8 @@ import json
 import os
 import statistics
 import time
+
+from commpipe.monitor.host_load import Span, busy_warning, other_cores
 
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M"
 CALLS, CALL_BYTES, CALL_GAP_S, CALL_ROUNDS = 200, 8192, 0.5e-3, 5
@@ -292,6 +297,8 @@ def _probe(args) -> None:
     node_of = node_numbers(comm.gather_objects(node_identity(), "world"))
     check_ranks_per_node(args.ranks_per_node, node_of)     # the same verdict on every rank
     pairs = probe_pairs(node_of)
+    comm.barrier()
+    span = Span.start()          # what other processes use of each node's cores meanwhile
     result = {"schema": "commpipe-probe/1", "world_size": world,
               "ranks_per_node": node_of.count(node_of[0]), "nodes": len(set(node_of)),
               "node_of_rank": node_of,
@@ -341,6 +348,8 @@ def _probe(args) -> None:
             result["calls"] = {"ranks": [0, 1], "bytes": CALL_BYTES, "gap_ms": CALL_GAP_S * 1e3,
                                "calls": args.calls, "ops": ops}
         comm.barrier()
+    spans = comm.gather_objects(span.stop().to_dict(), "world")
+    result["host_load"] = host_load(spans, node_of)
     if rank == 0:
         print(format_table(result))
         if args.out:
@@ -352,6 +361,16 @@ def _probe(args) -> None:
     import torch.distributed as dist
 
     dist.destroy_process_group()
+
+
+def host_load(spans: list[dict], node_of: list[int]) -> list[dict]:
+    """Per node, the cores processes other than the probe's ranks kept busy while it measured
+    (commpipe.monitor.host_load; None where /proc/stat is not there to read)."""
+    out = []
+    for node in sorted(set(node_of)):
+        mine = [s for s, n in zip(spans, node_of) if n == node]
+        out.append({"node": node, "cores": mine[0]["cores"], "other_cores": other_cores(mine)})
+    return out
 
 
 def _write_result(path: str, result: dict) -> None:
@@ -388,6 +407,10 @@ def format_table(result: dict) -> str:
                         for op, v in calls["ops"].items())
         lines.append(f"calls after {calls['gap_ms']:g} ms of compute, {_human(calls['bytes'])}, "
                      f"ranks 0-1, mean ms: {per}")
+    for load in result.get("host_load") or []:
+        line = busy_warning(load["other_cores"], load["cores"], "the probe ran")
+        if line:
+            lines.append(f"node {load['node']}: {line}")
     return "\n".join(lines)
 
 

@@ -28,8 +28,8 @@ from commpipe.plan.cluster import (
 from commpipe.plan.frameworks import FRAMEWORKS, default_framework, framework_job_fields, resolve_framework
 from commpipe.plan.gpus import resolve_gpu
 from commpipe.plan.layout import ATTN_KERNELS, PRECISIONS, RECOMPUTE, SCHEDULES, ZERO_STAGES, Job, runtime_job
+from commpipe.plan.pass_split import busy_note, with_measured_pass
 from commpipe.plan.pass_split import describe as describe_pass
-from commpipe.plan.pass_split import with_measured_pass
 from commpipe.plan.runtime_ops import with_host_ops
 from commpipe.plan.timing import default_efficiency
 
@@ -397,6 +397,8 @@ def _plan_layers(args) -> int:
         print_plan(result, spec, job, cluster)
         if line := describe_pass(eff):
             print(line)
+    if not args.profile and (warn := busy_note(spec, job, cluster.gpu)):
+        print(warn, file=sys.stderr if args.json else sys.stdout)   # --json: stdout stays JSON
     return 0 if result.top else 1
 
 

@@ -28,8 +28,8 @@ from commpipe.plan.cli import (
 )
 from commpipe.plan.estimate import estimate
 from commpipe.plan.layout import Layout
+from commpipe.plan.pass_split import busy_note, with_measured_pass
 from commpipe.plan.pass_split import describe as describe_pass
-from commpipe.plan.pass_split import with_measured_pass
 from commpipe.plan.runtime_ops import with_host_ops
 from commpipe.schedules.registry import SCHEDULES, default_vpp
 
@@ -83,4 +83,6 @@ def run(args) -> int:
         print_estimate(est, cluster)
         if line := describe_pass(eff):
             print(line)
+    if not args.profile and (warn := busy_note(spec, job, cluster.gpu)):
+        print(warn, file=sys.stderr if args.json else sys.stdout)   # --json: stdout stays JSON
     return 0 if est.feasible else 1

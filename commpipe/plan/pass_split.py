@@ -19,10 +19,13 @@ times do not.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
+
+from commpipe.monitor.host_load import Span, busy_warning, other_cores
 
 BATCHES = (1, 4)          # the two micro-batch sizes timed
 # the probe builds an embedding and a layer: above this many parameters (~200 MB in fp32) it is
@@ -36,6 +39,8 @@ MAX_PROBE_PARAMS = 5e7
 class PassSplit:
     op_ms: float          # ms per counted op (the part of a pass fixed per micro-batch)
     work_ms: float        # ms per unit of forward FLOP work (the part that grows with it)
+    other_cores: float | None = None    # cores other processes kept busy meanwhile
+    #                                     (commpipe.monitor.host_load; None: not read)
 
     @property
     def op_work(self) -> float:
@@ -119,6 +124,7 @@ def measure(spec, seq_len: int, device: str = "cpu", budget_s: float = 0.5,
 
     for b in BATCHES:
         one(b)                                    # warm-up: allocations, first dispatch
+    span = Span.start()
     times = {b: [] for b in BATCHES}
     end = time.perf_counter() + budget_s
     while min(len(v) for v in times.values()) < 3 or time.perf_counter() < end:
@@ -127,8 +133,18 @@ def measure(spec, seq_len: int, device: str = "cpu", budget_s: float = 0.5,
         if len(times[BATCHES[0]]) >= 25:
             break
     small, large = BATCHES
-    return solve(statistics.median(times[small]), statistics.median(times[large]), small, large,
-                 sum(stage_ops(split, 0, "fp32")), probe_work(spec, seq_len, split))
+    found = solve(statistics.median(times[small]), statistics.median(times[large]), small, large,
+                  sum(stage_ops(split, 0, "fp32")), probe_work(spec, seq_len, split))
+    return replace(found, other_cores=other_cores([span.stop().to_dict()]))
+
+
+def measures_pass(spec, job, gpu) -> bool:
+    """Whether `with_measured_pass` measures a pass for this model, job and device: a CPU,
+    commpipe's runtime in fp32, a family the layer planner prices, a shape worth probing."""
+    from commpipe.models.family import layout_planned
+
+    return gpu.name == "cpu" and job.runtime == "commpipe" and job.precision == "fp32" \
+        and layout_planned(spec) and worth_probing(spec)
 
 
 def with_measured_pass(eff, spec, job, gpu):
@@ -142,12 +158,7 @@ def with_measured_pass(eff, spec, job, gpu):
     autograd's graph). Unchanged: a GPU, another framework's runtime, a precision other than
     the probe's fp32, a family the layer planner does not price as commpipe runs it, a shape
     too large to probe (its FLOPs dominate), or an `eff` whose `work_s` is already set."""
-    from dataclasses import replace
-
-    from commpipe.models.family import layout_planned
-
-    if gpu.name != "cpu" or job.runtime != "commpipe" or job.precision != "fp32" \
-            or eff.work_s > 0 or not layout_planned(spec) or not worth_probing(spec):
+    if eff.work_s > 0 or not measures_pass(spec, job, gpu):
         return eff
     split = measure(spec, job.seq_len, "cpu", threads=1)
     return replace(eff, op_s=split.op_ms / 1e3, work_s=split.work_ms / 1e3)
@@ -161,3 +172,13 @@ def describe(eff) -> str | None:
     return (f"CPU pass measured on the model's first layer (one thread): {eff.op_s * 1e6:.1f} us "
             f"per eager op, its FLOPs at {3 / eff.work_s / 1e9:.1f} GFLOP/s (forward and "
             "backward); a --profile with work_s replaces both")
+
+
+def busy_note(spec, job, gpu) -> str | None:
+    """A warning when `with_measured_pass` measured this model's pass (the cached measurement)
+    while other processes kept more than a tenth of the host's cores busy: its rates then read
+    slow (commpipe.monitor.host_load). None otherwise, and where no pass is measured."""
+    if not measures_pass(spec, job, gpu):
+        return None
+    split = measure(spec, job.seq_len, "cpu", threads=1)
+    return busy_warning(split.other_cores, os.cpu_count() or 1, "the CPU pass was measured")
