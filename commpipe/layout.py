@@ -158,9 +158,11 @@ class Layout:
         return d
 
     def train_flags(self) -> list[str]:
-        """The layout's own `commpipe train` flags: its degrees, and the pinned schedule, vpp
-        and micro-batch count."""
+        """The layout's own `commpipe train` flags: its degrees (ep when above 1), and the pinned
+        schedule, vpp and micro-batch count."""
         flags = ["--tp", str(self.tp), "--cp", str(self.cp), "--pp", str(self.pp), "--dp", str(self.dp)]
+        if self.ep > 1:
+            flags += ["--ep", str(self.ep)]
         for key, attr in PINNABLE.items():
             if key in self.pinned:
                 flags += [f"--{key}", str(getattr(self, attr))]

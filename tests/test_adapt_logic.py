@@ -257,6 +257,27 @@ def test_oracle_candidates_are_every_admitted_layout_with_even_and_balanced_spli
     assert pp2 == [([2, 2], "even"), ([3, 1], "balanced")]
 
 
+def test_oracle_candidates_of_a_moe_model_come_at_every_expert_parallel_size():
+    """A MoE model's layouts at each ep dividing both dp x cp and the expert count, written out
+    by hand (4 experts): dp4 at ep 1, 2, 4; pp2 x dp2 and tp2 x dp2 at ep 1, 2; none with cp
+    (the trainer refuses cp for MoE), each with its own --ep flag."""
+    from commpipe.adapt.oracle import candidate_layouts
+
+    moe = ("arch=moe,layers=4,hidden=64,heads=4,kv_heads=2,vocab=256,experts=4,top_k=2,"
+           "expert_ffn=128")
+    found, rejected = candidate_layouts({"model": moe, "seq_len": 32, "global_batch": 8,
+                                         "steps": 10}, 4)
+    got = {(c["tp"], c["cp"], c["pp"], c["dp"], c["ep"]) for c in found}
+    assert got == {(1, 1, 1, 4, 1), (1, 1, 1, 4, 2), (1, 1, 1, 4, 4), (1, 1, 2, 2, 1),
+                   (1, 1, 2, 2, 2), (2, 1, 1, 2, 1), (2, 1, 1, 2, 2), (1, 1, 4, 1, 1),
+                   (2, 1, 2, 1, 1)}
+    assert len({c["name"] for c in found}) == len(found)
+    for c in found:
+        flags = c["flags"]
+        assert (flags[flags.index("--ep") + 1] == str(c["ep"])) if c["ep"] > 1 else "--ep" not in flags
+    assert all(r["cp"] > 1 or r["tp"] == 4 for r in rejected)
+
+
 def _summary_inputs(tmp_path, after_ms: float, static_ms: float, chosen: tuple):
     """Synthetic adaptive/static runs (degrade at 10, switch at 12) and an oracle record."""
     def write(name, times, loss_shift=0.0):
@@ -300,6 +321,15 @@ def test_each_oracle_layout_is_set_beside_the_controllers_prediction_for_it(tmp_
     assert predicted_for(decision, {**oracle, "stage_layers": [3, 1]}) == 700.0
     assert predicted_for(decision, {**oracle, "tp": 2, "dp": 1, "microbatches": 8}) == 900.0
     assert predicted_for(None, oracle) is None
+    # under expert parallelism the title carries the ep: each ep its own prediction
+    moe = {"candidates": [{"plan": "tp1-cp1-pp2-dp2 1f1b m4x1 layers 2,2", "predicted_ms": 80.0},
+                          {"plan": "ep2-tp1-cp1-pp2-dp2 1f1b m4x1 layers 2,2", "predicted_ms": 95.0}]}
+    assert predicted_for(moe, oracle) == 80.0
+    assert predicted_for(moe, {**oracle, "ep": 2}) == 95.0
+    from commpipe.adapt.demo import _layout_key, _name_key
+
+    assert _name_key(moe["candidates"][1]["plan"]) == _layout_key({**oracle, "ep": 2}) \
+        != _name_key(moe["candidates"][0]["plan"])
     # the account prints it beside the oracle's measurement
     from commpipe.adapt.demo import Scenario, summarize
 

@@ -87,6 +87,11 @@ def test_grid_toml(tmp_path):
     assert grid.train == {"preset": "tiny", "steps": 4}
     assert b.train_flags() == ["--tp", "1", "--cp", "1", "--pp", "4", "--dp", "1", "--schedule", "gpipe",
                                "--microbatches", "8"]
+    # a layout built with an expert-parallel size passes it on (the adaptive demo's start layout),
+    # once, whatever the shared flags say
+    moe = Layout(dp=4, ep=2)
+    argv = train_flags(moe, {"ep": 4, "steps": 3}, "/o")
+    assert argv[argv.index("--ep") + 1] == "2" and argv.count("--ep") == 1
 
 
 @pytest.mark.parametrize("text, message", [

@@ -120,7 +120,8 @@ def _median_ms(rows: list[dict], lo: int, hi: int | None = None) -> float | None
 
 
 def _layout_key(plan: dict) -> tuple:
-    return tuple(plan[k] for k in ("tp", "cp", "pp", "dp")) + (tuple(plan["stage_layers"]),)
+    return tuple(plan[k] for k in ("tp", "cp", "pp", "dp")) + (tuple(plan["stage_layers"]),
+                                                              plan.get("ep", 1))
 
 
 def summarize(out: Path, sc: Scenario, applied: list, oracle: dict) -> dict:
@@ -220,25 +221,28 @@ def summarize(out: Path, sc: Scenario, applied: list, oracle: dict) -> dict:
 
 
 def _name_key(name: str) -> tuple | None:
-    """The layout key of a plan name ("tp1-cp2-pp2-dp1 1f1b m8x1 layers 2,2")."""
+    """The layout key of a plan name ("tp1-cp2-pp2-dp1 1f1b m8x1 layers 2,2", with an "ep2-"
+    prefix under expert parallelism: Layout.title)."""
     import re
 
-    dims = re.match(r"tp(\d+)-cp(\d+)-pp(\d+)-dp(\d+)", name or "")
+    dims = re.match(r"(?:ep(\d+)-)?tp(\d+)-cp(\d+)-pp(\d+)-dp(\d+)", name or "")
     layers = re.search(r"layers ([\d,]+)", name or "")
     if not dims or not layers:
         return None
-    return tuple(int(x) for x in dims.groups()) + (tuple(int(x) for x in layers[1].split(",")),)
+    ep, *degrees = dims.groups()
+    return tuple(int(x) for x in degrees) + (tuple(int(x) for x in layers[1].split(",")),
+                                             int(ep or 1))
 
 
 def predicted_for(decision: dict | None, c: dict) -> float | None:
     """What `decision` (the reaction to the degrade) predicted for oracle layout `c`: its logged
-    candidate of the same title (degrees, schedule, micro-batching, split; the default rank
-    order, even micro-batches), if there is one."""
+    candidate of the same title (degrees and expert parallelism, schedule, micro-batching,
+    split; the default rank order, even micro-batches), if there is one."""
     if not decision or c.get("microbatches") is None:
         return None
     from commpipe.layout import Layout
 
-    title = Layout(tp=c["tp"], cp=c["cp"], pp=c["pp"], dp=c["dp"],
+    title = Layout(tp=c["tp"], cp=c["cp"], pp=c["pp"], dp=c["dp"], ep=c.get("ep", 1),
                    stage_layers=tuple(c["stage_layers"]), schedule=c["schedule"],
                    microbatches=c["microbatches"], micro_batch_size=c["micro_batch_size"]).title
     return next((x["predicted_ms"] for x in decision.get("candidates", []) if x["plan"] == title),
@@ -397,7 +401,7 @@ def format_summary(s: dict) -> str:
         if c.get("predicted_ms"):
             note += (f"; the controller predicted {c['predicted_ms']:.0f} ms "
                      f"(measured/predicted {c['median_ms'] / c['predicted_ms']:.2f})")
-        lines.append(f"  {c['name']:<22} layers {','.join(map(str, c['stage_layers'])):<8} "
+        lines.append(f"  {c['name']:<26} layers {','.join(map(str, c['stage_layers'])):<8} "
                      f"{c['median_ms']:8.0f} ms{note}")
     lines += outcome(s)
     lines.append(f"largest loss difference adaptive vs static: "

@@ -1,11 +1,12 @@
 """The adaptive demo's oracle: the best *static* layout for the degraded network, found by
 measurement, independently of the controller.
 
-Every tp x cp x pp x dp layout of the world that the model and batch admit (for pp > 1 the
-even split of layers and, where it differs, the split balancing the stages' matmul work;
-schedule 1f1b) trains from step 0 under the degraded link for a few steps, all of them in one
-launch of the same processes (one set of process groups per layout, as a fresh run builds
-them), so the candidates pay one start-up instead of one each. The layout with the lowest
+Every tp x cp x pp x dp layout of the world that the model and batch admit (x ep, every
+expert-parallel size, for a Mixture-of-Experts model; for pp > 1 the even split of layers and,
+where it differs, the split balancing the stages' matmul work; schedule 1f1b) trains from
+step 0 under the degraded link for a few steps, all of them in one launch of the same processes
+(one set of process groups per layout, as a fresh run builds them), so the candidates pay one
+start-up instead of one each. The layout with the lowest
 median step time is the oracle. A candidate whose median after `min_steps` steps is already
 more than `cutoff` times the best so far stops early (it cannot win); candidates.json says so.
 The fastest `repeat_best` are then trained again from step 0 and ranked on the median of both
@@ -56,10 +57,13 @@ def balanced_split(spec, seq_len: int, pp: int) -> tuple[int, ...]:
 
 
 def candidate_layouts(train: dict, world: int) -> tuple[list[dict], list[dict]]:
-    """(candidates, rejected): each candidate {name, tp, cp, pp, dp, stage_layers, split,
-    flags}; each rejected layout with the reason `commpipe train` gives."""
+    """(candidates, rejected): each candidate {name, tp, cp, pp, dp, ep, stage_layers, split,
+    flags}; each rejected layout with the reason `commpipe train` gives. A Mixture-of-Experts
+    model's layouts come at every expert-parallel size their dp x cp ranks admit
+    (commpipe.plan.moe.ep_choices); a dense model's at ep 1."""
     from commpipe.cluster.grids import Layout
     from commpipe.cluster.launch import train_flags
+    from commpipe.plan.moe import ep_choices
 
     shared = {k: v for k, v in train.items() if k not in ("adapt", "out", "log_every")}
     found, rejected = [], []
@@ -79,19 +83,20 @@ def candidate_layouts(train: dict, world: int) -> tuple[list[dict], list[dict]]:
             splits = [("even = balanced" if bal == even else "even", even)]
             if bal != even:
                 splits.append(("balanced", bal))
-        for label, split in splits:
+        for (label, split), ep in itertools.product(splits, ep_choices(cfg.spec, dp * cp)):
             extra = {"stage_layers": ",".join(map(str, split))} if pp > 1 else {}
+            extra |= {"ep": ep} if ep > 1 else {}
             lay = Layout(tp=tp, cp=cp, pp=pp, dp=dp, schedule=base.schedule, extra=extra)
             flags = train_flags(lay, shared, "unused")
             try:
                 c = _config(flags)
                 c.resolve(world)
             except (ValueError, argparse.ArgumentError) as e:
-                rejected.append({"tp": tp, "cp": cp, "pp": pp, "dp": dp,
+                rejected.append({"tp": tp, "cp": cp, "pp": pp, "dp": dp, "ep": ep,
                                  "stage_layers": list(split), "reason": str(e)})
                 continue
-            name = lay.name + ("" if label != "balanced" else "-bal")
-            found.append({"name": name, "tp": tp, "cp": cp, "pp": pp, "dp": dp,
+            name = lay.name + ("" if label != "balanced" else "-bal") + (f"-ep{ep}" if ep > 1 else "")
+            found.append({"name": name, "tp": tp, "cp": cp, "pp": pp, "dp": dp, "ep": ep,
                           "stage_layers": list(split), "split": label, "schedule": c.schedule,
                           "microbatches": c.microbatches,
                           "micro_batch_size": c.micro_batch_size, "flags": flags})

@@ -69,7 +69,7 @@ def flag_list(flags: dict) -> list[str]:
 def train_flags(layout: Layout, train: dict, out_dir) -> list[str]:
     """`commpipe train` flags for one layout: its degrees (and schedule, vpp, microbatches when
     it names them), the shared flags it does not set itself, its extra flags, then --out."""
-    own = {"tp", "cp", "pp", "dp"} | set(layout.pinned)
+    own = {"tp", "cp", "pp", "dp"} | set(layout.pinned) | ({"ep"} if layout.ep > 1 else set())
     shared = {k: v for k, v in {**train, **layout.extra}.items() if k not in own}
     return [*layout.train_flags(), *flag_list(shared), "--out", str(out_dir)]
 
