@@ -21,17 +21,20 @@ For every tp x cp x pp x dp layout of 4 and of 8 CPU ranks that the tiny LLaMA a
    cores to run at once over their count), the scheduler's wake-up wait (half the kernel's
    default time slice), the host time of a gloo call (the calls after compute of the set's own
    probe less what their links are priced at, as `plan --cluster probe.json` takes it), and
-   each pass's eager ops at the host time per op `plan --gpu cpu` measures
-   (commpipe.plan.runtime_ops); with --fit-host instead the per-layer host terms of
-   `plan --calibrate` on the runs of 1 and 2 ranks (their layouts are in neither set);
+   each pass at the two rates `plan --gpu cpu` measures on the model's first layer (per eager
+   op and per unit of work, commpipe.plan.pass_split), read just before and just after the
+   set's layouts train and averaged, as its probe is the set's own (this host's speed drifts
+   by about a fifth over minutes; --pass-at-start: the run's first reading for every set);
+   with --fit-host instead the per-layer host terms of `plan --calibrate` on the runs of 1 and
+   2 ranks (their layouts are in neither set);
 3. compare, per set: Spearman rank correlation of measured and predicted step times
    (scipy.stats.spearmanr), the measured time of the predicted best against the measured best,
    and the median |predicted / measured - 1|. Goals: >= 0.9, within 5%, <= 15%.
 
 Output folder (default runs/planner_rank): cpu.json, probe-<set>.json (with probe-<set>-host.json,
-the cores other processes left the probe), <set>/ (the oracle's
-candidates.json and per-layout rows), result.json. Results and their reading: docs/planner.md,
-"Ranking this machine's layouts".
+the cores other processes left the probe), pass_split-<set>.json (the pass rates read around
+it), <set>/ (the oracle's candidates.json and per-layout rows), result.json. Results and their
+reading: docs/planner.md, "Ranking this machine's layouts".
 """
 
 from __future__ import annotations
@@ -40,140 +43,31 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _rank_measure import (  # noqa: E402
+    CALIB_WORLDS,
+    MODEL,
+    TRAIN,
+    host_capacity,
+    measure,
+    pass_rates,
+)
 from _rank_report import probe_spare, report, score, write_interval  # noqa: E402  (siblings)
-from _spare_cores import CpuMeter, spare_cores  # noqa: E402
+from _spare_cores import spare_cores  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-MODEL = "arch=llama,layers=8,hidden=64,heads=4,kv_heads=2,ffn_hidden=128,vocab=256"  # DEMO_MODEL
-TRAIN = {"model": MODEL, "seq_len": 32, "global_batch": 8}
-PROBE_SIZES = "1K,4K,16K,64K,256K,1M"
-WORLDS = (4, 8)
-CALIB_WORLDS = (1, 2)
 
 
 def _log(msg: str) -> None:
     print(msg, flush=True)
 
 
-@dataclass
-class Host:
-    """This machine as a one-node cluster for the oracle's and the probe's launch (loopback)."""
-
-    ranks_per_node: int
-    nodes: int = 1
-    ifname: str = "lo"
-
-    def node_ip(self, node: int) -> str:
-        return "127.0.0.1"
-
-    def popen(self, node: int, argv: list[str], **kw) -> subprocess.Popen:
-        return subprocess.Popen(argv, start_new_session=True, **kw)
-
-
-# -- measuring ------------------------------------------------------------------------------------
-def probe(cluster, out: Path, port: int) -> None:
-    """`commpipe probe` on every rank of `cluster`, one torchrun per node; the cores other
-    processes left it (`spare_cores`, whole machine's worth) go to OUT/<probe>-host.json: its
-    call times are what a step pays only on a host as idle as the runs' (the report shows it)."""
-    from commpipe.cluster.launch import NodeCommand, run_commands, torchrun
-
-    inner = ["-m", "--", "commpipe", "probe", "--ranks-per-node", str(cluster.ranks_per_node),
-             "--sizes", PROBE_SIZES, "--iters", "5", "--out", str(out.resolve())]
-    cmds = [NodeCommand(i, torchrun("--nnodes", str(cluster.nodes), "--nproc-per-node",
-                                    str(cluster.ranks_per_node), "--node-rank", str(i),
-                                    "--master-addr", cluster.node_ip(0), "--master-port", str(port),
-                                    *inner), {"GLOO_SOCKET_IFNAME": cluster.ifname},
-                        f"probe-node{i}.log")
-            for i in range(cluster.nodes)]
-    t0 = time.time()
-    with CpuMeter() as meter:
-        result = run_commands(cmds, out.parent / f"{out.stem}-logs", cluster=cluster,
-                              timeout_s=300)
-    if not result.ok or not out.exists():
-        raise RuntimeError(f"probe failed: {result.reason}")
-    cores = os.cpu_count()
-    (out.parent / f"{out.stem}-host.json").write_text(json.dumps(
-        {"cores": cores, "spare_cores": spare_cores(meter.samples, t0, time.time(), cores)}) + "\n")
-
-
-def measure_set(name: str, cluster, out: Path, args, port: int, with_probe: bool = True) -> None:
-    """Probe `cluster` and train every layout of its ranks (one launch); skipped when --reuse
-    finds both already there."""
-    from commpipe.adapt.oracle import run_oracle
-
-    probe_file, folder = out / f"probe-{name}.json", out / name
-    t0 = time.monotonic()
-    if with_probe and not (args.reuse and probe_file.exists()):
-        probe(cluster, probe_file, port)
-    if not (args.reuse and (folder / "candidates.json").exists()):
-        with CpuMeter() as meter:
-            run_oracle(cluster, dict(TRAIN, steps=args.steps), folder, port + 1, steps=args.steps,
-                       warmup=args.warmup, cutoff=float("inf"), repeat_best=args.repeat_best,
-                       log=lambda m: None, timeout_s=900)
-        (folder / "host_cpu.json").write_text(json.dumps({"cores": os.cpu_count(),
-                                                          "samples": meter.samples}))
-    _log(f"{name}: {time.monotonic() - t0:.0f} s  (load average {os.getloadavg()[0]:.1f})")
-
-
-def measure(args, out: Path) -> list[str]:
-    """Every set this machine can run; returns their names."""
-    from commpipe.plan.cpu import measure_cpu, measure_op_seconds
-
-    cpu = out / "cpu.json"
-    if not (args.reuse and cpu.exists()):
-        cpu.write_text(json.dumps(measure_cpu().to_dict(), indent=2) + "\n")
-    ops = out / "host_ops.json"
-    if not (args.reuse and ops.exists()):
-        ops.write_text(json.dumps({"op_s": measure_op_seconds()}) + "\n")
-    pass_rates(out, fresh=not args.reuse)
-    host_capacity(out, args.cores, fresh=not args.reuse)
-    port = 29640
-    for world in CALIB_WORLDS:
-        measure_set(f"calib{world}", Host(world), out, args, port, with_probe=world > 1)
-        port += 2
-    names = []
-    for world in WORLDS:
-        name = f"local{world}"
-        measure_set(name, Host(world), out, args, port)
-        names.append(name)
-        port += 2
-    if args.no_emulated:
-        return names
-    from commpipe.cluster import netns
-
-    ok, why = netns.available()
-    if not ok:
-        _log(f"emulated cluster skipped: {why}")
-        return names
-    for mbit in args.rates:
-        for world in WORLDS:
-            name = f"emu{mbit:g}mbit{world}"
-            with netns.EmulatedCluster(world // 2, 2, mbit, prefix=f"cpr{os.getpid() % 1000}") as c:
-                measure_set(name, c, out, args, port)
-            names.append(name)
-            port += 2
-    return names
-
-
 # -- predicting -----------------------------------------------------------------------------------
-def host_capacity(out: Path, cores: int, fresh: bool = False) -> float:
-    """What this machine's `cores` run at once in lone ranks' worth (`plan --host-cores auto`,
-    commpipe.plan.cpu.measure_core_capacity), measured once and kept in OUT/host_capacity.json."""
-    path = out / "host_capacity.json"
-    if fresh or not path.exists():
-        from commpipe.plan.cpu import measure_core_capacity
-
-        path.write_text(json.dumps({"cores": cores, "capacity": measure_core_capacity(cores)}) + "\n")
-    return json.loads(path.read_text())["capacity"]
-
-
 def measured_layouts(folder: Path, cores: int) -> list[dict]:
     """The oracle's candidates at the even split (what `plan` prices), each with median_ms and
     `spare_cores`: the cores other processes left over while its steps ran (each pass ends when
@@ -261,19 +155,16 @@ def probe_call_s(path: Path, cluster) -> float:
     return call
 
 
-def pass_rates(out: Path, fresh: bool = False) -> dict:
-    """A pass of the model's first layer split into its fixed part per op and its part per unit
-    of work, as `plan --gpu cpu` measures it on the model (commpipe.plan.pass_split, one thread;
-    OUT/pass_split.json, measured with the sets unless missing)."""
-    from commpipe.models.spec import resolve_model
-    from commpipe.plan.pass_split import measure
-
-    path = out / "pass_split.json"
-    if fresh or not path.exists():
-        split = measure(resolve_model(MODEL), TRAIN["seq_len"], "cpu", threads=1)
-        path.write_text(json.dumps({"op_s": split.op_ms / 1e3, "work_s": split.work_ms / 1e3})
-                        + "\n")
-    return json.loads(path.read_text())
+def set_pass_rates(out: Path, name: str) -> dict | None:
+    """The pass rates set `name` ran at: the mean of the readings taken just before and just
+    after its layouts trained (OUT/pass_split-<name>.json; None for a set measured before they
+    were taken). On this host the pass rates drift by about a fifth either way over minutes
+    (docs/planner.md); a set's layouts run for two to three minutes between the two."""
+    path = out / f"pass_split-{name}.json"
+    if not path.exists():
+        return None
+    b = json.loads(path.read_text())
+    return {k: (b["before"][k] + b["after"][k]) / 2 for k in ("op_s", "work_s")} | b
 
 
 def host_terms(out: Path, cores: int, wake_s: float = 0.0, fit: bool = False):
@@ -332,12 +223,13 @@ def host_terms(out: Path, cores: int, wake_s: float = 0.0, fit: bool = False):
                  "wake_s": wake_s, "fitted": True}
 
 
-def predict_set(out: Path, name: str, world: int, cores: int, eff, fitted: bool = False
-                ) -> list[dict]:
+def predict_set(out: Path, name: str, world: int, cores: int, eff, fitted: bool = False,
+                pass_at_start: bool = False) -> list[dict]:
     """Every measured layout of set `name` predicted with host terms `eff`; unless they were
     fitted with the calibration runs' call time (`fitted`, as a calibrated profile's terms win
     in `plan`), a gloo call's host time is the set's own probe's, as `plan --cluster
-    probe-<name>.json` takes it."""
+    probe-<name>.json` takes it, and each pass is priced at the rates read around the set's
+    own layouts (set_pass_rates), unless `pass_at_start` keeps the run's first reading."""
     from commpipe.plan.estimate import estimate
 
     spec, job, full = planner_inputs(out, name, world, cores)
@@ -346,6 +238,14 @@ def predict_set(out: Path, name: str, world: int, cores: int, eff, fitted: bool 
     if probe.exists() and not fitted:
         eff = replace(eff, coll_overhead_s=probe_call_s(probe, full))
         call_from = "its probe" + probe_spare(out, name)
+    rates = None if fitted or pass_at_start else set_pass_rates(out, name)
+    pass_from = "the run's first reading"
+    if rates:
+        eff = replace(eff, op_s=rates["op_s"], work_s=rates["work_s"])
+        pass_from = (f"read around the set: {rates['before']['op_s'] * 1e6:.1f} and "
+                     f"{rates['after']['op_s'] * 1e6:.1f} us per op, "
+                     f"{rates['before']['work_s'] * 1e11:.1f} and "
+                     f"{rates['after']['work_s'] * 1e11:.1f}e-11 s per unit of work")
     rows = []
     for c in measured_layouts(out / name, cores):
         cluster, host = on_spare_cores(full, eff, c["spare_cores"])
@@ -356,6 +256,7 @@ def predict_set(out: Path, name: str, world: int, cores: int, eff, fitted: bool 
                      "steps_ms": c["step_ms"] + c.get("step_ms_pass2", []),
                      "kappa": e.host_contention, "spare_cores": c["spare_cores"],
                      "call_ms": eff.coll_overhead_s * 1e3, "call_from": call_from,
+                     "pass_from": pass_from,
                      "breakdown_ms": {k: v * 1e3 for k, v in e.breakdown.items() if v > 0}})
     return rows
 
@@ -381,6 +282,9 @@ def main(argv=None) -> int:
     ap.add_argument("--fit-host", action="store_true",
                     help="fit the per-pass and optimizer host terms on the runs of 1 and 2 ranks (the "
                          "former method) instead of pricing each pass's ops at the measured time per op")
+    ap.add_argument("--pass-at-start", action="store_true",
+                    help="price every set's passes at the rates read once at the start (the former "
+                         "method) instead of those read around each set's layouts")
     ap.add_argument("--cores", type=int, default=os.cpu_count(),
                     help="cores the ranks share (default: this machine's, %(default)s)")
     args = ap.parse_args(argv)
@@ -394,12 +298,14 @@ def main(argv=None) -> int:
     _log(f"measured in {time.monotonic() - t0:.0f} s")
     eff, fitted = host_terms(out, args.cores, scheduler_wake_s(args.cores), fit=args.fit_host)
     sets = {name: predict_set(out, name, int(name.split("mbit")[-1].removeprefix("local")),
-                              args.cores, eff, fitted["fitted"]) for name in names}
+                              args.cores, eff, fitted["fitted"], args.pass_at_start)
+            for name in names}
     report(sets, fitted)
     if args.write_interval:
         write_interval(sets, [Path(p) for p in args.pool])
     (out / "result.json").write_text(json.dumps(
         {"host_terms": fitted, "cores": args.cores, "steps": args.steps,
+         "pass_at_start": args.pass_at_start,
          "warmup": args.warmup, "sets": {n: {"score": score(r), "rows": r} for n, r in sets.items()}},
         indent=1))
     return 0
