@@ -146,27 +146,27 @@ def pass_rates(out: Path, fresh: bool = False) -> dict:
     of work, as `plan --gpu cpu` measures it on the model (commpipe.plan.pass_split, one thread;
     OUT/pass_split.json, measured with the sets unless missing)."""
     from commpipe.models.spec import resolve_model
-    from commpipe.plan.pass_split import measure
+    from commpipe.plan.pass_split import planned_measure
 
     path = out / "pass_split.json"
     if fresh or not path.exists():
-        split = measure(resolve_model(MODEL), TRAIN["seq_len"], "cpu", threads=1)
+        split = planned_measure(resolve_model(MODEL), TRAIN["seq_len"])
         path.write_text(json.dumps({"op_s": split.op_ms / 1e3, "work_s": split.work_ms / 1e3})
                         + "\n")
     return json.loads(path.read_text())
 
 
-def read_pass_rates(readings: int = 3) -> dict:
+def read_pass_rates(readings: int = 2) -> dict:
     """The pass rates `plan --gpu cpu` measures on the model (commpipe.plan.pass_split, one
-    thread, fresh: not the cached reading), the median of `readings` readings in a row (about
-    half a second each), with when they were read and the cores other processes kept busy."""
+    thread, fresh: not the cached reading), the median of `readings` readings in a row (each
+    PLAN_BUDGET_S long), with when they were read and the cores other processes kept busy."""
     from commpipe.models.spec import resolve_model
-    from commpipe.plan.pass_split import measure
+    from commpipe.plan.pass_split import measure, planned_measure
 
     got = []
     for _ in range(readings):
         measure.cache_clear()
-        got.append(measure(resolve_model(MODEL), TRAIN["seq_len"], "cpu", threads=1))
+        got.append(planned_measure(resolve_model(MODEL), TRAIN["seq_len"]))
     measure.cache_clear()
     return {"op_s": statistics.median(g.op_ms for g in got) / 1e3,
             "work_s": statistics.median(g.work_ms for g in got) / 1e3, "time": time.time(),

@@ -23,8 +23,9 @@ For every tp x cp x pp x dp layout of 4 and of 8 CPU ranks that the tiny LLaMA a
    probe less what their links are priced at, as `plan --cluster probe.json` takes it), and
    each pass at the two rates `plan --gpu cpu` measures on the model's first layer (per eager
    op and per unit of work, commpipe.plan.pass_split), read just before and just after the
-   set's layouts train and averaged, as its probe is the set's own (this host's speed drifts
-   by about a fifth over minutes; --pass-at-start: the run's first reading for every set);
+   set's layouts train and averaged, as its probe is the set's own (one reading of this
+   host's changing speed varies by about 12% from the next; --pass-at-start: the run's first
+   reading for every set);
    with --fit-host instead the per-layer host terms of `plan --calibrate` on the runs of 1 and
    2 ranks (their layouts are in neither set);
 3. compare, per set: Spearman rank correlation of measured and predicted step times
@@ -158,8 +159,9 @@ def probe_call_s(path: Path, cluster) -> float:
 def set_pass_rates(out: Path, name: str) -> dict | None:
     """The pass rates set `name` ran at: the mean of the readings taken just before and just
     after its layouts trained (OUT/pass_split-<name>.json; None for a set measured before they
-    were taken). On this host the pass rates drift by about a fifth either way over minutes
-    (docs/planner.md); a set's layouts run for two to three minutes between the two."""
+    were taken): four readings of PLAN_BUDGET_S, where one reading of this host's changing
+    speed varies by about 12% from the next (commpipe.plan.pass_split); a set's layouts train
+    for two to three minutes between them."""
     path = out / f"pass_split-{name}.json"
     if not path.exists():
         return None

@@ -113,14 +113,14 @@ def test_the_planner_measures_the_pass_only_where_commpipe_runs_it_on_a_cpu():
 
     from commpipe.models.spec import resolve_model
     from commpipe.plan.gpus import resolve_gpu
-    from commpipe.plan.pass_split import measure, with_measured_pass
+    from commpipe.plan.pass_split import planned_measure, with_measured_pass
     from commpipe.plan.timing import Efficiency
 
     spec = resolve_model("arch=llama,layers=8,hidden=64,heads=4,kv_heads=2,ffn_hidden=128,vocab=256")
     job, cluster = _cpu_job()
     eff = Efficiency(overhead_s=0.0, op_s=5e-6)
     got = with_measured_pass(eff, spec, job, cluster.gpu)
-    split = measure(spec, 32, "cpu", threads=1)
+    split = planned_measure(spec, 32)
     assert (got.op_s, got.work_s) == (split.op_ms / 1e3, split.work_ms / 1e3) and got.work_s > 0
     assert with_measured_pass(eff, spec, job, resolve_gpu("h100")) is eff
     assert with_measured_pass(eff, spec, replace(job, runtime="megatron"), cluster.gpu) is eff
@@ -138,7 +138,7 @@ def test_estimate_on_a_cpu_says_what_it_measured_the_pass_at(capsys):
 
     from commpipe.cli import main
     from commpipe.models.spec import resolve_model
-    from commpipe.plan.pass_split import measure
+    from commpipe.plan.pass_split import planned_measure
 
     model = "arch=llama,layers=8,hidden=64,heads=4,kv_heads=2,ffn_hidden=128,vocab=256"
     main(["estimate", "--model", model, "--gpu", "cpu", "--gpus", "2", "--global-batch", "8",
@@ -146,7 +146,7 @@ def test_estimate_on_a_cpu_says_what_it_measured_the_pass_at(capsys):
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("CPU pass"))
     got = re.fullmatch(r"CPU pass measured on the model's first layer \(one thread\): ([\d.]+) us "
                        r"per eager op, its FLOPs at ([\d.]+) GFLOP/s .*", line)
-    split = measure(resolve_model(model), 32, "cpu", threads=1)
+    split = planned_measure(resolve_model(model), 32)
     assert got and float(got[1]) == pytest.approx(split.op_ms * 1e3, abs=0.05)
     assert float(got[2]) == pytest.approx(3 / (split.work_ms / 1e3) / 1e9, abs=0.05)
 

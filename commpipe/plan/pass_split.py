@@ -33,6 +33,13 @@ BATCHES = (1, 4)          # the two micro-batch sizes timed
 # layer's GEMMs take 10-100x longer (hidden 2048, 128 tokens: ~13 GFLOP forward), and the
 # FLOPs alone price a pass within a few percent.
 MAX_PROBE_PARAMS = 5e7
+MAX_PASSES_PER_S = 200    # passes of each size per second of budget at most (a tiny model's take
+#                           a few ms: the budget, not the count, sets how long the reading spans)
+# How long the planner reads the pass. On a 2-vCPU VM the host's speed changes from one second
+# to the next: readings of 0.5 s in a row varied by 28% (standard deviation over the mean of the
+# pass time they price), of 1.5 s by 12%; a step of a few seconds, or a layout's median over
+# several, sees the average of those states, which a longer reading approaches.
+PLAN_BUDGET_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -130,7 +137,7 @@ def measure(spec, seq_len: int, device: str = "cpu", budget_s: float = 0.5,
     while min(len(v) for v in times.values()) < 3 or time.perf_counter() < end:
         for b in BATCHES:
             times[b].append(one(b))
-        if len(times[BATCHES[0]]) >= 25:
+        if len(times[BATCHES[0]]) >= MAX_PASSES_PER_S * budget_s:
             break
     small, large = BATCHES
     found = solve(statistics.median(times[small]), statistics.median(times[large]), small, large,
@@ -160,8 +167,14 @@ def with_measured_pass(eff, spec, job, gpu):
     too large to probe (its FLOPs dominate), or an `eff` whose `work_s` is already set."""
     if eff.work_s > 0 or not measures_pass(spec, job, gpu):
         return eff
-    split = measure(spec, job.seq_len, "cpu", threads=1)
+    split = planned_measure(spec, job.seq_len)
     return replace(eff, op_s=split.op_ms / 1e3, work_s=split.work_ms / 1e3)
+
+
+def planned_measure(spec, seq_len: int) -> PassSplit:
+    """The pass as the planner reads it: on one thread (a CPU rank's one) for PLAN_BUDGET_S;
+    cached, so `plan`, its warning and a second estimate in one process share one reading."""
+    return measure(spec, seq_len, "cpu", PLAN_BUDGET_S, threads=1)
 
 
 def describe(eff) -> str | None:
@@ -180,5 +193,5 @@ def busy_note(spec, job, gpu) -> str | None:
     slow (commpipe.monitor.host_load). None otherwise, and where no pass is measured."""
     if not measures_pass(spec, job, gpu):
         return None
-    split = measure(spec, job.seq_len, "cpu", threads=1)
+    split = planned_measure(spec, job.seq_len)
     return busy_warning(split.other_cores, os.cpu_count() or 1, "the CPU pass was measured")
