@@ -150,6 +150,31 @@ def test_the_faults_unexplained_time_stays_on_the_slow_link():
         <= old.predict(replaced) - UNEXPLAINED_MS + on_link + 1e-6
 
 
+def test_a_slow_link_the_model_over_prices_is_scaled_down_not_carried_into_every_candidate():
+    """The degraded step measured UNEXPLAINED_MS *less* than the model prices it (the slow
+    link's rate comes from sampled transfers, and read low). The slow links' time is scaled by
+    f = 1 - 300 / 1,807.36 so the running plan predicts its step, and the healthy constant
+    stays: a candidate with DP inside the nodes is predicted as with the link priced right
+    (less only what f takes off its own 16 activations across the nodes), not 300 ms faster,
+    as a negative constant would make it (in a MoE run, negative step times)."""
+    from commpipe.adapt.model import CostModel
+
+    spec = _cfg().spec
+    healthy = _two_nodes(DP_ACROSS, INTER_GBPS)
+    fault = _two_nodes(DP_ACROSS, SLOW_GBPS, -UNEXPLAINED_MS, reference=healthy)
+    new = CostModel(spec, 16, 4, 2, fault)
+    exact = CostModel(spec, 16, 4, 2, _two_nodes(DP_ACROSS, SLOW_GBPS, 0.0, reference=healthy))
+    assert new.predict(DP_ACROSS) == pytest.approx(fault.step_ms, rel=1e-9)
+    f = 1 - UNEXPLAINED_MS / (AR / (SLOW_GBPS * 1e6))
+    assert exact.fault_factor == 1.0 and new.fault_factor == pytest.approx(f, rel=1e-6)
+    assert new.other_ms == pytest.approx(CostModel(spec, 16, 4, 2, healthy).other_ms, abs=1e-6)
+    replaced = Layout(tp=1, cp=1, pp=2, dp=2, stage_layers=(2, 2), schedule="1f1b", microbatches=4,
+                      micro_batch_size=1)
+    on_link = 16 * (1 - f) * 4096 / (SLOW_GBPS * 1e6)
+    assert exact.predict(replaced) - on_link - 1e-6 <= new.predict(replaced) \
+        <= exact.predict(replaced) + 1e-6
+
+
 def test_a_replacement_predicted_best_is_chosen_and_moves_its_state_inside_the_nodes():
     """Degraded as above, the same degrees in Megatron's order (DP inside the nodes) are
     predicted fastest. The switch moves only what the ranks that change stage lack: rank 1
@@ -297,4 +322,25 @@ def test_a_rate_timed_on_groups_sharing_a_node_link_is_recorded_for_the_whole_li
         {"inter_node": pytest.approx(0.2)}
     one = [{"rank": r, "timed": call(r, (0, 2))} for r in (0, 2)]
     assert collective_rates([one], ranks_per_node=2, min_bytes=65536) == \
+        {"inter_node": pytest.approx(0.1)}
+
+
+
+def test_a_moe_steps_dense_and_expert_reductions_share_the_node_link_they_ran_on_together():
+    """A MoE step of dp4 x ep2 on 2 nodes of 2: the dense buckets' all-reduce over dp x cp
+    (0, 1, 2, 3) and the experts' over edp (0, 2) and (1, 3) are in flight together, three
+    groups crossing the one node link. Each moved 1 MB (bus bytes) in 30 ms, 1/30 GB/s
+    apiece, so the link carried 0.1 GB/s: the rate recorded. Counting each dimension alone
+    (1 dp_cp group, 2 edp groups) records half of it or less, and a later plan's reductions,
+    added up at their shares, would be priced at twice their time or more."""
+    from commpipe.adapt.signals import collective_rates
+    from commpipe.monitor.records import busbw_factor
+
+    def call(group):
+        return [(1e6 / busbw_factor("all_reduce", len(group)), 0.0, 0.030)]
+
+    step = [{"rank": r, "timed": {("dp_cp", "all_reduce", (0, 1, 2, 3)): call((0, 1, 2, 3)),
+                                  ("edp", "all_reduce", (r % 2, r % 2 + 2)): call((0, 2))}}
+            for r in range(4)]
+    assert collective_rates([step], ranks_per_node=2, min_bytes=65536) == \
         {"inter_node": pytest.approx(0.1)}

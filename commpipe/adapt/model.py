@@ -166,7 +166,12 @@ class CostModel(MeasuredLinks):
             healthy.scale, healthy.comm_weight, healthy.other_ms
         self._find_slow(healthy, a.min_shift)
         self.fault_ms = measured.step_ms - self.predict(cur)
-        if self.fault_ms > 0 and (self.slow_links or self.slow_ranks):
+        # a model that over-prices the slow links (their rate comes from sampled transfers)
+        # has them scaled down the same way, rather than a negative constant carried into
+        # every candidate, those that avoid the slow links most of all; a slow rank's compute
+        # is measured, not sampled, and is not scaled below what was measured
+        if (self.fault_ms > 0 and (self.slow_links or self.slow_ranks)) \
+                or (self.fault_ms < 0 and self.slow_links):
             self.fault_factor = self._solve_factor(cur, measured.step_ms)
         # what the slow parts cannot explain stays a constant: the running plan still predicts
         # its measured step
@@ -212,11 +217,16 @@ class CostModel(MeasuredLinks):
 
     def _solve_factor(self, plan: Layout, step: float) -> float:
         """The factor on the slow links' time (or the slow ranks' compute) that makes `plan`
-        predict `step`: bisection, the prediction grows with it."""
-        lo, hi = 1.0, 1e4
+        predict `step`: bisection, the prediction grows with it. Above 1 where the model
+        without it predicts less than `step`, below 1 (at least 1e-3) where it predicts more."""
+        self.fault_factor = 1.0
+        lo, hi = (1.0, 1e4) if self.predict(plan) < step else (1e-3, 1.0)
         self.fault_factor = hi
         if self.predict(plan) < step:
             return hi
+        self.fault_factor = lo
+        if self.predict(plan) > step:
+            return lo
         for _ in range(60):
             self.fault_factor = mid = (lo * hi) ** 0.5
             lo, hi = (mid, hi) if self.predict(plan) < step else (lo, mid)

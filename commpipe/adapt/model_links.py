@@ -79,8 +79,10 @@ class MeasuredLinks:
         runs other groups of `dim` through the same node link at once, at its share of the
         link (`link_share`)."""
         cls = "intra_node" if len({self.node(r) for r in ranks}) == 1 else "inter_node"
-        fault = max((self.fault_on_link(a, b) for a in ranks for b in ranks if a != b),
-                    default=1.0)
+        # the group's ring crosses a slow link if any pair of it is slow: the fault's factor
+        # (above 1, or below where the model over-priced the slow link: CostModel.__init__)
+        slow = any((a, b) in self.slow_links for a in ranks for b in ranks if a != b)
+        fault = self.fault_factor if slow else 1.0
         gbps = self.m.collective_gbps.get(cls)
         gbps = gbps / fault if gbps else self.group_gbps(ranks)
         if cls == "inter_node" and plan is not None:     # a whole node link's rate, shared

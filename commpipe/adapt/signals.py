@@ -177,14 +177,21 @@ def collective_times(summaries: list[dict]) -> dict[tuple, tuple[float, float]]:
     return out
 
 
+# the dimensions whose gradient all-reduces the GradReducer has in flight at once
+GRADIENT_DIMS = ("dp_cp", "edp")
+
+
 def collective_rates(window: list[list[dict]], ranks_per_node: int,
                      min_bytes: float) -> dict[str, float]:
     """Link class -> median bus bandwidth (GB/s) of the timed all-reduces of at least
     `min_bytes` per call over a window (small ones, a loss or a norm, measure latency). Across
-    nodes, the rate of a whole node link: each group's rate times the groups of its dimension
-    timed crossing the same node link (commpipe.plan.cluster.groups_on_a_node_link; they ran
-    at once, each at its share), so a rate measured by one plan prices another's groups
-    (commpipe.adapt.model_links.MeasuredLinks.link_share)."""
+    nodes, the rate of a whole node link: each group's rate times the groups timed crossing the
+    same node link at once (commpipe.plan.cluster.groups_on_a_node_link, each at its share):
+    those of its dimension, and for a gradient reduction those of every gradient dimension
+    (GRADIENT_DIMS: a MoE model's dense buckets over dp x cp and its experts' over edp are in
+    flight together, commpipe.parallel.data.GradReducer). So a rate measured by one plan prices
+    another's groups (commpipe.adapt.model_links.MeasuredLinks.link_share), whose reductions
+    the cost model adds up, each at its dimension's share of the link."""
     from commpipe.plan.cluster import groups_on_a_node_link
 
     rates: dict[str, list[float]] = {}
@@ -196,8 +203,9 @@ def collective_rates(window: list[list[dict]], ranks_per_node: int,
                 continue
             n = len(group)
             cls = "intra_node" if len({node(g) for g in group}) == 1 else "inter_node"
-            share = groups_on_a_node_link([list(g) for d, o, g in timed if (d, o) == (dim, op)],
-                                          node, group)
+            together = GRADIENT_DIMS if dim in GRADIENT_DIMS else (dim,)
+            share = groups_on_a_node_link([list(g) for d, o, g in timed
+                                           if d in together and o == op], node, group)
             rates.setdefault(cls, []).append(
                 share * algbw_bytes(op, nbytes, n) * busbw_factor(op, n) / (ms * 1e6))
     return {cls: statistics.median(v) for cls, v in rates.items()}
