@@ -88,6 +88,9 @@ def test_candidates_of_a_moe_run_include_every_feasible_ep():
     assert all(k[1] == 1 for k in keys), "context parallelism is not applied to MoE models"
     assert all(p.ep == 2 for p in found if p.kind_of_switch(START) == "resplit")
     assert (1, 1, 2, 2, 1) in keys                 # the running degrees with another ep
+    # the balancing loss is per micro-batch: every plan keeps the running micro-batch size,
+    # where a dense run's candidates re-batch too (test_candidates_of_a_llama_run_keep_ep_1)
+    assert {p.micro_batch_size for p in found} == {START.micro_batch_size}
     assert START.kind_of_switch(PLANS[1]) == "reshard"       # another ep: new groups
     # the whole evaluation runs on it and names the ep of what it prices
     d = evaluate(cfg, AdaptConfig(trials=0), _measured(START), step=5, steps_left=100,
@@ -108,6 +111,7 @@ def test_candidates_of_a_llama_run_keep_ep_1():
     model = CostModel(cfg.spec, 16, 4, 4, _measured(cur))
     found = candidates(cur, model, cfg.spec, 16, 8, 4, 4, AdaptConfig())
     assert found and {p.ep for p in found} == {1}
+    assert len({p.micro_batch_size for p in found}) > 1
     assert cur.ep == 1 and not cur.title.startswith("ep")      # LLaMA plans read as before
 
 

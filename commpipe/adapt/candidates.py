@@ -186,7 +186,10 @@ def replacements(plans: list[Layout], world: int, ranks_per_node: int) -> list[L
 def candidates(cur: Layout, model: CostModel, spec: ModelSpec, seq_len: int, global_batch: int,
                world: int, ranks_per_node: int, acfg: AdaptConfig) -> list[Layout]:
     """Every feasible plan other than `cur`, in the order (a), (b), (d), (c); (d) only with
-    acfg.rebalance, (c) only with acfg.layouts."""
+    acfg.rebalance, (c) only with acfg.layouts. A Mixture-of-Experts model's plans keep the
+    running micro-batch size: its load-balancing loss is taken per micro-batch, so another
+    size trains another objective from the first step after the switch (commpipe.models.moe),
+    where a dense model's only sums in another order."""
     found: list[Layout] = []
     splits = resplits(cur, model) if cur.pp > 1 else []
     found += splits
@@ -204,6 +207,8 @@ def candidates(cur: Layout, model: CostModel, spec: ModelSpec, seq_len: int, glo
                    for r in rebatches(p, global_batch, acfg.max_microbatches_per_stage)]
         found += replacements([cur], world, ranks_per_node) + others
         found += replacements(others, world, ranks_per_node)
+    if routed_spec(spec) is not None:
+        found = [p for p in found if p.micro_batch_size == cur.micro_batch_size]
     seen, out = {cur}, []
     for p in found:
         if p not in seen and _feasible(p, spec, seq_len, global_batch):
