@@ -22,10 +22,8 @@ For every tp x cp x pp x dp layout of 4 and of 8 CPU ranks that the tiny LLaMA a
    default time slice), the host time of a gloo call (the calls after compute of the set's own
    probe less what their links are priced at, as `plan --cluster probe.json` takes it), and
    each pass at the two rates `plan --gpu cpu` measures on the model's first layer (per eager
-   op and per unit of work, commpipe.plan.pass_split), read just before and just after the
-   set's layouts train and averaged, as its probe is the set's own (one reading of this
-   host's changing speed varies by about 12% from the next; --pass-at-start: the run's first
-   reading for every set);
+   op and per unit of work, commpipe.plan.pass_split), read once at the start as a user's one
+   `plan` reads them (also read just before and just after each set, for the report);
    with --fit-host instead the per-layer host terms of `plan --calibrate` on the runs of 1 and
    2 ranks (their layouts are in neither set);
 3. compare, per set: Spearman rank correlation of measured and predicted step times
@@ -156,17 +154,19 @@ def probe_call_s(path: Path, cluster) -> float:
     return call
 
 
-def set_pass_rates(out: Path, name: str) -> dict | None:
-    """The pass rates set `name` ran at: the mean of the readings taken just before and just
-    after its layouts trained (OUT/pass_split-<name>.json; None for a set measured before they
-    were taken): four readings of PLAN_BUDGET_S, where one reading of this host's changing
-    speed varies by about 12% from the next (commpipe.plan.pass_split); a set's layouts train
-    for two to three minutes between them."""
+def set_pass_readings(out: Path, name: str) -> str:
+    """The pass rates read just before and just after set `name`'s layouts trained
+    (OUT/pass_split-<name>.json), for the report: not what the set is priced with, which is the
+    run's first reading as a user's one `plan --gpu cpu` gives it. On this host one reading
+    varies from the next by about a quarter either way, with no drift that a reading closer to
+    the set would follow (consecutive readings are uncorrelated: docs/planner.md)."""
     path = out / f"pass_split-{name}.json"
     if not path.exists():
-        return None
+        return ""
     b = json.loads(path.read_text())
-    return {k: (b["before"][k] + b["after"][k]) / 2 for k in ("op_s", "work_s")} | b
+    return (f"; read around the set: {b['before']['op_s'] * 1e6:.1f} and "
+            f"{b['after']['op_s'] * 1e6:.1f} us per op, {b['before']['work_s'] * 1e11:.1f} and "
+            f"{b['after']['work_s'] * 1e11:.1f}e-11 s per unit of work")
 
 
 def host_terms(out: Path, cores: int, wake_s: float = 0.0, fit: bool = False):
@@ -225,13 +225,12 @@ def host_terms(out: Path, cores: int, wake_s: float = 0.0, fit: bool = False):
                  "wake_s": wake_s, "fitted": True}
 
 
-def predict_set(out: Path, name: str, world: int, cores: int, eff, fitted: bool = False,
-                pass_at_start: bool = False) -> list[dict]:
+def predict_set(out: Path, name: str, world: int, cores: int, eff, fitted: bool = False
+                ) -> list[dict]:
     """Every measured layout of set `name` predicted with host terms `eff`; unless they were
     fitted with the calibration runs' call time (`fitted`, as a calibrated profile's terms win
     in `plan`), a gloo call's host time is the set's own probe's, as `plan --cluster
-    probe-<name>.json` takes it, and each pass is priced at the rates read around the set's
-    own layouts (set_pass_rates), unless `pass_at_start` keeps the run's first reading."""
+    probe-<name>.json` takes it."""
     from commpipe.plan.estimate import estimate
 
     spec, job, full = planner_inputs(out, name, world, cores)
@@ -240,14 +239,8 @@ def predict_set(out: Path, name: str, world: int, cores: int, eff, fitted: bool 
     if probe.exists() and not fitted:
         eff = replace(eff, coll_overhead_s=probe_call_s(probe, full))
         call_from = "its probe" + probe_spare(out, name)
-    rates = None if fitted or pass_at_start else set_pass_rates(out, name)
-    pass_from = "the run's first reading"
-    if rates:
-        eff = replace(eff, op_s=rates["op_s"], work_s=rates["work_s"])
-        pass_from = (f"read around the set: {rates['before']['op_s'] * 1e6:.1f} and "
-                     f"{rates['after']['op_s'] * 1e6:.1f} us per op, "
-                     f"{rates['before']['work_s'] * 1e11:.1f} and "
-                     f"{rates['after']['work_s'] * 1e11:.1f}e-11 s per unit of work")
+    pass_from = (f"the run's first reading, {eff.op_s * 1e6:.1f} us per op and "
+                 f"{eff.work_s * 1e11:.1f}e-11 s per unit of work" + set_pass_readings(out, name))
     rows = []
     for c in measured_layouts(out / name, cores):
         cluster, host = on_spare_cores(full, eff, c["spare_cores"])
@@ -284,9 +277,6 @@ def main(argv=None) -> int:
     ap.add_argument("--fit-host", action="store_true",
                     help="fit the per-pass and optimizer host terms on the runs of 1 and 2 ranks (the "
                          "former method) instead of pricing each pass's ops at the measured time per op")
-    ap.add_argument("--pass-at-start", action="store_true",
-                    help="price every set's passes at the rates read once at the start (the former "
-                         "method) instead of those read around each set's layouts")
     ap.add_argument("--cores", type=int, default=os.cpu_count(),
                     help="cores the ranks share (default: this machine's, %(default)s)")
     args = ap.parse_args(argv)
@@ -300,14 +290,12 @@ def main(argv=None) -> int:
     _log(f"measured in {time.monotonic() - t0:.0f} s")
     eff, fitted = host_terms(out, args.cores, scheduler_wake_s(args.cores), fit=args.fit_host)
     sets = {name: predict_set(out, name, int(name.split("mbit")[-1].removeprefix("local")),
-                              args.cores, eff, fitted["fitted"], args.pass_at_start)
-            for name in names}
+                              args.cores, eff, fitted["fitted"]) for name in names}
     report(sets, fitted)
     if args.write_interval:
         write_interval(sets, [Path(p) for p in args.pool])
     (out / "result.json").write_text(json.dumps(
         {"host_terms": fitted, "cores": args.cores, "steps": args.steps,
-         "pass_at_start": args.pass_at_start,
          "warmup": args.warmup, "sets": {n: {"score": score(r), "rows": r} for n, r in sets.items()}},
         indent=1))
     return 0

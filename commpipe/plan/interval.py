@@ -33,8 +33,8 @@ SOURCES = 6
 # Regenerate:
 #     python benchmarks/planner_rank.py --reuse --write-interval --pool EARLIER_OUT
 # -- begin: written by benchmarks/planner_rank.py --write-interval
-CPU_STEP_QUANTILES = {10: 0.9042, 50: 1.1884, 90: 1.5738}
-CPU_LAYOUTS = 150
+CPU_STEP_QUANTILES = {10: 0.9028, 50: 1.1487, 90: 1.5255}
+CPU_LAYOUTS = 225
 # -- end
 
 
