@@ -28,8 +28,8 @@ SOURCES = 6
 # and 8 ranks of a 2-core machine, local and on the emulated cluster at 50 and 500 Mbit/s, priced
 # by `estimate` from a probe, the cores left to the ranks, and each pass at the rates measured on
 # the model's first layer, each set's gloo calls from its own probe (docs/planner.md, "Ranking
-# this machine's layouts", eighth session: two runs of every set, hours apart, pooled, so that
-# the host's drift in speed between a calibration and the runs is inside the interval).
+# this machine's layouts", ninth session: three runs of every set, hours apart, pooled, so that
+# how far one reading of the pass rates lands from the speed the runs see is inside the interval).
 # Regenerate:
 #     python benchmarks/planner_rank.py --reuse --write-interval --pool EARLIER_OUT
 # -- begin: written by benchmarks/planner_rank.py --write-interval
