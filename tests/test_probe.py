@@ -259,7 +259,7 @@ def test_other_cores_of_ranks_on_one_host_subtracts_each_ranks_own_time():
     """Two ranks on one host, hand-written spans: the host was busy 3.0 CPU-s over 2 s, the ranks
     used 1.2 and 0.8 s themselves, so others kept (3.0 - 2.0) / 2 = 0.5 cores busy."""
     from commpipe.monitor.host_load import other_cores
-    from commpipe.monitor.probe import host_load
+    from commpipe.monitor.probe_result import host_load
 
     a = {"wall0": 10.0, "wall1": 12.0, "busy0": 100.0, "busy1": 102.9, "own0": 1.0, "own1": 2.2,
          "cores": 4}
@@ -274,7 +274,7 @@ def test_other_cores_of_ranks_on_one_host_subtracts_each_ranks_own_time():
                      {"node": 1, "cores": 2, "other_cores": pytest.approx(1.0)}]
     # the table warns where others took over a tenth of the cores: node 1 (1.0 of 2), not
     # node 2 (0.5 of 8)
-    from commpipe.monitor.probe import format_table
+    from commpipe.monitor.probe_result import format_table
 
     table = format_table({"world_size": 3, "nodes": 2, "ranks_per_node": 2, "backend": "gloo",
                           "device": "cpu", "fit": "", "pairs": {}, "allreduce": [],
