@@ -62,15 +62,15 @@ def score(out: Path, summary: dict) -> dict:
     oracle = json.loads((out / "oracle" / "candidates.json").read_text())["candidates"]
     rows = [(c["name"], c["median_ms"], predicted_for(decision, c)) for c in oracle]
     pairs = [(m, p) for _, m, p in rows if p]
-    out = {"decision_step": decision["step"] if decision else None,
+    got = {"decision_step": decision["step"] if decision else None,
            "decision": decision["action"] if decision else None,
            "rows": rows, "layouts_predicted": len(pairs), "layouts_measured": len(rows),
            "trials": [t["measured_ms"] / t["predicted_ms"] for t in summary.get("trials", [])]}
     if len(pairs) >= 3:
-        out["spearman"] = float(spearmanr([m for m, _ in pairs], [p for _, p in pairs])[0])
+        got["spearman"] = float(spearmanr([m for m, _ in pairs], [p for _, p in pairs])[0])
     if pairs:
-        out["median_abs_error"] = statistics.median(abs(m / p - 1) for m, p in pairs)
-    return out
+        got["median_abs_error"] = statistics.median(abs(m / p - 1) for m, p in pairs)
+    return got
 
 
 def main(argv=None) -> int:

@@ -5,7 +5,7 @@
     python benchmarks/planner_rank.py --reuse            # predict OUT's measurements again
     python benchmarks/planner_rank.py --reuse --fit-host # ... with host terms fitted, not measured
     python benchmarks/planner_rank.py --reuse --write-interval   # + the planner's CPU interval
-    python benchmarks/planner_rank.py --reuse --write-interval --pool OTHER_OUT   # over two runs
+    python benchmarks/planner_rank.py --reuse --write-interval --pool OUT2 OUT3   # over 3 runs
 
 For every tp x cp x pp x dp layout of 4 and of 8 CPU ranks that the tiny LLaMA admits (the demo's
 8-layer, 64-wide model, sequence 32, global batch 8, 1F1B):

@@ -68,6 +68,9 @@ class Layout:
         object.__setattr__(self, "stage_layers", tuple(self.stage_layers))   # JSON gives lists
         object.__setattr__(self, "dp_microbatches", tuple(self.dp_microbatches or ()))
         ParallelDims(dp=self.dp, pp=self.pp, cp=self.cp, tp=self.tp)   # validates the degrees
+        if self.ep > 1 and "ep" in self.extra and str(self.extra["ep"]) != str(self.ep):
+            raise ValueError(f"expert parallelism given twice, ep={self.ep} and a training flag "
+                             f"ep={self.extra['ep']}; give it once")
         if self.pinned is None:
             given = frozenset(k for k, f in PINNABLE.items() if getattr(self, f) is not None)
             object.__setattr__(self, "pinned", given)

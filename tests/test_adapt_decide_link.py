@@ -173,6 +173,14 @@ def test_a_slow_link_the_model_over_prices_is_scaled_down_not_carried_into_every
     on_link = 16 * (1 - f) * 4096 / (SLOW_GBPS * 1e6)
     assert exact.predict(replaced) - on_link - 1e-6 <= new.predict(replaced) \
         <= exact.predict(replaced) + 1e-6
+    # over-priced by nearly the whole all-reduce (1,806 of its 1,807.36 ms): the factor that
+    # would explain it, 7.5e-4, would price the slow link faster than it ran healthy; it stops at
+    # SLOW / INTER = 0.002 (the link back at its healthy rate), the rest stays in the constant
+    nearly = _two_nodes(DP_ACROSS, SLOW_GBPS, -1806.0, reference=healthy)
+    clamped = CostModel(spec, 16, 4, 2, nearly)
+    assert clamped.fault_factor == pytest.approx(SLOW_GBPS / INTER_GBPS, rel=1e-9)
+    assert clamped.link(0, 2)[1] == pytest.approx(CostModel(spec, 16, 4, 2, healthy).link(0, 2)[1])
+    assert clamped.predict(DP_ACROSS) == pytest.approx(nearly.step_ms, rel=1e-9)
 
 
 def test_a_replacement_predicted_best_is_chosen_and_moves_its_state_inside_the_nodes():
@@ -323,7 +331,6 @@ def test_a_rate_timed_on_groups_sharing_a_node_link_is_recorded_for_the_whole_li
     one = [{"rank": r, "timed": call(r, (0, 2))} for r in (0, 2)]
     assert collective_rates([one], ranks_per_node=2, min_bytes=65536) == \
         {"inter_node": pytest.approx(0.1)}
-
 
 
 def test_a_moe_steps_dense_and_expert_reductions_share_the_node_link_they_ran_on_together():

@@ -265,8 +265,9 @@ def test_oracle_candidates_of_a_moe_model_come_at_every_expert_parallel_size():
 
     moe = ("arch=moe,layers=4,hidden=64,heads=4,kv_heads=2,vocab=256,experts=4,top_k=2,"
            "expert_ffn=128")
+    # an ep in the shared flags (the run's own) does not override each candidate's
     found, rejected = candidate_layouts({"model": moe, "seq_len": 32, "global_batch": 8,
-                                         "steps": 10}, 4)
+                                         "steps": 10, "ep": 2}, 4)
     got = {(c["tp"], c["cp"], c["pp"], c["dp"], c["ep"]) for c in found}
     assert got == {(1, 1, 1, 4, 1), (1, 1, 1, 4, 2), (1, 1, 1, 4, 4), (1, 1, 2, 2, 1),
                    (1, 1, 2, 2, 2), (2, 1, 1, 2, 1), (2, 1, 1, 2, 2), (1, 1, 4, 1, 1),

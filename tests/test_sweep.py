@@ -92,6 +92,9 @@ def test_grid_toml(tmp_path):
     moe = Layout(dp=4, ep=2)
     argv = train_flags(moe, {"ep": 4, "steps": 3}, "/o")
     assert argv[argv.index("--ep") + 1] == "2" and argv.count("--ep") == 1
+    assert Layout(dp=4, ep=2, extra={"ep": 2}).ep == 2
+    with pytest.raises(ValueError, match="expert parallelism given twice"):
+        Layout(dp=4, ep=2, extra={"ep": 4})
 
 
 @pytest.mark.parametrize("text, message", [

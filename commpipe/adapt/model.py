@@ -149,6 +149,7 @@ class CostModel(MeasuredLinks):
         self.slow_links: set[tuple[int, int]] = set()   # rank pairs measured slower than before
         self.slow_ranks: set[int] = set()
         self.fault_factor, self.fault_ms = 1.0, 0.0
+        self.least_factor = 1.0                  # _find_slow
         self.healthy_parts: dict | None = None   # the healthy step's modelled parts, for the log
         ref = measured.reference
         if ref is None:
@@ -213,14 +214,25 @@ class CostModel(MeasuredLinks):
             for b in range(self.world):
                 if a != b and healthy.link(a, b)[1] > slower * self.link(a, b)[1]:
                     self.slow_links.add((a, b))
+        # the least factor on the slow links' time: at it the fastest of them is back at its
+        # healthy rate (point to point, and the collectives of its class); below it a step
+        # measured a little under the model would price the slow links faster than healthy
+        ratios = [self.link(a, b)[1] / healthy.link(a, b)[1] for a, b in self.slow_links]
+        for cls in {self.link_class(a, b) for a, b in self.slow_links}:
+            now, before = self.m.collective_gbps.get(cls), healthy.m.collective_gbps.get(cls)
+            if now and before:
+                ratios.append(now / before)
+        self.least_factor = max(ratios, default=1.0)
         self.slow_ranks = {g for g, k in self.k.items() if k > slower * healthy.k.get(g, 1.0)}
 
     def _solve_factor(self, plan: Layout, step: float) -> float:
         """The factor on the slow links' time (or the slow ranks' compute) that makes `plan`
         predict `step`: bisection, the prediction grows with it. Above 1 where the model
-        without it predicts less than `step`, below 1 (at least 1e-3) where it predicts more."""
+        without it predicts less than `step`; below 1 where it predicts more, down to
+        `least_factor` at most (the slow links back at their healthy rates: what is still over
+        stays in the constant)."""
         self.fault_factor = 1.0
-        lo, hi = (1.0, 1e4) if self.predict(plan) < step else (1e-3, 1.0)
+        lo, hi = (1.0, 1e4) if self.predict(plan) < step else (min(self.least_factor, 1.0), 1.0)
         self.fault_factor = hi
         if self.predict(plan) < step:
             return hi

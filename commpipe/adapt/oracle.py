@@ -65,7 +65,8 @@ def candidate_layouts(train: dict, world: int) -> tuple[list[dict], list[dict]]:
     from commpipe.cluster.launch import train_flags
     from commpipe.plan.moe import ep_choices
 
-    shared = {k: v for k, v in train.items() if k not in ("adapt", "out", "log_every")}
+    # the layout's own ep is each candidate's (a shared one would run every candidate at it)
+    shared = {k: v for k, v in train.items() if k not in ("adapt", "out", "log_every", "ep")}
     found, rejected = [], []
     for tp, cp, pp, dp in _factorizations(world):
         base = Layout(tp=tp, cp=cp, pp=pp, dp=dp, schedule="1f1b" if pp > 1 else None)
@@ -85,8 +86,7 @@ def candidate_layouts(train: dict, world: int) -> tuple[list[dict], list[dict]]:
                 splits.append(("balanced", bal))
         for (label, split), ep in itertools.product(splits, ep_choices(cfg.spec, dp * cp)):
             extra = {"stage_layers": ",".join(map(str, split))} if pp > 1 else {}
-            extra |= {"ep": ep} if ep > 1 else {}
-            lay = Layout(tp=tp, cp=cp, pp=pp, dp=dp, schedule=base.schedule, extra=extra)
+            lay = Layout(tp=tp, cp=cp, pp=pp, dp=dp, ep=ep, schedule=base.schedule, extra=extra)
             flags = train_flags(lay, shared, "unused")
             try:
                 c = _config(flags)

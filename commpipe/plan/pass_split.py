@@ -137,7 +137,7 @@ def measure(spec, seq_len: int, device: str = "cpu", budget_s: float = 0.5,
     while min(len(v) for v in times.values()) < 3 or time.perf_counter() < end:
         for b in BATCHES:
             times[b].append(one(b))
-        if len(times[BATCHES[0]]) >= MAX_PASSES_PER_S * budget_s:
+        if len(times[BATCHES[0]]) >= max(3, MAX_PASSES_PER_S * budget_s):
             break
     small, large = BATCHES
     found = solve(statistics.median(times[small]), statistics.median(times[large]), small, large,
