@@ -144,15 +144,10 @@ def host_capacity(out: Path, cores: int, fresh: bool = False) -> float:
 def pass_rates(out: Path, fresh: bool = False) -> dict:
     """A pass of the model's first layer split into its fixed part per op and its part per unit
     of work, as `plan --gpu cpu` measures it on the model (commpipe.plan.pass_split, one thread;
-    OUT/pass_split.json, measured with the sets unless missing)."""
-    from commpipe.models.spec import resolve_model
-    from commpipe.plan.pass_split import planned_measure
-
+    OUT/pass_split.json, one reading, taken with the sets unless missing)."""
     path = out / "pass_split.json"
     if fresh or not path.exists():
-        split = planned_measure(resolve_model(MODEL), TRAIN["seq_len"])
-        path.write_text(json.dumps({"op_s": split.op_ms / 1e3, "work_s": split.work_ms / 1e3})
-                        + "\n")
+        path.write_text(json.dumps(read_pass_rates(readings=1)) + "\n")
     return json.loads(path.read_text())
 
 

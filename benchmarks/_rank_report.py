@@ -45,7 +45,7 @@ def report(sets: dict, fitted: dict) -> None:
           + ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in fitted["params"].items()))
     for name, rows in sets.items():
         print(f"\n{name}: host time per gloo call {rows[0]['call_ms']:.2f} ms "
-              f"({rows[0]['call_from']}); passes at {rows[0].get('pass_from', 'the first reading')}")
+              f"({rows[0]['call_from']}); passes at {rows[0]['pass_from']}")
         print(f"{'layout':<18}{'measured ms':>12}{'predicted ms':>14}{'error':>8}{'spare':>7}"
               f"{'kappa':>7}   largest predicted terms (ms)")
         for r in sorted(rows, key=lambda r: r["measured_ms"]):
