@@ -72,10 +72,10 @@ def predict(name: str, spare: float, probe_file: Path | None, capacity: float) -
     from commpipe.plan.cli import for_cluster
     from commpipe.plan.cluster import apply_probe, default_cluster
     from commpipe.plan.cpu import this_cpu
+    from commpipe.plan.efficiency import Efficiency, default_efficiency
     from commpipe.plan.estimate import estimate
     from commpipe.plan.layout import Job, Layout
     from commpipe.plan.pass_split import with_measured_pass
-    from commpipe.plan.timing import Efficiency, default_efficiency
 
     dims = LAYOUTS[name]
     ranks = 2 if dims else 1

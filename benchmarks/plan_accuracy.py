@@ -26,10 +26,10 @@ import numpy as np
 from commpipe.models.spec import flops_per_token, resolve_model
 from commpipe.plan.calibrate import fit, mape, points_from_csv, predict
 from commpipe.plan.cluster import default_cluster, override_links
+from commpipe.plan.efficiency import Efficiency
 from commpipe.plan.estimate import estimate, hardware_flops_per_token
 from commpipe.plan.gpus import resolve_gpu
 from commpipe.plan.layout import Job, Layout
-from commpipe.plan.timing import Efficiency
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT.parent / "shared" / "data"

@@ -22,7 +22,7 @@ was measured with is the table's by assumption.
 
 Inputs: the model (mixtral-8x7b), the GPU and cluster, the stated layout (the distributed
 optimizer: ZeRO-1; overlapped gradient reduction), the framework preset megatron. Nothing is
-fitted here: the efficiency constants are the planner's GPU defaults (timing.MEASURED_GPU,
+fitted here: the efficiency constants are the planner's GPU defaults (efficiency.MEASURED_GPU,
 fitted on dense vTrain A100 runs), the MoE layers' host operations counted in Megatron-Core's
 code (commpipe.plan.moe_host), the expert imbalance its default 1.25 and, to show how much
 rides on it, 1.0 (perfect balance) and 1.1. Error = predicted / published TFLOP/s - 1.

@@ -21,7 +21,7 @@ framework's internals (TP overlap, FP8 weights, eager kernels, FSDP2 copies, gra
 CP exchange, the loss kernel, the attention kernel, and for a 2021 stack no flash attention,
 sequence parallelism or overlapped DP reduction) come from its `--framework` preset
 (commpipe/plan/frameworks.py), never from the row.
-Efficiency: the defaults (what `plan` and `estimate` use on GPUs: `timing.MEASURED_GPU`, the
+Efficiency: the defaults (what `plan` and `estimate` use on GPUs: `efficiency.MEASURED_GPU`, the
 constants `calibrate.fit` finds on vTrain's measured A100 runs, refitted and printed when
 ../shared/data has them) and the untuned datasheet-based constants (`Efficiency()`). No
 constant is fitted on any public row, so every source is held out: the per-source figures are
@@ -42,11 +42,11 @@ import numpy as np
 
 from commpipe.models.spec import flops_per_token, resolve_model
 from commpipe.plan.cluster import default_cluster
+from commpipe.plan.efficiency import MEASURED_GPU, Efficiency
 from commpipe.plan.frameworks import framework_job_fields
 from commpipe.plan.gpus import resolve_gpu
 from commpipe.plan.layout import Job
 from commpipe.plan.search import rank_key, search
-from commpipe.plan.timing import MEASURED_GPU, Efficiency
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "benchmarks" / "data" / "public_runs.csv"
@@ -197,7 +197,7 @@ def memory_check() -> None:
 
 
 def efficiencies() -> dict[str, Efficiency]:
-    """The planner's GPU defaults (`timing.MEASURED_GPU`, fitted on vTrain's measured runs) and
+    """The planner's GPU defaults (`efficiency.MEASURED_GPU`, fitted on vTrain's measured runs) and
     the untuned datasheet-based constants. With the vTrain file present, the fit is rerun and
     printed beside the defaults it should reproduce."""
     effs = {"defaults": MEASURED_GPU, "untuned": Efficiency()}

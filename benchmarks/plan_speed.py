@@ -18,13 +18,13 @@ import time
 
 from commpipe.models.spec import resolve_model
 from commpipe.plan.cluster import default_cluster
+from commpipe.plan.efficiency import Efficiency
 from commpipe.plan.estimate import estimate
 from commpipe.plan.gpus import resolve_gpu
 from commpipe.plan.layout import Job, enumerate_layouts
 from commpipe.plan.pipeline import cache_clear
 from commpipe.plan.report import HEADER, row
 from commpipe.plan.search import _prepare, search
-from commpipe.plan.timing import Efficiency
 
 
 def main() -> int:

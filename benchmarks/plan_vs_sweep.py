@@ -41,9 +41,9 @@ from commpipe.cluster.sweep import EmulatedRunner, LocalRunner, read_status, run
 from commpipe.plan.calibrate import fit, point_from_run, save_profile
 from commpipe.plan.cluster import apply_probe, default_cluster
 from commpipe.plan.cpu import measure_cpu
+from commpipe.plan.efficiency import Efficiency
 from commpipe.plan.estimate import estimate
 from commpipe.plan.gpus import GPU
-from commpipe.plan.timing import Efficiency
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -186,8 +186,8 @@ def host_terms(out: Path, cores: int, wake_s: float = 0.0, fit: bool = False):
     import numpy as np
     from scipy.optimize import least_squares
 
+    from commpipe.plan.efficiency import Efficiency
     from commpipe.plan.estimate import estimate
-    from commpipe.plan.timing import Efficiency
 
     points = []
     for world in CALIB_WORLDS:

@@ -15,13 +15,15 @@ from commpipe.cli import main
 from commpipe.models.spec import flops_per_token, param_count, resolve_model
 from commpipe.plan.calibrate import Point, fit, load_profile, predict, save_profile
 from commpipe.plan.cluster import Link, apply_probe, default_cluster
+from commpipe.plan.compute import layer_compute
+from commpipe.plan.efficiency import Efficiency
 from commpipe.plan.estimate import estimate, lower_bound
 from commpipe.plan.gpus import resolve_gpu
 from commpipe.plan.layout import Job, Layout, enumerate_layouts
 from commpipe.plan.memory import GIB, stage_memory
 from commpipe.plan.pipeline import peak_inflight, simulate_step
 from commpipe.plan.search import _prepare, search
-from commpipe.plan.timing import Efficiency, layer_compute, stage_costs
+from commpipe.plan.timing import stage_costs
 from commpipe.schedules import generate, lower
 from commpipe.sim import CostTable, simulate
 

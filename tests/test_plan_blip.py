@@ -15,8 +15,8 @@ from commpipe.cli import main
 from commpipe.models.blip_spec import flops_per_sample, resolve_blip
 from commpipe.plan.blip import plan_blip, plan_layout
 from commpipe.plan.cluster import default_cluster
+from commpipe.plan.efficiency import Efficiency
 from commpipe.plan.gpus import resolve_gpu
-from commpipe.plan.timing import Efficiency
 
 
 def test_one_gpu_step_is_flops_over_rate():

@@ -12,12 +12,13 @@ import pytest
 
 from commpipe.models.spec import resolve_model
 from commpipe.plan.cluster import default_cluster
+from commpipe.plan.efficiency import Efficiency
 from commpipe.plan.estimate import estimate
 from commpipe.plan.gpus import resolve_gpu
 from commpipe.plan.layout import Job, Layout, enumerate_layouts
 from commpipe.plan.pipeline import action_counts, simulate_step
 from commpipe.plan.search import search
-from commpipe.plan.timing import Efficiency, stage_costs
+from commpipe.plan.timing import stage_costs
 from commpipe.schedules import generate, lower
 from commpipe.sim import CostTable, simulate
 

@@ -12,11 +12,12 @@ import pytest
 from commpipe.models.spec import resolve_model
 from commpipe.plan import kernels
 from commpipe.plan.cluster import default_cluster
+from commpipe.plan.efficiency import Efficiency
 from commpipe.plan.estimate import estimate
 from commpipe.plan.gpus import resolve_gpu
 from commpipe.plan.kernels import nccl_channels, nccl_sm_share
 from commpipe.plan.layout import Job, Layout
-from commpipe.plan.timing import Efficiency, stage_costs
+from commpipe.plan.timing import stage_costs
 from commpipe.plan.zero_costs import zero_exposed
 
 H100 = resolve_gpu("h100")

@@ -15,12 +15,14 @@ from commpipe.cli import main
 from commpipe.models.spec import resolve_model
 from commpipe.plan.calibrate import Point, cross_validate, fit, predict, supported_params
 from commpipe.plan.cluster import default_cluster
+from commpipe.plan.compute import layer_compute
+from commpipe.plan.efficiency import Efficiency, default_efficiency
 from commpipe.plan.estimate import estimate
 from commpipe.plan.gpus import resolve_gpu
 from commpipe.plan.layout import Job, Layout
 from commpipe.plan.memory import GIB, stage_memory, static_memory_gb
 from commpipe.plan.pipeline import peak_inflight
-from commpipe.plan.timing import Efficiency, default_efficiency, layer_compute, stage_costs
+from commpipe.plan.timing import stage_costs
 
 H100 = resolve_gpu("h100")
 # L=4, h=1024, 16 heads, 4 KV heads (kv_dim 256), f=4096, V=32000: 126,362,624 parameters
@@ -387,7 +389,7 @@ def test_async_input_gradient_collectives_hide_behind_dw_gemms():
     # the weight-gradient GEMM of the projections it feeds: QKV [T, h] x [h, (16 + 2 * 8) * 64 / 8]
     # and gate+up [T, h] x [h, 2 * 4096 / 8]; the backward TP time falls by the smaller of the two
     # per entry. Zero-bubble schedules move those GEMMs to W: nothing hides there.
-    from commpipe.plan.timing import gemms_time
+    from commpipe.plan.compute import gemms_time
 
     c, eff = default_cluster(H100, 8, 8), Efficiency()
     spec = resolve_model("arch=llama,layers=4,hidden=1024,heads=16,kv_heads=8,ffn_hidden=4096,vocab=32000")

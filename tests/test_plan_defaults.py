@@ -5,11 +5,12 @@ import pytest
 
 from commpipe.models.spec import resolve_model
 from commpipe.plan.cluster import default_cluster
+from commpipe.plan.compute import gemm_time
+from commpipe.plan.efficiency import MEASURED_GPU, Efficiency, default_efficiency
 from commpipe.plan.estimate import estimate
 from commpipe.plan.gpus import resolve_gpu
 from commpipe.plan.layout import Job, Layout
 from commpipe.plan.search import search
-from commpipe.plan.timing import MEASURED_GPU, Efficiency, default_efficiency, gemm_time
 
 H100 = resolve_gpu("h100")
 SPEC = resolve_model("arch=gpt,layers=4,hidden=2048,heads=16,vocab=32000")

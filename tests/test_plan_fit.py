@@ -9,9 +9,9 @@ import pytest
 from commpipe.models.spec import resolve_model
 from commpipe.plan.calibrate import Point, fit, predict
 from commpipe.plan.cluster import default_cluster
+from commpipe.plan.efficiency import Efficiency
 from commpipe.plan.gpus import resolve_gpu
 from commpipe.plan.layout import Job, Layout
-from commpipe.plan.timing import Efficiency
 
 
 def _points(truth: Efficiency):

@@ -103,9 +103,10 @@ def test_fa2_attention_runs_at_its_hopper_share_by_hand():
     attn_rel of a large GEMM's, as before."""
     from commpipe.models.family import resolve
     from commpipe.plan.cluster import default_cluster
+    from commpipe.plan.compute import layer_compute
+    from commpipe.plan.efficiency import MEASURED_GPU
     from commpipe.plan.gpus import resolve_gpu
     from commpipe.plan.layout import Job, Layout
-    from commpipe.plan.timing import MEASURED_GPU, layer_compute
 
     spec = resolve("llama3-8b")                         # 32 heads of 128
     layout = Layout(tp=2, cp=1, pp=1, dp=4, micro_batch_size=1)

@@ -15,11 +15,12 @@ from commpipe.cli import main
 from commpipe.models.spec import resolve_model
 from commpipe.plan.calibrate import Point, fit, predict
 from commpipe.plan.cluster import Link
+from commpipe.plan.efficiency import Efficiency
 from commpipe.plan.estimate import estimate
 from commpipe.plan.gpus import resolve_gpu
 from commpipe.plan.layout import Job, Layout
 from commpipe.plan.memory import stage_params
-from commpipe.plan.timing import Efficiency, stage_costs
+from commpipe.plan.timing import stage_costs
 
 H100 = resolve_gpu("h100")
 
@@ -98,8 +99,8 @@ def test_node_of_places_groups_and_pipeline_links():
 
 
 def test_runtime_job_prices_what_commpipe_sends():
+    from commpipe.plan.compute import layer_compute
     from commpipe.plan.layout import runtime_job
-    from commpipe.plan.timing import layer_compute
     from commpipe.runtime.features import Overlap, RuntimeFeatures
 
     spec = resolve_model(DEMO_LIKE)

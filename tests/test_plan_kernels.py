@@ -13,13 +13,15 @@ import pytest
 
 from commpipe.models.spec import resolve_model
 from commpipe.plan.cluster import default_cluster
+from commpipe.plan.compute import gemm_time, layer_compute
+from commpipe.plan.efficiency import Efficiency
 from commpipe.plan.estimate import estimate
 from commpipe.plan.frameworks import framework_job_fields
 from commpipe.plan.gpus import resolve_gpu
 from commpipe.plan.kernels import HBM_EFFICIENCY
 from commpipe.plan.layout import Job, Layout, enumerate_layouts
 from commpipe.plan.memory import GIB, layer_activation_bytes
-from commpipe.plan.timing import Efficiency, gemm_time, layer_compute, stage_costs
+from commpipe.plan.timing import stage_costs
 
 A100 = resolve_gpu("a100-80gb")
 # h=1024, 16 heads, 4 KV heads (kv 256), f=4096: tests/test_plan_coverage.py's small Llama

@@ -14,12 +14,13 @@ from commpipe.models import moe_spec as M
 from commpipe.models.family import resolve
 from commpipe.plan.cli import check_experts
 from commpipe.plan.cluster import default_cluster
+from commpipe.plan.efficiency import default_efficiency
 from commpipe.plan.estimate import estimate
 from commpipe.plan.gpus import resolve_gpu
 from commpipe.plan.layout import Job, Layout, enumerate_layouts
 from commpipe.plan.memory import GIB, stage_memory
 from commpipe.plan.search import search
-from commpipe.plan.timing import default_efficiency, stage_costs
+from commpipe.plan.timing import stage_costs
 
 # 2 MoE layers of 8 experts, top-2; hidden 256, expert width 512
 SMALL = "arch=moe,layers=2,hidden=256,heads=4,kv_heads=4,vocab=1024,experts=8,top_k=2,expert_ffn=512"
@@ -274,10 +275,10 @@ def test_fp8_prices_expert_gemms_in_fp8_the_router_in_bf16_and_the_casts():
     the bf16 rate plus every shared and routed expert GEMM at the FP8 rate (kernels.fp8_gemm_time)
     plus the HBM-bound work, which gains the FP8 casts of those GEMMs' inputs (4 bytes per M*K
     element); the dense layer likewise without a router. Worked against bf16 on the same layout."""
+    from commpipe.plan.compute import gemm_time
     from commpipe.plan.kernels import fp8_gemm_time, hbm_rate
     from commpipe.plan.moe import mlp_activation_bytes
     from commpipe.plan.moe_costs import mlp_gemms
-    from commpipe.plan.timing import gemm_time
 
     spec = resolve(SMALL + ",shared_experts=1,dense_layers=1,dense_ffn=1024")
     cluster = default_cluster(resolve_gpu("h100"), 8, 8)

@@ -11,11 +11,12 @@ import pytest
 
 from commpipe.models.family import resolve
 from commpipe.plan.cluster import default_cluster
+from commpipe.plan.efficiency import MEASURED_GPU
 from commpipe.plan.estimate import estimate
 from commpipe.plan.frameworks import framework_job_fields
 from commpipe.plan.gpus import resolve_gpu
 from commpipe.plan.layout import Job, Layout
-from commpipe.plan.timing import MEASURED_GPU, stage_costs
+from commpipe.plan.timing import stage_costs
 
 # 2 MoE layers of 16 experts, top-2; hidden 256, expert width 512
 SMALL = "arch=moe,layers=2,hidden=256,heads=4,kv_heads=4,vocab=1024,experts=16,top_k=2,expert_ffn=512"

@@ -89,8 +89,9 @@ def test_a_cpu_layer_at_its_measured_rate_by_hand():
     from dataclasses import replace
 
     from commpipe.models.spec import resolve_model
+    from commpipe.plan.compute import head_compute, layer_compute
+    from commpipe.plan.efficiency import Efficiency
     from commpipe.plan.layout import Layout
-    from commpipe.plan.timing import Efficiency, head_compute, layer_compute
 
     spec = resolve_model("arch=llama,layers=8,hidden=64,heads=4,kv_heads=2,ffn_hidden=128,vocab=256")
     job, cluster = _cpu_job()
@@ -112,9 +113,9 @@ def test_the_planner_measures_the_pass_only_where_commpipe_runs_it_on_a_cpu():
     from dataclasses import replace
 
     from commpipe.models.spec import resolve_model
+    from commpipe.plan.efficiency import Efficiency
     from commpipe.plan.gpus import resolve_gpu
     from commpipe.plan.pass_split import planned_measure, with_measured_pass
-    from commpipe.plan.timing import Efficiency
 
     spec = resolve_model("arch=llama,layers=8,hidden=64,heads=4,kv_heads=2,ffn_hidden=128,vocab=256")
     job, cluster = _cpu_job()

@@ -203,11 +203,12 @@ def test_host_and_device_compose_as_max_on_a_gpu_and_add_on_a_cpu():
     from dataclasses import replace
 
     from commpipe.plan.cluster import default_cluster
+    from commpipe.plan.efficiency import MEASURED_GPU
     from commpipe.plan.estimate import estimate
     from commpipe.plan.gpus import resolve_gpu
     from commpipe.plan.layout import Job, Layout
     from commpipe.plan.runtime_ops import HostOps
-    from commpipe.plan.timing import MEASURED_GPU, stage_costs
+    from commpipe.plan.timing import stage_costs
 
     spec = resolve_model("arch=llama,layers=4,hidden=256,heads=4,kv_heads=2,ffn_hidden=512,vocab=512")
     cluster = default_cluster(resolve_gpu("h100"), 1, 1)

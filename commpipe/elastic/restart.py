@@ -173,9 +173,9 @@ def _planner_ranking(base, world: int, global_batch: int, schedule: str) -> list
     from dataclasses import replace
 
     from commpipe.plan.cluster import default_cluster
+    from commpipe.plan.efficiency import default_efficiency
     from commpipe.plan.layout import Job, runtime_job
     from commpipe.plan.search import search
-    from commpipe.plan.timing import default_efficiency
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or world
     cluster = default_cluster(_gpu(), world, min(local, world))

@@ -19,7 +19,7 @@ come from the command-line flags.
 
 Fit: scipy.optimize.least_squares (trust-region reflective, e_max <= 1 as a bound) on
 r_j = log(predicted_j / measured_j) over the parameters
-e_max, ai_half_ridge, elementwise, overhead_s (timing.Efficiency; `fit(params=...)` picks any
+e_max, ai_half_ridge, elementwise, overhead_s (efficiency.Efficiency; `fit(params=...)` picks any
 Efficiency fields, e.g. the host terms) and, when no probe gave them and the runs use such
 groups, the intra- and inter-node bandwidths; all in log space, with a weak pull (weight 0.01
 per e-fold) toward the starting values so that a parameter the data cannot see stays where the
@@ -40,9 +40,9 @@ from scipy.optimize import least_squares
 
 from commpipe.models.spec import ModelSpec, parse_model_fields, resolve_model
 from commpipe.plan.cluster import Cluster, Link, apply_probe, read_json
+from commpipe.plan.efficiency import Efficiency
 from commpipe.plan.estimate import step_time
 from commpipe.plan.layout import SCHEDULES, Job, Layout, runtime_job
-from commpipe.plan.timing import Efficiency
 from commpipe.runtime.features import Overlap, RuntimeFeatures
 
 EFF_PARAMS = ("e_max", "ai_half_ridge", "elementwise", "overhead_s")

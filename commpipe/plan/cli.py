@@ -25,13 +25,13 @@ from commpipe.plan.cluster import (
     override_links,
     probe_call_overhead,
 )
+from commpipe.plan.efficiency import default_efficiency
 from commpipe.plan.frameworks import FRAMEWORKS, default_framework, framework_job_fields, resolve_framework
 from commpipe.plan.gpus import resolve_gpu
 from commpipe.plan.layout import ATTN_KERNELS, PRECISIONS, RECOMPUTE, SCHEDULES, ZERO_STAGES, Job, runtime_job
 from commpipe.plan.pass_split import busy_note, with_measured_pass
 from commpipe.plan.pass_split import describe as describe_pass
 from commpipe.plan.runtime_ops import with_host_ops
-from commpipe.plan.timing import default_efficiency
 
 FIXABLE = ("tp", "cp", "pp", "dp", "vpp", "micro_batch_size", "schedule", "recompute", "zero", "dp_shard",
            "ep")

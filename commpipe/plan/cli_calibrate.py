@@ -26,8 +26,8 @@ from commpipe.plan.calibrate import (
     supported_params,
 )
 from commpipe.plan.cli import cluster_from_args
+from commpipe.plan.efficiency import Efficiency
 from commpipe.plan.gpus import resolve_gpu
-from commpipe.plan.timing import Efficiency
 
 
 def run_calibration(args) -> int:

@@ -26,12 +26,13 @@ from commpipe.models.spec import ModelSpec, flops_per_token
 from commpipe.plan import host
 from commpipe.plan import moe as moe_plan
 from commpipe.plan.cluster import Cluster
+from commpipe.plan.efficiency import Efficiency, default_efficiency
 from commpipe.plan.layout import Job, Layout, layout_problem
 from commpipe.plan.memory import StageMemory, chunk_stages, memory_problem, rank_chunks, stage_memory
 from commpipe.plan.moe_costs import summary as moe_summary
 from commpipe.plan.pass_split import with_measured_pass
 from commpipe.plan.pipeline import action_counts, braid_span, busy_overlap, peak_inflight, simulate_step
-from commpipe.plan.timing import Efficiency, StageCosts, default_efficiency, stage_costs
+from commpipe.plan.timing import StageCosts, stage_costs
 from commpipe.schedules.registry import info
 
 

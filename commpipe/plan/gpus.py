@@ -1,7 +1,7 @@
 """GPU table: peak dense bf16 TFLOP/s, memory, HBM and link bandwidths per accelerator.
 
 Every number is a vendor datasheet value (peak, dense, no sparsity); links are per direction.
-Achievable fractions of these peaks live in the cost model (`timing.Efficiency`,
+Achievable fractions of these peaks live in the cost model (`efficiency.Efficiency`,
 `cluster.Cluster`), never here.
 
     >>> resolve_gpu("h100").tflops

@@ -37,7 +37,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from commpipe.plan.cluster import Cluster
-from commpipe.plan.timing import Efficiency
+from commpipe.plan.efficiency import Efficiency
 
 if TYPE_CHECKING:
     from commpipe.plan.estimate import Estimate

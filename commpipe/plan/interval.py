@@ -2,7 +2,7 @@
 never saw landed from its predictions.
 
 The quantiles are of measured / predicted throughput over every row of
-benchmarks/data/public_runs.csv, each source held out (the GPU defaults, timing.MEASURED_GPU,
+benchmarks/data/public_runs.csv, each source held out (the GPU defaults, efficiency.MEASURED_GPU,
 are fitted on vTrain's measured A100 runs, none of them a public row), priced from user-level
 inputs and the source's --framework preset. Regenerate after a change to the cost model:
 

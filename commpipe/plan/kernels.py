@@ -1,4 +1,5 @@
-"""What a framework's kernels move and recompute, beyond the GEMM FLOPs (timing.py, memory.py).
+"""What a framework's kernels move and recompute, beyond the GEMM FLOPs (compute.py, timing.py,
+memory.py).
 
 Three things that differ between Megatron-LM/Transformer Engine (the planner's defaults) and
 torchtitan, each counted from the framework's code, none fitted:
@@ -16,7 +17,7 @@ torchtitan, each counted from the framework's code, none fitted:
       SwiGLU: silu(w1 x) (r 2f, w 2f), * w3 x (r 4f, w 2f)          10f
       2 residual adds (r 4h, w 2h)                                  12h
   The backward reads each op's saved inputs and output gradient and writes input gradients, about
-  twice the forward's bytes (the rule timing.py uses for fused kernels), plus autograd's gradient
+  twice the forward's bytes (the rule compute.py uses for fused kernels), plus autograd's gradient
   accumulation where a tensor feeds several ops: the norm outputs feed 3 (wq, wk, wv) and 2 (w1, w3)
   linears, the residual stream x and h feed the add and the norm: 5 adds of [T, h] (r 4h, w 2h).
   Other architectures keep the fused-kernel pricing.
@@ -43,7 +44,7 @@ from commpipe.models.spec import ModelSpec
 from commpipe.plan.attention import kv_width, mla, mla_gemms, score_dims
 from commpipe.plan.layout import Job, Layout
 
-HBM_EFFICIENCY = 0.8   # STREAM-like kernels reach ~80-90% of datasheet HBM bandwidth (timing.py)
+HBM_EFFICIENCY = 0.8   # STREAM-like kernels reach ~80-90% of datasheet HBM bandwidth (compute.py)
 
 
 def hbm_rate(gpu) -> float:

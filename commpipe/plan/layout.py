@@ -25,7 +25,7 @@ PRECISIONS = ("bf16", "fp32", "fp8")
 ZERO_STAGES = (0, 1, 2, 3)
 CP_COMM = ("ring", "allgather")
 CE_KERNELS = ("fused", "megatron-unfused")   # the loss kernels priced (kernels.CE_BYTES)
-ATTN_KERNELS = ("fused", "fa2")     # the flash-attention kernels priced (timing.attention_rate)
+ATTN_KERNELS = ("fused", "fa2")     # the flash-attention kernels priced (compute.attention_rate)
 
 
 def runtime_job(features: RuntimeFeatures | None = None) -> dict:
@@ -69,7 +69,7 @@ class Job:
     seq_len: int
     precision: str = "bf16"     # bf16: mixed precision with fp32 master weights; fp32: all fp32;
     #                             fp8: bf16 mixed precision with the layers' linear GEMMs in FP8
-    #                             (Transformer Engine; see timing.py and memory.py)
+    #                             (Transformer Engine; see compute.py and memory.py)
     zero1: bool = False         # ZeRO-1 at least (alias of Layout.zero=1; kept for old callers)
     dp_overlap: bool = True     # overlap the DP gradient all-reduce with the last backward pass
     sequence_parallel: bool = True  # Megatron SP: RS+AG instead of all-reduce, norms sharded
@@ -114,7 +114,7 @@ class Job:
     attn_kernel: str = "fused"  # flash attention as the GPU generation's own fused kernel ("fused":
     #                             cuDNN's on Hopper and newer, as Transformer Engine picks it) or
     #                             as FlashAttention-2 ("fa2": PyTorch SDPA's default flash backend),
-    #                             which does not reach Hopper's new instructions (timing.py)
+    #                             which does not reach Hopper's new instructions (compute.py)
 
     def __post_init__(self):
         if self.global_batch < 1 or self.seq_len < 1:

@@ -4,7 +4,7 @@ gradients' reduction) is `commpipe.plan.moe_costs`.
 
 A MoE decoder reaches the planner as its family describes it (commpipe.models.moe_family):
 `layer_form(spec).routed` is its MoESpec, whose `ffn_hidden` is 0, so the layer machinery
-(timing.py, memory.py) prices attention, norms, embedding and head as for LLaMA, and this module
+(compute.py, timing.py, memory.py) prices attention, norms, embedding and head as for LLaMA, and this module
 adds each layer's MLP: a dense SwiGLU of `dense_ffn` in the first `dense_layers` (split by TP
 like LLaMA's), else the router (h x E), `shared_experts` SwiGLUs that see every token, and the
 routed experts. Parameter counts come from the family's own definitions (moe_spec.py).

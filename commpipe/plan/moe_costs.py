@@ -3,7 +3,7 @@ parallel all-to-alls per stage (added to timing.StageCosts), and the expert grad
 the data-parallel reduction. What a rank holds: commpipe.plan.moe.
 
 Compute, per MoE layer and micro-batch on the busiest rank (T = b*s/cp tokens, k = top_k,
-imb = Job.expert_imbalance, L = E/ep local experts), every GEMM on timing.py's efficiency curve:
+imb = Job.expert_imbalance, L = E/ep local experts), every GEMM on compute.py's efficiency curve:
     router          (T, h, E)                              replicated over TP
     shared experts  (T, h, 2 S f/tp), (T, S f/tp, h)       a dense SwiGLU over every token
     routed experts  L times (M, h, 2 f/tp), (M, f/tp, h)   M = T k imb / L = T k imb ep / E rows
@@ -14,16 +14,16 @@ Every expert is split over TP (commpipe.parallel.tensor_moe, Megatron-Core's exp
 parallelism at its default size, tp): each TP rank runs the same M rows through its f/tp columns.
 Dense-MLP layers: (T, h, 2 F/tp), (T, F/tp, h), as LLaMA's MLP. Gate and up run as one GEMM
 (Megatron's GroupedMLP fc1, TE's fused layers), as separate GEMMs under per-matrix runtimes
-(timing.fused_gemms). Backward: an input- and a weight-gradient GEMM of each forward shape.
-Non-GEMM work (permutation, SwiGLU, routing) is HBM-bound, timing.py's rule: `elementwise` times
+(compute.fused_gemms). Backward: an input- and a weight-gradient GEMM of each forward shape.
+Non-GEMM work (permutation, SwiGLU, routing) is HBM-bound, compute.py's rule: `elementwise` times
 the bytes the MLP keeps for backward, over the HBM rate, forward; twice that backward. Full
 recompute replays the MLP's forward in the backward; selective recompute's SwiGLU replay (one
 HBM-bound product per row) is not charged.
 
 FP8 (--precision fp8; Transformer Engine's Linear and GroupedLinear, as Megatron-Core runs MoE
 layers under --fp8-format): every routed, shared and dense MLP GEMM at the FP8 rate
-(timing.gemms_time), its input cast first (kernels.FP8_CAST_BYTES per M*K element, HBM-bound,
-backward twice, as timing.py's dense layers); the router stays bf16 (Megatron's TopKRouter is a
+(compute.gemms_time), its input cast first (kernels.FP8_CAST_BYTES per M*K element, HBM-bound,
+backward twice, as compute.py's dense layers); the router stays bf16 (Megatron's TopKRouter is a
 plain linear, not a TE module); the experts' new weights are cast once per step beside Adam. What
 FP8 changes in memory (saved inputs, weight copies): commpipe.plan.moe. Dispatch and combine
 move bf16 activations (Megatron's all-to-all dispatcher casts nothing).
@@ -59,6 +59,7 @@ from dataclasses import replace
 from commpipe.models import moe_spec as M
 from commpipe.parallel.dims import split_layers
 from commpipe.plan.cluster import Cluster
+from commpipe.plan.compute import gemms_time
 from commpipe.plan.kernels import FP8_CAST_BYTES, fp8_cast_bytes, hbm_rate
 from commpipe.plan.moe import (
     edp_size,
@@ -129,8 +130,6 @@ def add_routed_costs(spec, layout, job, cluster: Cluster, eff, costs, fused: boo
     moe = routed_spec(spec)
     if moe is None:
         return
-    from commpipe.plan.timing import gemms_time
-
     hbm = hbm_rate(cluster.gpu)
     a2a = a2a_seconds(spec, layout, job, cluster)
     full = layout.recompute == "full"
@@ -144,7 +143,7 @@ def add_routed_costs(spec, layout, job, cluster: Cluster, eff, costs, fused: boo
                     + gemms_time(shapes[len(router):], job, cluster.gpu, eff))
             elem = eff.elementwise * mlp_activation_bytes(moe, i, layout, job, "none") / hbm
             # under fp8 every expert and MLP GEMM's input is cast first (kernels.FP8_CAST_BYTES
-            # per element, HBM-bound, as timing.py's dense layers); backward: twice, as there
+            # per element, HBM-bound, as compute.py's dense layers); backward: twice, as there
             elem += fp8_cast_bytes(shapes[len(router):], job) / hbm
             calls = 2 if key and layout.ep > 1 else 0
             host = moe_host(moe, layout, job, cluster.gpu, eff) if key else NONE

@@ -2,7 +2,7 @@
 token dispatcher and grouped experts issue beyond a dense MLP's, each at the host time one
 operation of a Megatron layer costs.
 
-The GPU's per-layer fixed cost `Efficiency.overhead_s` (timing.py, 0.67 ms per layer and pass)
+The GPU's per-layer fixed cost `Efficiency.overhead_s` (efficiency.py, 0.67 ms per layer and pass)
 was fitted on vTrain's Megatron-DeepSpeed GPT runs, added to the pass. Counted in that code
 (microsoft/Megatron-DeepSpeed@d6c9d841, megatron/model/transformer.py, tp > 1 as in 101 of the
 109 runs) a layer issues, as kernels + GEMMs + NCCL calls + memory copies,

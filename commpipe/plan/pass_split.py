@@ -155,7 +155,7 @@ def measures_pass(spec, job, gpu) -> bool:
 
 
 def with_measured_pass(eff, spec, job, gpu):
-    """`eff` (commpipe.plan.timing.Efficiency) with a CPU's pass of commpipe's runtime measured
+    """`eff` (commpipe.plan.efficiency.Efficiency) with a CPU's pass of commpipe's runtime measured
     on `spec` itself: `op_s` and `work_s` from `measure` on one thread (a CPU rank's one), the
     seconds per counted op and per unit of forward FLOP work of the model's own first layer.
     The matmul peak and copy rate of `plan.cpu` price a layer as if its GEMMs ran at a large

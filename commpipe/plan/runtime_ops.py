@@ -164,7 +164,7 @@ def with_host_ops(eff, job, gpu):
     """`eff` with `op_s` measured on this host for commpipe's own runtime on a GPU, when this host
     drives a CUDA device (a one-GPU job is planned where it runs): the tiny step of
     commpipe.plan.cpu.op_step on the GPU, dispatch and kernel launch together. A CPU's `op_s` is
-    measured already (timing.default_efficiency); a planning host without a GPU, another framework
+    measured already (efficiency.default_efficiency); a planning host without a GPU, another framework
     or an `op_s` given (a --profile) leave `eff` as it is: the GPU passes then keep the per-layer
     overhead fitted on Megatron's runs."""
     if eff.op_s > 0 or job.runtime != "commpipe" or gpu.name == "cpu":

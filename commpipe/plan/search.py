@@ -19,12 +19,13 @@ from dataclasses import dataclass, field, replace
 
 from commpipe.models.spec import ModelSpec
 from commpipe.plan.cluster import Cluster
+from commpipe.plan.efficiency import Efficiency, default_efficiency
 from commpipe.plan.estimate import Estimate, estimate, finish_estimate, fits_reason, lower_bound
 from commpipe.plan.layout import Job, Layout, enumerate_layouts, layout_problem
 from commpipe.plan.memory import memory_problem, stage_memory, static_memory_gb
 from commpipe.plan.pass_split import with_measured_pass
 from commpipe.plan.pipeline import peak_inflight
-from commpipe.plan.timing import Efficiency, default_efficiency, stage_costs
+from commpipe.plan.timing import stage_costs
 from commpipe.sim.engine import gc_paused
 
 

@@ -1,28 +1,5 @@
-"""Time per action: compute from FLOPs and a GEMM-shape efficiency curve, plus communication.
-
-Compute. Every matmul of a layer is priced on its own shape after TP/CP sharding:
-    time = 2*M*K*N / (mamf * eff),   eff = e_max * x / (x + x_half),
-    x = arithmetic intensity M*K*N / (M*K + K*N + M*N)   (FLOP per byte, 2-byte operands),
-    x_half = ai_half_ridge * (mamf FLOP/s / HBM byte/s)  (the GPU's roofline ridge point),
-    mamf = the GPU's maximum achievable matmul FLOP/s, measured (`gpus.py`: 87% of the datasheet
-    peak on A100, 80% on H100, 71% for H100 FP8): e_max is a fraction of what the GPU can reach,
-    so a value fitted on one GPU carries to another whose clocks throttle more under load.
-Since flops / x is the bytes a GEMM moves, this is time = flops/(e_max*peak) + bytes*const:
-an additive roofline whose two constants (e_max, ai_half_ridge) are dimensionless and carry
-over between GPUs. Backward GEMMs (input and weight gradient) have the same shapes as the
-forward, so each costs one forward. Flash attention is priced at the counted (full s x s)
-FLOPs on half the work (causal blocks are skipped) at `attn_rel` of e_max (FlashAttention-2,
-Dao 2023: ~70% of A100 peak vs ~85% for large GEMMs; on Hopper and newer the fused kernel that
-Transformer Engine picks there, cuDNN's, at the same share), its backward at 2.5 forwards (5
-matmuls to the forward's 2, the scores recomputed). `Job.attn_kernel` "fa2" (FlashAttention-2,
-PyTorch SDPA's default flash backend) caps that rate on GPUs newer than Ampere at the 35% of the
-bf16 peak that FlashAttention-2 reaches on an H100 (`attention_rate`); without flash the score
-and value products are
-batched GEMMs of shape (s/cp, d, s) per head, and their backward costs two forwards.
-Non-GEMM work (norms, activations, softmax, dropout, residual adds) is HBM-bound: forward time
-= `elementwise` * (bytes the layer stores for backward) / HBM bandwidth, backward twice that.
-A fixed `overhead_s` per layer and pass is what a layer costs beyond those terms (the vocabulary
-head with its loss counts as one more layer); on GPUs its default is measured (`MEASURED_GPU`).
+"""Time per action: the stage costs of a layout, compute (commpipe.plan.compute) plus
+communication.
 
 Communication (priced by `cluster.Cluster`, groups placed by rank order tp, cp, dp, pp):
 - TP: per layer 2 collectives in forward and 2 in backward (all-reduce, or with sequence
@@ -56,25 +33,21 @@ exponentials; Megatron-LM's vocab_parallel_cross_entropy) when tp > 1.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 from commpipe.models.family import layer_form
-from commpipe.models.spec import ModelSpec, head_flops_per_token, layer_flops_per_token
-from commpipe.plan.attention import kv_width, mla, score_dims
+from commpipe.models.spec import ModelSpec
+from commpipe.plan.attention import kv_width, mla
 from commpipe.plan.cluster import Cluster
+from commpipe.plan.compute import FLASH_BWD_RATIO, fused_gemms, gemms_time, head_compute, layer_compute
+from commpipe.plan.efficiency import Efficiency
 from commpipe.plan.kernels import (
-    CE_BYTES,
     FP8_CAST_BYTES,
     cp_ring_merge_bytes,
-    eager_elementwise_bytes,
-    fp8_cast_time,
-    fp8_gemm_time,
     hbm_rate,
     layer_gemms,
     nccl_sm_share,
     op_sac_recomputed,
-    ub_margin_gemms,
-    ub_sm_slowdown,
 )
 from commpipe.plan.layout import Job, Layout, zero_stage
 from commpipe.plan.memory import (
@@ -85,86 +58,9 @@ from commpipe.plan.memory import (
     stage_params,
 )
 from commpipe.plan.moe_costs import add_routed_costs, expert_optimizer_seconds, expert_reduction
-from commpipe.plan.runtime_kernels import commpipe_elementwise_bytes
 from commpipe.plan.runtime_ops import HostOps
-from commpipe.plan.zero_costs import dp_cost, fsdp_copies, zero_exposed
+from commpipe.plan.zero_costs import dp_cost, zero_exposed
 from commpipe.schedules.registry import info as schedule_info
-
-FLASH_BWD_RATIO = 2.5  # flash attention backward / forward matmul work
-
-
-@dataclass(frozen=True)
-class Efficiency:
-    """Calibratable compute-efficiency parameters (see module docstring)."""
-
-    e_max: float = 0.92           # fraction of the GPU's achievable matmul rate (MAMF, gpus.py) a
-                                  # large GEMM of the model reaches: 0.8 of the A100's peak, the
-                                  # former default, is 0.92 of its MAMF (0.869); at most 1
-    ai_half_ridge: float = 0.5    # intensity at half efficiency, in units of the ridge point
-    attn_rel: float = 0.8         # flash-attention efficiency relative to e_max
-    elementwise: float = 1.0      # HBM bytes of non-GEMM ops per stored activation byte
-    overhead_s: float = 20e-6     # per layer and pass (tens of kernel launches at ~1 us)
-    coll_overhead_s: float = 0.0  # host time per collective call
-    optimizer_overhead_s: float = 0.0   # host time per layer held, per optimizer step
-    wake_s: float = 0.0           # per blocking wait per unit of host contention (plan.host)
-    fp8_rel: float = 1.0          # FP8 GEMM efficiency relative to e_max (see FP8 below)
-    op_s: float = 0.0             # host seconds per eager op of commpipe's own runtime, measured
-                                  # (plan.cpu.measure_op_seconds; runtime_ops.py); 0: not priced
-    work_s: float = 0.0           # a CPU's seconds of a layer's forward and backward per unit of
-                                  # its forward FLOPs, measured on the model's own first layer
-                                  # (plan.pass_split.with_measured_pass); 0: the GEMM curve
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-
-# The GPU defaults: the four constants `plan --calibrate` fits (calibrate.fit, trust-region least
-# squares on log step time) on vTrain's 109 measured iteration times (GPT 3.6B-175B, 64-512 A100,
-# Megatron-DeepSpeed, full recompute; MICRO 2024, data/ground_truth_multi.csv), no public run
-# among them; in-sample MAPE 16.5% untuned -> 8.6%. Reproduce: benchmarks/plan_public.py prints
-# the refit beside these. The GEMM curve reaches half its e_max at 2.74x the ridge intensity, not
-# 0.5x: an H100 GEMM of M=4096, K=2048, N=6144 (intensity 4.7x the ridge) runs at 0.63 of MAMF,
-# not 0.83 (docs/planner.md, "Validation on public runs"). `overhead_s` (0.67 ms per layer and
-# pass) is the measured fixed cost of a layer beyond its GEMM, attention and HBM-bound bytes:
-# far more than launching its kernels (microseconds each, issued ahead of the GPU), and added to
-# the pass, since a fit that overlaps it with the kernels instead (max of the two) fits vTrain no
-# better (8.5% against 8.6%) and only with non-GEMM traffic at 0.29 of the stored bytes.
-# The Efficiency() field values stay the untuned starting point of every fit, and the default
-# of a CPU (`--gpu cpu`), whose rates are measured on the machine and whose host terms are
-# fitted on its own runs (commpipe.plan.host).
-MEASURED_GPU = Efficiency(e_max=0.9912, ai_half_ridge=2.742, elementwise=1.160, overhead_s=674.9e-6)
-
-
-def default_efficiency(gpu) -> Efficiency:
-    """The Efficiency `plan` and `estimate` use without a --profile: MEASURED_GPU on GPUs; on a
-    CPU the untuned Efficiency() with its host terms measured instead of the 20 us per layer
-    pass: each pass's eager ops at this host's measured time per op (runtime_ops.py). Where the
-    model is known (`plan`, `estimate`, and `estimate()`/`search()` called without an
-    Efficiency), plan.pass_split.with_measured_pass then measures a CPU pass on the model's own
-    first layer: its time per op and per unit of work replace the micro-benchmark's op time and
-    the GEMM curve."""
-    if gpu.name != "cpu":
-        return MEASURED_GPU
-    from commpipe.plan.cpu import host_op_seconds
-
-    return Efficiency(overhead_s=0.0, op_s=host_op_seconds())
-
-
-# "FlashAttention-2 achieving only 35% utilization on the H100 GPU" (Shah et al. 2024,
-# FlashAttention-3, arXiv:2407.08608, abstract; FlashAttention-3 is 1.5-2.0x faster there): its
-# kernels are written for Ampere's instructions, without Hopper's asynchronous tensor cores (wgmma)
-# and copy engine (TMA). A share of the datasheet bf16 peak; Blackwell assumed no better.
-FA2_NEWER_GPU_UTILIZATION = 0.35
-
-
-def attention_rate(job, gpu, eff: Efficiency) -> float:
-    """FLOP/s flash attention's matmuls run at: `attn_rel` of a large GEMM's rate; under
-    FlashAttention-2 (`job.attn_kernel == "fa2"`) on a GPU newer than Ampere (one with FP8 tensor
-    cores) at most FA2_NEWER_GPU_UTILIZATION of its bf16 peak."""
-    rate = gpu.achievable_tflops("bf16") * 1e12 * eff.e_max * eff.attn_rel
-    if job.attn_kernel == "fa2" and gpu.fp8_tflops > 0:
-        rate = min(rate, FA2_NEWER_GPU_UTILIZATION * gpu.tflops * 1e12)
-    return rate
 
 
 @dataclass
@@ -217,113 +113,6 @@ class StageCosts:
     @property
     def b(self) -> list[float]:
         return [x + y for x, y in zip(self.i, self.w)]
-
-
-def gemm_time(flops: float, m: float, k: float, n: float, peak: float, eff: Efficiency,
-              ridge: float) -> float:
-    if flops <= 0:      # an empty GEMM: a MoE layer's dense MLP of width 0 (plan/moe.py)
-        return 0.0
-    ai = m * k * n / (m * k + k * n + m * n)
-    x_half = eff.ai_half_ridge * ridge
-    return flops / (peak * eff.e_max * ai / (ai + x_half))
-
-
-def layer_compute(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
-                  eff: Efficiency) -> dict[str, float]:
-    """Seconds of one layer for one micro-batch: 'gemm' (the weight matmuls of a pass: the
-    backward's input- and weight-gradient GEMMs have the forward's shapes), 'gemm_f' (the
-    forward's as run: under TE's userbuffers overlap two of them lose SMs), 'attn' (scores and
-    values), 'elem' (HBM-bound ops)."""
-    gpu = cluster.gpu
-    if measured_pass(eff, job, gpu):
-        # everything of a pass that grows with the micro-batch, at the rate measured on the
-        # model's first layer: forward a third, the two backward GEMM sets a third each
-        work = layer_flops_per_token(spec, job.seq_len) * layout.micro_batch_size * job.seq_len
-        third = work * eff.work_s / (layout.tp * layout.cp) / 3
-        return {"gemm": third, "gemm_f": third, "attn": 0.0, "elem": 0.0, "elem_b": 0.0,
-                "copy_f": 0.0, "copy_b": 0.0}
-    peak, ridge = gpu.achievable_tflops("bf16") * 1e12, gpu.ridge_flop_per_byte
-    t, s = layout.tp, job.seq_len
-    nh, qk, v = score_dims(spec)        # grouped-query: qk = v = head_dim (plan/attention.py)
-    # torchtitan's eager Llama and commpipe's own on a GPU run one GEMM per matrix;
-    # Megatron/TE fuse QKV and gate/up
-    own = own_runtime_on_gpu(job, gpu)
-    shapes = layer_gemms(spec, layout, job, fused=fused_gemms(job, gpu))
-    cast = 0.0
-    gemm = gemm_f = gemms_time(shapes, job, gpu, eff)
-    if job.tp_overlap and t > 1 and len(shapes) == 4:
-        # TE userbuffers: the reduce-scatter's GEMMs run under an SM margin (kernels.py)
-        margin = gemms_time(ub_margin_gemms(shapes), job, gpu, eff)
-        gemm_f = gemm + margin * (ub_sm_slowdown(gpu.sms) - 1)
-    if job.precision == "fp8":
-        cast = fp8_cast_time(spec, layout, job, gpu)
-    heads = layout.micro_batch_size * nh / t
-    q_len = s / layout.cp
-    attn_flops = 2 * q_len * s * (qk + v) * heads       # QK^T and AV, full s x s (Megatron count)
-    if job.uses_flash(spec):
-        attn = 0.5 * attn_flops / attention_rate(job, gpu, eff)
-    elif qk == v:
-        attn = 2 * heads * gemm_time(2 * q_len * qk * s, q_len, qk, s, peak, eff, ridge)
-    else:
-        attn = heads * (gemm_time(2 * q_len * qk * s, q_len, qk, s, peak, eff, ridge)
-                        + gemm_time(2 * q_len * s * v, q_len, s, v, peak, eff, ridge))
-    hbm = hbm_rate(gpu)
-    eager = eager_elementwise_bytes(spec, layout, job) if job.eager_ops else None
-    if own:     # commpipe's eager kernels, counted op by op (runtime_kernels.py)
-        moved = commpipe_elementwise_bytes(spec, layout, job)
-        elem, elem_b = moved[0] / hbm, moved[1] / hbm
-    elif eager:
-        # counted kernel by kernel (kernels.py), no fitted factor
-        elem, elem_b = eager[0] / hbm, eager[1] / hbm
-    else:
-        elem = eff.elementwise * layer_activation_bytes(spec, layout, job, recompute="none") / hbm
-        elem_b = 2 * elem
-    copy_f, copy_b = fsdp_copies(spec, layout, job, hbm)
-    return {"gemm": gemm, "gemm_f": gemm_f, "attn": attn, "elem": elem + cast,
-            "elem_b": elem_b + 2 * cast, "copy_f": copy_f, "copy_b": copy_b}
-
-
-def measured_pass(eff: Efficiency, job: Job, gpu) -> bool:
-    """A CPU pass of commpipe's runtime priced at its measured rate (`Efficiency.work_s`)."""
-    return eff.work_s > 0 and job.runtime == "commpipe" and gpu.name == "cpu"
-
-
-def own_runtime_on_gpu(job: Job, gpu) -> bool:
-    """commpipe's own eager runtime on a GPU, priced op by op (runtime_kernels.py); on a CPU its
-    rates are measured on its own runs."""
-    return job.runtime == "commpipe" and gpu.name != "cpu"
-
-
-def fused_gemms(job: Job, gpu) -> bool:
-    """QKV and gate/up as one GEMM each (Megatron/TE), or one per matrix: torchtitan's eager
-    Llama, and commpipe's own on a GPU."""
-    return not (job.eager_ops or own_runtime_on_gpu(job, gpu))
-
-
-def gemms_time(shapes: list[tuple], job: Job, gpu, eff: Efficiency, fp8: bool | None = None) -> float:
-    """Seconds of a list of (M, K, N) weight GEMMs, in FP8 under --precision fp8 (`fp8` False:
-    in bf16 whatever the precision, as a MoE router runs)."""
-    if job.precision == "fp8" if fp8 is None else fp8:
-        return sum(fp8_gemm_time(m, k, n, gpu, eff) for m, k, n in shapes)
-    peak, ridge = gpu.achievable_tflops("bf16") * 1e12, gpu.ridge_flop_per_byte
-    return sum(gemm_time(2 * m * k * n, m, k, n, peak, eff, ridge) for m, k, n in shapes)
-
-
-def head_compute(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
-                 eff: Efficiency) -> tuple[float, float, float]:
-    """Forward seconds of the vocabulary-head GEMM, then of the cross-entropy forward and
-    backward, one micro-batch."""
-    gpu = cluster.gpu
-    tokens = layout.micro_batch_size * job.seq_len / layout.cp
-    v = spec.vocab / layout.tp
-    if measured_pass(eff, job, gpu):
-        g = head_flops_per_token(spec) * tokens / layout.tp * eff.work_s / 3
-    else:
-        g = gemm_time(2 * tokens * spec.hidden * v, tokens, spec.hidden, v,
-                      gpu.achievable_tflops("bf16") * 1e12, eff, gpu.ridge_flop_per_byte)
-    # loss: HBM bytes per logit of the job's loss kernels (kernels.CE_BYTES)
-    per_f, per_b = CE_BYTES[job.ce_kernel]
-    return g, per_f * tokens * v / hbm_rate(gpu), per_b * tokens * v / hbm_rate(gpu)
 
 
 def _group_strides(layout: Layout) -> dict[str, tuple[int, int]]:
