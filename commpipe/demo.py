@@ -62,7 +62,8 @@ def run(args) -> int:
     if getattr(args, "elastic", False):
         return run_elastic(args)
     if args.adaptive:
-        from commpipe.adapt.demo import Scenario, format_summary, run_adaptive_demo
+        from commpipe.adapt.demo import Scenario, run_adaptive_demo
+        from commpipe.adapt.demo_summary import format_summary
 
         ignored = [flag for flag, given in (
             ("--cluster local", args.cluster == "local"),

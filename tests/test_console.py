@@ -339,8 +339,9 @@ def _demo_account(tmp_path, records):
     at 200 ms, cp2 x pp2 300 ms) with `records` as the adaptive run's decision log."""
     import json
 
-    from commpipe.adapt.demo import Scenario, format_summary, summarize
-    from tests.test_adapt_logic import _summary_inputs
+    from commpipe.adapt.demo import Scenario
+    from commpipe.adapt.demo_summary import format_summary, summarize
+    from tests.test_adapt_demo import _summary_inputs
 
     oracle = _summary_inputs(tmp_path, after_ms=300.0, static_ms=1000.0, chosen=(2, 1))
     (tmp_path / "adaptive" / "adapt.jsonl").write_text(
@@ -372,7 +373,7 @@ def test_demo_says_why_the_model_missed_the_best_layout(tmp_path):
 def test_demo_says_when_its_layout_ran_faster_than_the_oracles_best(tmp_path):
     """The oracle measures 1f1b at each layout's default micro-batching; the controller may
     end on another layout whose schedule or micro-batching beats them all."""
-    from commpipe.adapt.demo import format_summary
+    from commpipe.adapt.demo_summary import format_summary
 
     switch = DETECTED | {"step": 12, "action": "switch", "to": CP2, "switch_time_s": 0.1,
                          "candidates": CANDS, "predicted_best_ms": 250.0}
