@@ -52,11 +52,11 @@ def reaction(out: Path, degrade_step: int) -> dict | None:
 
 def score(out: Path, summary: dict) -> dict:
     """The oracle's layouts beside what the controller's reaction to the degrade predicted for
-    each (commpipe.adapt.demo.predicted_for: the same degrees, ep, split and micro-batching):
+    each (commpipe.adapt.demo_summary.predicted_for: the same degrees, ep, split and micro-batching):
     rank correlation, median error, and its trials' measured / predicted."""
     from scipy.stats import spearmanr
 
-    from commpipe.adapt.demo import predicted_for
+    from commpipe.adapt.demo_summary import predicted_for
 
     decision = reaction(out, summary["degrade_step"])
     oracle = json.loads((out / "oracle" / "candidates.json").read_text())["candidates"]
@@ -80,7 +80,8 @@ def main(argv=None) -> int:
                    help="node 1's link during the blip and the degrade, Mbit/s (default 20)")
     p.add_argument("--model", default=MODEL, help=f"a MoE model (default {MODEL})")
     args = p.parse_args(argv)
-    from commpipe.adapt.demo import Scenario, format_summary, run_adaptive_demo
+    from commpipe.adapt.demo import Scenario, run_adaptive_demo
+    from commpipe.adapt.demo_summary import format_summary
     from commpipe.cluster.netns import available
 
     ok, why = available()

@@ -16,8 +16,8 @@ cores the run had, each worth what the machine's cores run at once over their co
 (`--host-cores auto`, commpipe.plan.cpu.measure_core_capacity); and "probed", that with the
 links, the host time per gloo call and the scheduler's wake-up wait of a `commpipe probe` of 2
 ranks (as
-benchmarks/planner_rank.py prices them; --no-probe skips it). Results: docs/planner.md,
-"Ranking this machine's layouts".
+benchmarks/planner_rank.py prices them; --no-probe skips it). Results: benchmarks/results/planner_runs.md,
+"Third session"; how the planner prices them: docs/planner.md, "CPU ranks".
 """
 
 from __future__ import annotations

@@ -159,7 +159,7 @@ def set_pass_readings(out: Path, name: str) -> str:
     (OUT/pass_split-<name>.json), for the report: not what the set is priced with, which is the
     run's first reading as a user's one `plan --gpu cpu` gives it. On this host one reading
     varies from the next by about a quarter either way, with no drift that a reading closer to
-    the set would follow (consecutive readings are uncorrelated: docs/planner.md)."""
+    the set would follow (consecutive readings are uncorrelated: docs/planner.md, "CPU ranks")."""
     path = out / f"pass_split-{name}.json"
     if not path.exists():
         return ""

@@ -27,8 +27,9 @@ SOURCES = 6
 # Measured over predicted *step time* of commpipe on CPU ranks: every tp x cp x pp x dp layout of 4
 # and 8 ranks of a 2-core machine, local and on the emulated cluster at 50 and 500 Mbit/s, priced
 # by `estimate` from a probe, the cores left to the ranks, and each pass at the rates measured on
-# the model's first layer, each set's gloo calls from its own probe (docs/planner.md, "Ranking
-# this machine's layouts", ninth session: three runs of every set, hours apart, pooled, so that
+# the model's first layer, each set's gloo calls from its own probe (docs/planner.md, "The
+# prediction interval"; the runs: benchmarks/results/planner_runs.md, "Ninth session": three runs
+# of every set, hours apart, pooled, so that
 # how far one reading of the pass rates lands from the speed the runs see is inside the interval).
 # Regenerate:
 #     python benchmarks/planner_rank.py --reuse --write-interval --pool EARLIER_OUT
