@@ -98,6 +98,29 @@ def test_gloo_call_time_is_what_a_call_costs_beyond_its_priced_link(tmp_path):
     assert cluster_from_args(args)[1].coll_overhead_s == 0.0
 
 
+def test_gpus_per_node_given_wins_over_the_probes_ranks_per_node(tmp_path):
+    """Precedence: defaults < probe < profile < flags. A probe of 8 ranks on one host with
+    --gpus-per-node 2 plans nodes of 2 (the probe's 8 only when the flag is absent; 8 without
+    either)."""
+    import argparse
+
+    from commpipe.plan.cli import cluster_from_args
+
+    link = {"latency_ms": 0.1, "bandwidth_gbps": 1.0}
+    path = tmp_path / "probe.json"
+    path.write_text(json.dumps({"ranks_per_node": 8, "backend": "gloo", "pairs": {"intra_node": link}}))
+
+    def args(**kw):
+        base = dict(gpus=8, gpu="cpu", gpus_per_node=None, cluster=str(path), backend=None,
+                    host_cores=None, intra_node_gbps=None, inter_node_gbps=None,
+                    intra_node_latency_ms=None, inter_node_latency_ms=None)
+        return argparse.Namespace(**(base | kw))
+
+    assert cluster_from_args(args(gpus_per_node=2))[0].gpus_per_node == 2
+    assert cluster_from_args(args())[0].gpus_per_node == 8
+    assert cluster_from_args(args(gpus=16, cluster=None))[0].gpus_per_node == 8
+
+
 def test_pairs_follow_the_nodes_the_ranks_run_on():
     from commpipe.monitor.probe import node_numbers, probe_pairs
 

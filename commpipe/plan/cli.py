@@ -33,6 +33,7 @@ from commpipe.plan.pass_split import busy_note, with_measured_pass
 from commpipe.plan.pass_split import describe as describe_pass
 from commpipe.plan.runtime_ops import with_host_ops
 
+DEFAULT_GPUS_PER_NODE = 8
 FIXABLE = ("tp", "cp", "pp", "dp", "vpp", "micro_batch_size", "schedule", "recompute", "zero", "dp_shard",
            "ep")
 
@@ -91,10 +92,11 @@ def add_common_arguments(p, require_layout: bool = False) -> None:
                         "gradients into, the flat communication buffers on the compute stream; "
                         "needs ZeRO 3 (--zero 3, or left to the search)")
     c = p.add_argument_group("cluster")
-    c.add_argument("--gpu", default="h100", help="a100-40gb, a100-80gb, h100, h200, b200, or "
+    c.add_argument("--gpu", default="h100", help="a100-40gb, a100-80gb, h100, h200, b200, cpu, or "
                                                  "name=foo,tflops=..,mem_gb=..[,hbm_gbps=..,nvlink_gbps=..,nic_gbps=..]")
     c.add_argument("--gpus", type=int, help="total GPUs")
-    c.add_argument("--gpus-per-node", type=int, default=8)
+    c.add_argument("--gpus-per-node", type=int,
+                   help="GPUs (ranks) per node (default: the --cluster probe's ranks per node, else 8)")
     c.add_argument("--cluster", help="a `commpipe probe` JSON with measured link latency/bandwidth")
     c.add_argument("--intra-node-gbps", type=float, help="GPU-pair bandwidth inside a node, decimal GB/s")
     c.add_argument("--inter-node-gbps", type=float,
@@ -272,9 +274,11 @@ def cluster_from_args(args, num_gpus: int | None = None, profile_path: str | Non
     n = num_gpus if num_gpus is not None else args.gpus
     if n is None:
         raise ValueError("--gpus is required (total GPUs in the cluster)")
-    cluster = default_cluster(resolve_gpu(args.gpu), n, args.gpus_per_node)
+    cluster = default_cluster(resolve_gpu(args.gpu), n, args.gpus_per_node or DEFAULT_GPUS_PER_NODE)
     if args.cluster:
         cluster = apply_probe(cluster, args.cluster)
+        if args.gpus_per_node:          # the flag wins over the probe's ranks per node
+            cluster = replace(cluster, gpus_per_node=args.gpus_per_node)
     eff = default_efficiency(cluster.gpu)
     if profile_path:
         from commpipe.plan.calibrate import load_profile

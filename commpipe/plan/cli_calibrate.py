@@ -25,13 +25,13 @@ from commpipe.plan.calibrate import (
     save_profile,
     supported_params,
 )
-from commpipe.plan.cli import cluster_from_args
+from commpipe.plan.cli import DEFAULT_GPUS_PER_NODE, cluster_from_args
 from commpipe.plan.efficiency import Efficiency
 from commpipe.plan.gpus import resolve_gpu
 
 
 def run_calibration(args) -> int:
-    n = args.gpus or args.gpus_per_node
+    n = args.gpus or args.gpus_per_node or DEFAULT_GPUS_PER_NODE
     cluster, eff = cluster_from_args(args, num_gpus=n)
     cluster = replace(cluster, gpu=resolve_gpu(args.gpu))
     if eff.overhead_s <= 0:
