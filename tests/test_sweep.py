@@ -10,6 +10,7 @@ import argparse
 import csv
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -111,6 +112,50 @@ def test_grid_errors_say_what_to_change(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(ValueError, match=message.replace("[", r"\[")):
         load_grid(str(path))
+
+
+def test_layouts_left_to_their_own_batch_share_one(tmp_path):
+    """Alone, train gives pp2 x dp2 2*2 micro-batches on 2 replicas (8), tp2 x pp2 4 and pp4 8;
+    the sweep gives all three 8, the smallest common multiple of their micro-batch x dp at
+    least that large; dp3 and dp2 at micro-batch 2: lcm(6, 4) = 12 >= 2 * 6. A batch set
+    anywhere (shared, a layout's microbatches, a config file) is left alone."""
+    from commpipe.cluster.grids import shared_global_batch
+
+    three = [Layout(pp=2, dp=2), Layout(tp=2, pp=2), Layout(pp=4)]
+    assert shared_global_batch(three, {}) == 8
+    assert shared_global_batch([Layout(dp=3), Layout(dp=2)], {"micro_batch_size": 2}) == 12
+    assert shared_global_batch(study().layouts, study().train) == 32
+    assert shared_global_batch(three, {"microbatches": 4}) is None
+    assert shared_global_batch(three + [Layout(dp=2, microbatches=2)], {}) is None
+    assert shared_global_batch(demo8().layouts, demo8().train) is None
+    job = tmp_path / "job.toml"
+    job.write_text("[training]\nglobal_batch = 16\n")
+    assert shared_global_batch(three, {"config": str(job)}) is None
+    job.write_text("[training]\nseq_len = 16\n")
+    assert shared_global_batch(three, {"config": str(job)}) == 8
+
+
+@pytest.mark.parametrize("where, text, message", [
+    ("[train]", "[train]\nstepz = 2\n\n[[layout]]\ntp = 1\n", "stepz is not a flag of commpipe "
+     "train; did you mean steps"),
+    ("layout tp1-cp1-pp1-dp1", "[[layout]]\ntp = 1\nscheduel = 'gpipe'\n", "scheduel is not a flag "
+     "of commpipe train; did you mean schedule"),
+    ("[train]", "[train]\nwhatever = 1\n\n[[layout]]\ntp = 1\n", "without their dashes"),
+])
+def test_a_key_train_does_not_know_fails_when_the_grid_loads(tmp_path, where, text, message):
+    from commpipe.cluster.grids import check_train_values
+
+    path = tmp_path / "g.toml"
+    path.write_text(text)
+    grid = load_grid(str(path))
+    with pytest.raises(ValueError, match=message):
+        for flags, at in [(grid.train, "[train]")] + [(lay.extra, f"layout {lay.name}")
+                                                       for lay in grid.layouts]:
+            check_train_values(flags, f"{path} {at}")
+    with pytest.raises(ValueError, match=re.escape(f"{where}: ")):
+        for flags, at in [(grid.train, "[train]")] + [(lay.extra, f"layout {lay.name}")
+                                                       for lay in grid.layouts]:
+            check_train_values(flags, f"{path} {at}")
 
 
 def test_missing_grid_file():

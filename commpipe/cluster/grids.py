@@ -135,8 +135,10 @@ def _config_path(flags: dict, grid_path: Path, where: str) -> dict:
 
 def check_train_values(flags: dict, where: str) -> None:
     """Each value must read as its `commpipe train` flag does (`steps = "two"` is refused here,
-    naming the file and key, not by the first layout's launch). Unknown keys are left to the
-    layout check, which names them."""
+    naming the file and key, not by the first layout's launch), and a key that is no flag of
+    `commpipe train` is refused with the closest ones."""
+    import difflib
+
     try:
         from commpipe.train import cli as train_cli
     except ModuleNotFoundError:
@@ -147,7 +149,12 @@ def check_train_values(flags: dict, where: str) -> None:
               for opt in a.option_strings}
     for key, value in flags.items():
         action = by_key.get(key)
-        if action is None or value is None:
+        if action is None:
+            close = difflib.get_close_matches(key, list(by_key) + sorted(LAYOUT_KEYS), n=3)
+            hint = f"; did you mean {' or '.join(close)}?" if close else \
+                "; the keys are commpipe train's flags without their dashes (commpipe train --help)"
+            raise ValueError(f"{where}: {key} is not a flag of commpipe train{hint}")
+        if value is None:
             continue
         flag = "--" + key.replace("_", "-")
         if action.nargs == 0:          # an on/off flag
@@ -168,6 +175,40 @@ def check_train_values(flags: dict, where: str) -> None:
         if action.choices and str(value) not in action.choices:
             raise ValueError(f"{where}: {key} = {value!r}: expected one of "
                              f"{', '.join(map(str, action.choices))} ({flag})")
+
+
+def shared_global_batch(layouts: list[Layout], train: dict) -> int | None:
+    """The global batch every layout trains when the grid leaves it to each one, or None when
+    it is set (global_batch or microbatches in [train], its config file or any layout). Left to
+    itself, `commpipe train` takes 2*pp micro-batches per pipeline (at least 2) of
+    micro_batch_size on each of dp replicas, so layouts would train batches of different sizes
+    and their step times and losses would not compare. The shared batch is the smallest common
+    multiple of every layout's micro_batch_size x dp that is at least the largest batch a
+    layout would pick alone."""
+    import math
+
+    keys = ("global_batch", "microbatches")
+    if any(train.get(k) is not None for k in keys) or any(
+            lay.microbatches is not None or any(k in lay.extra for k in keys + ("config",))
+            for lay in layouts):
+        return None
+    if train.get("config"):
+        try:
+            from commpipe.train import cli as train_cli
+            from commpipe.train.jobconfig import load_defaults
+        except ModuleNotFoundError:
+            return None
+        parser = argparse.ArgumentParser()
+        train_cli.add_arguments(parser)
+        if any(load_defaults(train["config"], parser).get(k) is not None for k in keys):
+            return None
+    step, largest = 1, 1
+    for lay in layouts:
+        per_replica = int(lay.extra.get("micro_batch_size", train.get("micro_batch_size") or 1))
+        unit = per_replica * lay.dp
+        step = math.lcm(step, unit)
+        largest = max(largest, max(2 * lay.pp, 2) * unit)
+    return -(-largest // step) * step
 
 
 # training keys of older grid files -> the `commpipe train` flag each became

@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from commpipe.cluster.grids import Grid, Layout, check_train_values, load_grid
+from commpipe.cluster.grids import Grid, Layout, check_train_values, load_grid, shared_global_batch
 from commpipe.cluster.launch import (
     RunResult,
     nodes_used,
@@ -305,6 +305,11 @@ def run(args) -> int:
     overrides = train_overrides(args)
     check_train_values({k: v for k, v in overrides.items() if k not in TRAIN_FLAGS}, "--train-arg")
     train = {"comm_monitor": DEFAULT_MONITOR, **grid.train, **overrides}
+    batch = shared_global_batch(grid.layouts, train)
+    if batch is not None:
+        train["global_batch"] = batch
+        print(f"sweep: every layout trains a global batch of {batch} (the grid sets none; give "
+              "global_batch in [train] or --global-batch to choose it)")
     check_out_dir(args.out, "--out")     # before namespaces are built or any layout runs
     read_status(args.out, warn=lambda _: None)   # an unreadable status file: said now
     rates = parse_rates(args.inter_node_mbit)
