@@ -298,3 +298,27 @@ def test_core_capacity_is_the_cores_rate_together_over_one_alone():
     # with the bounds (the figure itself is the machine's and its load's)
     assert measure_core_capacity(1) == 1.0
     assert 1.0 <= measure_core_capacity(2, seconds=0.3) <= 2.0
+
+
+def test_cpu_plans_write_their_rates_in_gflops(capsys):
+    """A CPU rank's ~1e-3 TFLOP/s reads 0.0 in a TFLOP/s column: `plan` and `estimate --gpu cpu`
+    write GFLOP/s (the JSON keeps TFLOP/s), a GPU plan TFLOP/s."""
+    import json
+    import re
+
+    from commpipe.cli import main
+
+    argv = ["estimate", "--model", "tiny", "--gpu", "cpu", "--gpus", "2", "--pp", "2",
+            "--global-batch", "4", "--seq-len", "32"]
+    assert main(argv + ["--json"]) == 0
+    tflops = json.loads(capsys.readouterr().out)["tflops_per_gpu"]
+    assert main(argv) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("step "))
+    got = re.search(r"model ([\d.]+) GFLOP/s/GPU", line)
+    assert got and float(got[1]) == pytest.approx(tflops * 1e3, abs=0.06)
+    assert main(["plan", "--model", "tiny", "--gpu", "cpu", "--gpus", "2", "--global-batch", "4",
+                 "--seq-len", "32", "--top", "1"]) == 0
+    assert "GFLOP/s" in capsys.readouterr().out.splitlines()[3]
+    assert main(["estimate", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--tp", "8",
+                 "--global-batch", "8", "--seq-len", "4096"]) == 0
+    assert "TFLOP/s/GPU" in capsys.readouterr().out

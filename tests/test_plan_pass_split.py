@@ -134,7 +134,8 @@ def test_the_planner_measures_the_pass_only_where_commpipe_runs_it_on_a_cpu():
 
 def test_estimate_on_a_cpu_says_what_it_measured_the_pass_at(capsys):
     """`estimate --gpu cpu` prints the measured rates it priced the pass with, and the line's
-    numbers are the measurement's: us per op and training GFLOP/s (3 / work_s)."""
+    numbers are the measurement's: us per op and training GFLOP/s (3 / work_s). No --precision:
+    a CPU's default is fp32, what `commpipe train` runs there and what the pass is measured in."""
     import re
 
     from commpipe.cli import main
@@ -143,7 +144,7 @@ def test_estimate_on_a_cpu_says_what_it_measured_the_pass_at(capsys):
 
     model = "arch=llama,layers=8,hidden=64,heads=4,kv_heads=2,ffn_hidden=128,vocab=256"
     main(["estimate", "--model", model, "--gpu", "cpu", "--gpus", "2", "--global-batch", "8",
-          "--seq-len", "32", "--pp", "2", "--precision", "fp32"])
+          "--seq-len", "32", "--pp", "2"])
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("CPU pass"))
     got = re.fullmatch(r"CPU pass measured on the model's first layer \(one thread\): ([\d.]+) us "
                        r"per eager op, its FLOPs at ([\d.]+) GFLOP/s .*", line)

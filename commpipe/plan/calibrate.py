@@ -74,11 +74,13 @@ VTRAIN = {"# GPUs": "gpus", "global batch": "global_batch", "micro batch": "micr
 
 
 def job_defaults(args) -> dict:
+    from commpipe.plan.cli import precision_of
+
     flash = {"auto": None, "on": True, "off": False}[getattr(args, "flash_attention", "auto")]
     return {"recompute": getattr(args, "recompute", None) or "none",
             "sequence_parallel": not getattr(args, "no_sequence_parallel", False),
             "dp_overlap": not getattr(args, "no_dp_overlap", False), "flash_attention": flash,
-            "precision": getattr(args, "precision", "bf16"), "zero1": getattr(args, "zero1", False),
+            "precision": precision_of(args), "zero1": getattr(args, "zero1", False),
             "grad_fp32": getattr(args, "grad_fp32", False), "vocab": 51200}
 
 

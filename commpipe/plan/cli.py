@@ -52,8 +52,9 @@ def add_common_arguments(p, require_layout: bool = False) -> None:
                         "torchtitan and commpipe presets leave it out already")
     g.add_argument("--global-batch", type=int, help="sequences per optimizer step")
     g.add_argument("--seq-len", type=int, help="tokens per sequence")
-    g.add_argument("--precision", default="bf16", choices=PRECISIONS,
-                   help="bf16: mixed precision, fp32 master weights (default); fp32: all fp32; fp8: "
+    g.add_argument("--precision", default=None, choices=PRECISIONS,
+                   help="bf16: mixed precision, fp32 master weights (default; fp32 with --gpu cpu, "
+                        "as commpipe train runs on a CPU); fp32: all fp32; fp8: "
                         "bf16 mixed precision with the layers' linear GEMMs in FP8 (Transformer Engine)")
     g.add_argument("--framework", choices=tuple(FRAMEWORKS),
                    help="the training framework's default internals (TP overlap, FP8 weights, kernels, "
@@ -147,6 +148,14 @@ def add_arguments(p) -> None:
                         "(*/metrics.jsonl + config.json), probe JSON and/or CSV files like vTrain's")
 
 
+def precision_of(args) -> str:
+    """--precision, or its default: fp32 on `--gpu cpu` (what `commpipe train` runs on a CPU),
+    bf16 mixed precision on GPUs."""
+    if getattr(args, "precision", None):
+        return args.precision
+    return "fp32" if getattr(args, "gpu", None) == "cpu" else "bf16"
+
+
 def framework_from_args(args) -> str:
     """--framework, or the default for --gpu (commpipe on cpu, megatron on GPUs)."""
     name = getattr(args, "framework", None)
@@ -158,7 +167,7 @@ def job_from_args(args) -> Job:
     for flag in ("global_batch", "seq_len"):
         if getattr(args, flag) is None:
             raise ValueError(f"--{flag.replace('_', '-')} is required")
-    fields = framework_job_fields(framework_from_args(args), args.precision)
+    fields = framework_job_fields(framework_from_args(args), precision_of(args))
     if args.flash_attention != "auto":
         fields["flash_attention"] = args.flash_attention == "on"
     for name in ("dp_overlap", "sequence_parallel"):
@@ -180,7 +189,7 @@ def job_from_args(args) -> Job:
         fields["attn_kernel"] = args.attention_kernel
     if getattr(args, "no_moe_host_ops", False):
         fields["moe_host_ops"] = False
-    return Job(args.global_batch, args.seq_len, precision=args.precision,
+    return Job(args.global_batch, args.seq_len, precision=precision_of(args),
                expert_imbalance=args.expert_imbalance, **fields)
 
 
@@ -298,8 +307,8 @@ def cluster_from_args(args, num_gpus: int | None = None, profile_path: str | Non
             eff = replace(eff, coll_overhead_s=call)
             cluster = replace(cluster, source=f"{cluster.source}; a gloo call after compute "
                                               f"{call * 1e3:.2f} ms beyond its link")
-    if getattr(args, "precision", None):
-        cluster.gpu.peak_tflops(args.precision)     # --precision fp8 on a GPU without FP8: fail early
+    if hasattr(args, "precision"):
+        cluster.gpu.peak_tflops(precision_of(args))  # --precision fp8 on a GPU without FP8: fail early
     return cluster, eff
 
 

@@ -4,21 +4,35 @@ from __future__ import annotations
 
 from commpipe.plan.estimate import Estimate
 from commpipe.plan.search import SearchResult, describe, explain_loss
-
-HEADER = (f"{'#':>2}  {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>5} {'vpp':>3} {'mbs':>3} {'schedule':<11} "
-          f"{'recomp':<9} {'zero':>4} {'step s':>8} {'TFLOP/s':>8} {'MFU':>6} {'mem GB':>7} {'bubble':>7} "
-          f"{'comm':>6}")
+from commpipe.report.tables import flops_unit
 
 
-def row(n: int | str, e: Estimate) -> str:
+def header(unit: str = "TFLOP/s") -> str:
+    return (f"{'#':>2}  {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>5} {'vpp':>3} {'mbs':>3} {'schedule':<11} "
+            f"{'recomp':<9} {'zero':>4} {'step s':>8} {unit:>8} {'MFU':>6} {'mem GB':>7} {'bubble':>7} "
+            f"{'comm':>6}")
+
+
+HEADER = header()
+
+
+def row(n: int | str, e: Estimate, factor: float = 1.0) -> str:
+    """One layout's line; `factor` scales TFLOP/s to the table's unit (flops_unit)."""
     lay = e.layout
     b = e.breakdown.get("pp_bubble", 0.0) / e.step_time_s if e.breakdown else float("nan")
     return (f"{n:>2}  {lay.tp:>3} {lay.cp:>3} {lay.pp:>3} {lay.dp:>5} {lay.vpp:>3} "
             f"{lay.micro_batch_size:>3} {lay.schedule if lay.pp > 1 else '-':<11} "
             f"{lay.recompute:<9} {_zero(lay):>4} "
             f"{e.step_time_s:>8.4g} "
-            f"{e.tflops_per_gpu:>8.1f} {e.mfu:>6.1%} {e.memory_gb_per_gpu:>7.1f} {b:>7.1%} "
+            f"{e.tflops_per_gpu * factor:>8.1f} {e.mfu:>6.1%} {e.memory_gb_per_gpu:>7.1f} {b:>7.1%} "
             f"{e.exposed_comm_fraction:>6.1%}" + (f" {lay.ep:>3}" if e.moe is not None else ""))
+
+
+def unit_of(estimates: list[Estimate]) -> tuple[float, str]:
+    """(factor, unit) that writes the best throughput with digits before the point: TFLOP/s on
+    GPUs, GFLOP/s for a CPU's ranks (commpipe.report.tables.flops_unit)."""
+    return flops_unit([{"tflops_per_gpu": e.tflops_per_gpu} for e in estimates
+                       if e.tflops_per_gpu == e.tflops_per_gpu])
 
 
 def _zero(lay) -> str:
@@ -44,10 +58,11 @@ def print_plan(result: SearchResult, spec, job, cluster) -> None:
                 print(f" - {fix}")
         return
     print()
-    print(HEADER + (f" {'ep':>3}" if result.top[0].moe is not None else ""))
+    factor, unit = unit_of(result.top)
+    print(header(unit) + (f" {'ep':>3}" if result.top[0].moe is not None else ""))
     for n, e in enumerate(result.top, 1):
-        print(row(n, e))
-    print("(step s: predicted step time; TFLOP/s: model FLOPs per GPU; mem GB: largest stage; "
+        print(row(n, e, factor))
+    print(f"(step s: predicted step time; {unit}: model FLOPs per GPU; mem GB: largest stage; "
           "bubble: pipeline idle share; comm: exposed communication share)")
     if result.top[0].interval:
         print(f"best: {interval_line(result.top[0])}")
@@ -94,9 +109,10 @@ def print_estimate(e: Estimate, cluster) -> None:
                   f"{s.optimizer_gb:8.2f} {s.activations_gb:10.2f} {logits:6.2f} {s.reserve_gb:6.2f}"
                   f" = {s.total_gb:7.2f}  ({s.inflight:g} micro-batches in flight)")
     if e.step_time_s == e.step_time_s:
+        factor, unit = unit_of([e])
         print(f"step {e.step_time_s:.4f} s, {e.microbatches} micro-batches; model "
-              f"{e.tflops_per_gpu:.1f} TFLOP/s/GPU (MFU {e.mfu:.1%}), hardware "
-              f"{e.hw_tflops_per_gpu:.1f} TFLOP/s/GPU")
+              f"{e.tflops_per_gpu * factor:.1f} {unit}/GPU (MFU {e.mfu:.1%}), hardware "
+              f"{e.hw_tflops_per_gpu * factor:.1f} {unit}/GPU")
         if e.interval:
             print(interval_line(e))
         parts = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in e.breakdown.items() if v > 0)
