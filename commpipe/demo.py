@@ -88,14 +88,19 @@ def run(args) -> int:
         print(format_summary(summary))
         print(f"report: {summary['report']}")
         return 0
-    from commpipe.cluster.sweep import run_demo_sweep
+    from commpipe.cluster.sweep import run_demo_sweep, said_stopped
+    from commpipe.cluster.sweep_state import Interrupted, signals_interrupt
 
     out = Path(args.out)
     link = ("local loopback" if args.cluster == "local"
             else f"{args.inter_node_mbit:g} Mbit/s between nodes")
     print(f"commpipe demo: 8 layouts x {args.steps} steps, 4 nodes x 2 ranks, {link} -> {out}")
-    _, html = run_demo_sweep(out, steps=args.steps, inter_node_mbit=args.inter_node_mbit,
-                             cluster=args.cluster)
+    try:
+        with signals_interrupt():    # SIGTERM/SIGINT: the layout in progress is recorded, as a sweep's
+            _, html = run_demo_sweep(out, steps=args.steps, inter_node_mbit=args.inter_node_mbit,
+                                     cluster=args.cluster)
+    except (Interrupted, KeyboardInterrupt) as e:
+        return said_stopped(e, out)
     # a table that fits a 100-column terminal; report.html holds every column and figure
     rows = json.loads((out / "results.json").read_text())
     print()

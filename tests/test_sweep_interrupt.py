@@ -114,3 +114,39 @@ def test_killed_emulated_sweep_leaves_its_prefix(tmp_path):
         assert not any(netns.list_resources(prefix).values())
     finally:
         netns.cleanup_stale(prefix)
+
+
+def test_the_layout_demo_stops_on_sigterm_as_a_sweep_does(tmp_path, monkeypatch, capsys):
+    """`commpipe demo`: SIGTERM while its sweep runs ends with the sweep's word and 128 + 15 (the
+    sweep records the layout in progress; test above), not Python's silent default death.
+    The signal is real, sent to this process while the demo's sweep is in its place."""
+    import argparse
+
+    from commpipe import demo
+    from commpipe.cluster import sweep
+
+    def sweep_that_gets_sigterm(out, **kw):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        raise AssertionError("SIGTERM did not stop the demo's sweep")
+
+    def unhandled(signum, frame):       # the demo left SIGTERM to whatever was there before
+        raise AssertionError("the demo did not handle SIGTERM")
+
+    before = signal.signal(signal.SIGTERM, unhandled)
+    monkeypatch.setattr(sweep, "run_demo_sweep", sweep_that_gets_sigterm)
+    args = argparse.Namespace(out=str(tmp_path / "demo"), steps=2, cluster="local",
+                              inter_node_mbit=50.0, adaptive=False, elastic=False,
+                              emulate_device=1.0)
+    try:
+        code = demo.run(args)
+    except AssertionError:
+        signal.signal(signal.SIGTERM, before)
+        raise
+    assert code == 128 + signal.SIGTERM
+    err = capsys.readouterr().err
+    assert "SIGTERM: the sweep stopped" in err and str(tmp_path / "demo") in err
+    try:
+        assert signal.getsignal(signal.SIGTERM) is unhandled     # the handler was put back
+    finally:
+        signal.signal(signal.SIGTERM, before)

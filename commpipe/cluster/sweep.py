@@ -331,11 +331,7 @@ def run(args) -> int:
             records = run_sweep(grid, args.out, runner, train, retry_failed=args.retry_failed,
                                 force=args.force, progress=not args.no_progress)
     except (Interrupted, KeyboardInterrupt) as e:
-        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
-        print(f"\n{signal.Signals(signum).name}: the sweep stopped; the layout in progress is recorded as "
-              f"interrupted. Run the same command again to resume (results so far in "
-              f"{args.out}/{STATUS_FILE})", file=sys.stderr)
-        return 128 + signum
+        return said_stopped(e, args.out)
     finally:
         if cluster is not None:
             cluster.teardown()
@@ -346,6 +342,16 @@ def run(args) -> int:
 
         print(write_report(args.out)["markdown"])
     return 0 if ok else 1
+
+
+def said_stopped(e: BaseException, out) -> int:
+    """The console's word on a sweep stopped by SIGTERM or SIGINT (`Interrupted` or Python's
+    KeyboardInterrupt), and the exit status a shell reads for that signal."""
+    signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+    print(f"\n{signal.Signals(signum).name}: the sweep stopped; the layout in progress is recorded as "
+          f"interrupted. Run the same command again to resume (results so far in "
+          f"{out}/{STATUS_FILE})", file=sys.stderr)
+    return 128 + signum
 
 
 def run_demo_sweep(out_dir, nodes: int = 4, ranks_per_node: int = 2, inter_node_mbit: float | None = 50.0,
