@@ -290,3 +290,20 @@ def test_demo_summary_takes_the_layout_the_trials_settled_on(tmp_path):
     assert s["step_ms_after_switch"] == 210 and s["settle_step"] == 20
     assert [ok for _, ok, _ in criteria(s)] == [True] * 6
     assert "cp2-pp2 250 -> 300 ms; pp2-dp2 260 -> 210 ms" in format_summary(s)
+
+
+def test_outcome_says_when_the_best_layout_ran_with_other_batching():
+    """Reaching the oracle's degrees and split under another schedule or micro-batching is said
+    as such, not as "the best static layout" the oracle measured (1f1b, default batching)."""
+    from commpipe.adapt.demo_summary import outcome
+
+    s = {"after_switch_vs_oracle": -0.05, "static_vs_oracle": 2.0, "oracle_layout": "pp2-dp2",
+         "step_ms_oracle": 200.0, "step_ms_after_switch": 190.0, "step_ms_degraded_static": 600.0,
+         "controller_choice_is_best": True, "controller_batching_differs": False,
+         "switch_to": "pp2-dp2 1f1b m2x2"}
+    assert outcome(s)[0].startswith("the controller reached the best static layout, pp2-dp2 (200 ms)")
+    s |= {"controller_batching_differs": True, "switch_to": "pp2-dp2 zbh1 m2x2"}
+    line = outcome(s)[0]
+    assert line.startswith("the controller reached the best static layout's degrees and split, "
+                           "pp2-dp2 (200 ms), running them as pp2-dp2 zbh1 m2x2")
+    assert "after the switch its steps took 190 ms (-5%)" in line

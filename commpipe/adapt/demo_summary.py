@@ -268,6 +268,10 @@ def outcome(s: dict) -> list[str]:
     without = (f"without the controller {s['step_ms_degraded_static']:.0f} ms "
                f"({static:+.0%})")
     if s["controller_choice_is_best"]:
+        if s.get("controller_batching_differs"):
+            return [f"the controller reached the best static layout's degrees and split, {best}, "
+                    f"running them as {s['switch_to']} (the oracle ran 1f1b at the default "
+                    f"micro-batching); {ran}{without}"]
         return [f"the controller reached the best static layout, {best}; {ran}{without}"]
     if s["controller_choice_is_best"] is None:
         head = "the controller did not switch to another layout"
