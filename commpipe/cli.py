@@ -12,7 +12,7 @@ import sys
 
 VERBS = {
     "train": ("commpipe.train.cli", "train a model under a TP x CP x PP x DP layout"),
-    "demo": ("commpipe.demo", "train the tiny preset under several layouts and compare them"),
+    "demo": ("commpipe.demo", "train a tiny LLaMA under 8 layouts on an emulated cluster and compare them"),
     "simulate": ("commpipe.sim.cli", "time a pipeline schedule on a cost table"),
     "plan": ("commpipe.plan.cli", "rank every layout for a model on a cluster"),
     "estimate": ("commpipe.plan.cli_estimate", "predict memory and speed of one layout"),

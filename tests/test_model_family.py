@@ -44,6 +44,10 @@ def test_fields_pick_the_family():
     assert family_for_model(",".join(f"{k}={v}" for k, v in blip.to_dict().items())).arch == "blip"
     with pytest.raises(ValueError, match="unknown model 'nope'"):
         resolve("nope")
+    # a misspelt name: the closest named shape of any family, and every family's shapes
+    with pytest.raises(ValueError, match="did you mean mixtral-8x7b\\?") as e:
+        resolve("mixtrl-8x7b")
+    assert all(name in str(e.value) for name in ("tiny", "moe-tiny", "deepseek-v3", "blip-base"))
 
 
 @pytest.mark.parametrize("arch", sorted(SPLITS))

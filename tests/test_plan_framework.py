@@ -198,3 +198,15 @@ def test_fsdp_copies_without_zero3_names_the_stage_it_contradicts(capsys):
     err = capsys.readouterr().err
     assert "ZeRO stage 0 (--zero, 0 unless given to estimate): add --zero 3" in err
     assert main(EST[:-1] + ["3", "--fsdp-copies", "--json"]) == 0
+
+
+def test_zero_beyond_one_is_refused_for_commpipes_runtime(capsys):
+    """commpipe's runtime shards only the optimizer states (--zero1): --zero 2 or 3 on --gpu cpu
+    (its runtime) fails with the reason and the fix, not an empty search."""
+    from commpipe.cli import main
+
+    for verb, extra in (("plan", []), ("estimate", ["--dp", "4"])):
+        assert main([verb, "--model", "tiny", "--gpu", "cpu", "--gpus", "4", "--zero", "3",
+                     "--global-batch", "8", "--seq-len", "32", *extra]) == 2
+        err = capsys.readouterr().err
+        assert "commpipe's runtime shards the optimizer states only" in err and "--zero 0 or 1" in err

@@ -132,11 +132,22 @@ def family_of(spec) -> ModelFamily:
 
 
 def family_for_model(model: str) -> ModelFamily:
-    """The family a `--model` value belongs to; the default family (LLaMA) when none claims
-    it, so its error names the presets."""
+    """The family a `--model` value belongs to; field lists no family claims go to the default
+    family (LLaMA), whose error names the fields. A name no family has is refused with every
+    family's named shapes and the closest of them."""
+    import difflib
+
     _load()
     found = [f for f in families() if f.owns(model)]
-    return found[0] if found else FAMILIES["llama"]
+    if found:
+        return found[0]
+    if "=" not in model:
+        names = [name for f in families() for name in f.presets()]
+        close = difflib.get_close_matches(model, names, n=2)
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        raise ValueError(f"unknown model {model!r}; {hint}the named shapes are {', '.join(names)}; "
+                         "or give fields like arch=llama,layers=32,hidden=4096,heads=32,vocab=32000")
+    return FAMILIES["llama"]
 
 
 def resolve(model: str):

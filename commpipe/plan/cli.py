@@ -232,6 +232,10 @@ def check_framework_flags(args, spec, zero: int | None) -> None:
     if getattr(args, "eager_ops", False) and not layer_form(spec).eager_ops:
         raise ValueError(f"--eager-ops counts the kernels of torchtitan's Llama op by op; this model is "
                          f"arch={spec.arch}, priced with fused kernels (drop --eager-ops)")
+    if zero is not None and zero > 1 and framework_from_args(args) == "commpipe":
+        raise ValueError(f"--zero {zero}: commpipe's runtime shards the optimizer states only "
+                         "(ZeRO 1, commpipe train --zero1); use --zero 0 or 1, or price a GPU "
+                         "stack that shards more (--framework megatron or torchtitan)")
     if getattr(args, "fsdp_copies", False) and zero is not None and zero != 3:
         raise ValueError(f"--fsdp-copies prices FSDP2's buffer copies under ZeRO-3; the layout has "
                          f"ZeRO stage {zero} (--zero, 0 unless given to estimate): add --zero 3, "
