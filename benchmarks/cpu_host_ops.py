@@ -69,7 +69,7 @@ def predict(name: str, spare: float, probe_file: Path | None, capacity: float) -
     from planner_rank import on_spare_cores, probe_call_s, scheduler_wake_s
 
     from commpipe.models.spec import resolve_model
-    from commpipe.plan.cli import for_cluster
+    from commpipe.plan.cli_inputs import for_cluster
     from commpipe.plan.cluster import apply_probe, default_cluster
     from commpipe.plan.cpu import this_cpu
     from commpipe.plan.efficiency import Efficiency, default_efficiency

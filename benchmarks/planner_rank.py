@@ -92,9 +92,9 @@ def measured_layouts(folder: Path, cores: int) -> list[dict]:
 
 def planner_inputs(out: Path, name: str, world: int, cores: int):
     """(spec, job, cluster) as `plan --gpu cpu --cluster probe-<name>.json --host-cores N`
-    builds them (plan.cli's for_cluster: the job commpipe's runtime runs)."""
+    builds them (plan.cli_inputs' for_cluster: the job commpipe's runtime runs)."""
     from commpipe.models.spec import resolve_model
-    from commpipe.plan.cli import for_cluster
+    from commpipe.plan.cli_inputs import for_cluster
     from commpipe.plan.cluster import apply_probe, default_cluster
     from commpipe.plan.gpus import GPU
     from commpipe.plan.layout import Job

@@ -143,7 +143,7 @@ def test_2021_preset_turns_off_what_its_stack_lacked_and_flags_still_apply(capsy
     """megatron-lm-2021 prices attention without flash (the s x s scores kept and moved), TP without
     sequence parallelism and the DP all-reduce after the backward; --flash-attention on puts the
     kernel back on top of the preset, and the preset's job equals the flags given by hand."""
-    from commpipe.plan.cli import job_from_args
+    from commpipe.plan.cli_inputs import job_from_args
     from commpipe.plan.layout import Job
 
     fields = framework_job_fields("megatron-lm-2021", "bf16")

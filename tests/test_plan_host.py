@@ -274,7 +274,7 @@ def test_host_cores_flag_takes_a_capacity_or_auto(monkeypatch):
     import argparse
 
     import commpipe.plan.cpu as cpu
-    from commpipe.plan.cli import host_cores_arg
+    from commpipe.plan.cli_inputs import host_cores_arg
 
     assert host_cores_arg("2") == 2 and isinstance(host_cores_arg("2"), int)   # JSON stays 2
     assert host_cores_arg("1.46") == pytest.approx(1.46)

@@ -12,7 +12,7 @@ import pytest
 from commpipe.cli import main
 from commpipe.models import moe_spec as M
 from commpipe.models.family import resolve
-from commpipe.plan.cli import check_experts
+from commpipe.plan.cli_inputs import check_experts
 from commpipe.plan.cluster import default_cluster
 from commpipe.plan.efficiency import default_efficiency
 from commpipe.plan.estimate import estimate

@@ -69,7 +69,7 @@ def test_a_model_too_large_to_probe_is_left_to_its_flops():
 
 
 def _cpu_job(seq_len=32):
-    from commpipe.plan.cli import for_cluster
+    from commpipe.plan.cli_inputs import for_cluster
     from commpipe.plan.cluster import default_cluster
     from commpipe.plan.gpus import GPU
     from commpipe.plan.layout import Job

@@ -9,7 +9,7 @@ import pytest
 from commpipe.models.spec import resolve_model
 from commpipe.parallel.dims import ParallelDims
 from commpipe.plan import layout as plan_layout
-from commpipe.plan.cli import for_cluster
+from commpipe.plan.cli_inputs import for_cluster
 from commpipe.plan.cluster import default_cluster
 from commpipe.plan.gpus import GPU
 from commpipe.plan.layout import Job, enumerate_layouts

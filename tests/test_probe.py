@@ -66,7 +66,7 @@ def test_gloo_call_time_is_what_a_call_costs_beyond_its_priced_link(tmp_path):
     1), averaged over the ops; `plan --gpu cpu --cluster` prices every gloo call with it."""
     import argparse
 
-    from commpipe.plan.cli import cluster_from_args
+    from commpipe.plan.cli_inputs import cluster_from_args
     from commpipe.plan.cluster import apply_probe, default_cluster, probe_call_overhead
     from commpipe.plan.gpus import resolve_gpu
 
@@ -104,7 +104,7 @@ def test_gpus_per_node_given_wins_over_the_probes_ranks_per_node(tmp_path):
     either)."""
     import argparse
 
-    from commpipe.plan.cli import cluster_from_args
+    from commpipe.plan.cli_inputs import cluster_from_args
 
     link = {"latency_ms": 0.1, "bandwidth_gbps": 1.0}
     path = tmp_path / "probe.json"

@@ -169,7 +169,7 @@ def run_blip_cli(args) -> int:
     import sys
 
     from commpipe.models.blip_spec import resolve_blip
-    from commpipe.plan.cli import cluster_from_args, fixed_from_args
+    from commpipe.plan.cli_inputs import cluster_from_args, fixed_from_args
 
     spec = resolve_blip(args.model)
     if not args.global_batch or args.global_batch < 1:

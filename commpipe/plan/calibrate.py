@@ -74,7 +74,7 @@ VTRAIN = {"# GPUs": "gpus", "global batch": "global_batch", "micro batch": "micr
 
 
 def job_defaults(args) -> dict:
-    from commpipe.plan.cli import precision_of
+    from commpipe.plan.cli_inputs import precision_of
 
     flash = {"auto": None, "on": True, "off": False}[getattr(args, "flash_attention", "auto")]
     return {"recompute": getattr(args, "recompute", None) or "none",

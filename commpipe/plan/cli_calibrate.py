@@ -25,7 +25,7 @@ from commpipe.plan.calibrate import (
     save_profile,
     supported_params,
 )
-from commpipe.plan.cli import DEFAULT_GPUS_PER_NODE, cluster_from_args
+from commpipe.plan.cli_inputs import DEFAULT_GPUS_PER_NODE, cluster_from_args
 from commpipe.plan.efficiency import Efficiency
 from commpipe.plan.gpus import resolve_gpu
 

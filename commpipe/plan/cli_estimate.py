@@ -14,9 +14,8 @@ from __future__ import annotations
 import json
 import sys
 
-from commpipe.plan.cli import (
-    add_common_arguments,
-    add_intervals,
+from commpipe.plan.cli import add_common_arguments, add_intervals
+from commpipe.plan.cli_inputs import (
     check_experts,
     check_framework_flags,
     cluster_from_args,

@@ -124,7 +124,7 @@ def resolve_framework(name: str) -> Framework:
 
 def framework_job_fields(name: str, precision: str) -> dict:
     """The `Job` fields the framework sets for a run in `precision` (commpipe: none here; its
-    fields come from `layout.runtime_job`, applied by `plan.cli.for_cluster`)."""
+    fields come from `layout.runtime_job`, applied by `plan.cli_inputs.for_cluster`)."""
     fw = resolve_framework(name)
     out = dict(fw.fields)
     if name != "commpipe":
