@@ -10,7 +10,8 @@ micro-benchmark, one process per core). With more busy processes than cores the 
 switches between them, and each switch refills caches the others evicted; processor sharing
 does not price that. Here N processes run one workload for --seconds at once, process 0 also
 alone just before (a lone rate to divide by, from the same moment of the host's speed), and the
-capacity is the together rates' sum over the lone rate, for two workloads:
+capacity is the together rates' sum over the lone rate (commpipe.plan.cpu.
+measure_core_capacity, which keeps it within [1, cores]), for two workloads:
   - layer: the forward and backward of the planned model's embedding and first layer at 4
     samples (the demo's 8-layer, 64-wide LLaMA; commpipe.plan.pass_split measures the pass on
     the same stage), one thread;
@@ -23,11 +24,9 @@ No assertion; prints ratios.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -35,61 +34,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 MODEL = "arch=llama,layers=8,hidden=64,heads=4,kv_heads=2,ffn_hidden=128,vocab=256"
 
 
-def _workload(kind: str):
-    import torch
-
-    torch.set_num_threads(1)
-    if kind == "ops":
-        from commpipe.plan.cpu import op_step
-
-        return op_step()
-    from commpipe.models.family import family_of
-    from commpipe.models.spec import resolve_model
-
-    spec = resolve_model(MODEL)
-    torch.manual_seed(0)
-    stage = family_of(spec).build_stages(spec, [range(0, 1), range(1, spec.layers)], 0,
-                                         torch.device("cpu"))[0]
-    tokens = torch.randint(0, spec.vocab, (4, 32))
-    return lambda: stage(tokens).float().sum().backward()
-
-
-def _worker(index: int, kind: str, seconds: float, barrier, results) -> None:
-    step = _workload(kind)
-    for _ in range(3):
-        step()                                      # warm-up
-    rates = []
-    for phase in ("alone", "together"):
-        barrier.wait()
-        if phase == "alone" and index != 0:
-            continue
-        n, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            step()
-            n += 1
-        rates.append(n / (time.perf_counter() - t0))
-    barrier.wait()
-    results.put((index, rates))
-
-
 def capacity(processes: int, kind: str, seconds: float) -> float:
-    """The together rates' sum over process 0's lone rate (commpipe.plan.cpu.capacity_of's
-    measure, without its clamp to the core count)."""
-    ctx = mp.get_context("spawn")
-    barrier, results = ctx.Barrier(processes), ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(i, kind, seconds, barrier, results))
-             for i in range(processes)]
-    for p in procs:
-        p.start()
-    try:
-        rates = dict(results.get(timeout=120 + 4 * seconds) for _ in procs)
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    alone = rates[0][0]
-    return (rates[0][1] + sum(r[0] for i, r in rates.items() if i)) / alone
+    """commpipe.plan.cpu.measure_core_capacity of `processes` on this host's cores, stepping
+    the model's first stage ("layer") or the op micro-benchmark ("ops")."""
+    from commpipe.plan.cpu import measure_core_capacity
+
+    return measure_core_capacity(len(os.sched_getaffinity(0)), seconds, processes=processes,
+                                 model=MODEL if kind == "layer" else None, seq_len=32)
 
 
 def main(argv=None) -> int:

@@ -298,6 +298,9 @@ def test_core_capacity_is_the_cores_rate_together_over_one_alone():
     # with the bounds (the figure itself is the machine's and its load's)
     assert measure_core_capacity(1) == 1.0
     assert 1.0 <= measure_core_capacity(2, seconds=0.3) <= 2.0
+    # more processes than cores, each stepping a model's first stage
+    # (benchmarks/cpu_oversubscription.py)
+    assert 1.0 <= measure_core_capacity(2, seconds=0.3, processes=3, model="tiny", seq_len=16) <= 2.0
 
 
 def test_cpu_plans_write_their_rates_in_gflops(capsys):

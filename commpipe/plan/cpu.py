@@ -161,14 +161,24 @@ def _adamw(params, moments, lr: float = 1e-3, betas=(0.9, 0.95), eps: float = 1e
             p.addcdiv_(m, denom, value=-lr / c1)
 
 
-def _capacity_worker(index: int, seconds: float, barrier, results) -> None:
-    """One process of `measure_core_capacity`: op_step runs for `seconds` alone (index 0 only),
-    then for `seconds` beside the others; each phase's steps per second go to `results`. Every
-    process meets at `barrier` when a phase begins (the end of the one before) and at the end."""
+def _capacity_worker(index: int, seconds: float, barrier, results, model: str | None = None,
+                     seq_len: int = 0) -> None:
+    """One process of `measure_core_capacity`: its workload runs for `seconds` alone (index 0
+    only), then for `seconds` beside the others; each phase's steps per second go to `results`.
+    Every process meets at `barrier` when a phase begins (the end of the one before) and at the
+    end. The workload: op_step, or with `model` its first stage's pass at 4 samples of
+    `seq_len` tokens (commpipe.plan.pass_split.first_stage_pass)."""
     import torch
 
     torch.set_num_threads(1)
-    step = op_step()
+    if model is None:
+        step = op_step()
+    else:
+        from commpipe.models.family import resolve
+        from commpipe.plan.pass_split import first_stage_pass
+
+        run = first_stage_pass(resolve(model), seq_len, (4,))
+        step = lambda: run(4)          # noqa: E731
     step()                                          # warm-up
     rates = []
     for running in (index == 0, True):
@@ -183,27 +193,36 @@ def _capacity_worker(index: int, seconds: float, barrier, results) -> None:
     results.put((index, rates))
 
 
-def measure_core_capacity(cores: int | None = None, seconds: float = 1.0) -> float:
-    """How many ranks' worth of eager training this host's cores run at once: `cores` processes
-    (default: every core this process may use) each step commpipe's layers (`op_step`, one
-    thread) for `seconds`, first one of them alone, then all together; the capacity is the sum
-    of their step rates over the lone one's. Cores that share a physical core (SMT siblings) or
-    a virtual machine's vCPUs backed by less than a core each deliver less than their count:
-    on one 2-vCPU machine two such ranks ran at 1.46 lone ranks' speed between them. This is
-    what `plan --host-cores auto` passes as `Cluster.host_cores` (commpipe.plan.host shares it
-    among the busy ranks). At least 1, at most `cores`; ~3 s with the processes' start."""
+def measure_core_capacity(cores: int | None = None, seconds: float = 1.0,
+                          processes: int | None = None, model: str | None = None,
+                          seq_len: int = 32) -> float:
+    """How many ranks' worth of eager training this host's cores run at once: `processes`
+    (default: one per core; `cores` default: every core this process may use) each step
+    commpipe's layers for `seconds` on one thread, first one of them alone, then all together;
+    the capacity is the sum of their step rates over the lone one's. Cores that share a physical
+    core (SMT siblings) or a virtual machine's vCPUs backed by less than a core each deliver
+    less than their count: on one 2-vCPU machine two such ranks ran at 1.46 lone ranks' speed
+    between them. The step is `op_step`, or with `model` (a --model value) that model's first
+    stage's pass at 4 samples of `seq_len` tokens: with more processes than cores the scheduler
+    switches between them and each switch refills caches the others evicted, which a real
+    layer's working set shows and op_step's tiny tensors do not
+    (benchmarks/cpu_oversubscription.py). `plan --host-cores auto` passes the default (one
+    process per core, op_step) as `Cluster.host_cores` (commpipe.plan.host shares it among the
+    busy ranks). At least 1, at most `cores`; ~3 s with the processes' start."""
     import multiprocessing as mp
 
     cores = cores or len(os.sched_getaffinity(0))
-    if cores < 1 or seconds <= 0:
-        raise ValueError("measure_core_capacity needs cores >= 1 and seconds > 0")
-    if cores == 1:
+    processes = processes or cores
+    if cores < 1 or processes < 1 or seconds <= 0:
+        raise ValueError("measure_core_capacity needs cores >= 1, processes >= 1 and seconds > 0")
+    if cores == 1 or processes == 1:
         return 1.0
     ctx = mp.get_context("spawn")
-    barrier = ctx.Barrier(cores)
+    barrier = ctx.Barrier(processes)
     results = ctx.Queue()
-    procs = [ctx.Process(target=_capacity_worker, args=(i, seconds, barrier, results))
-             for i in range(cores)]
+    procs = [ctx.Process(target=_capacity_worker,
+                         args=(i, seconds, barrier, results, model, seq_len))
+             for i in range(processes)]
     for proc in procs:
         proc.start()
     try:

@@ -104,27 +104,15 @@ def measure(spec, seq_len: int, device: str = "cpu", budget_s: float = 0.5,
         finally:
             torch.set_num_threads(previous)
 
-    from commpipe.models.family import family_of
     from commpipe.plan.runtime_ops import stage_ops
-    from commpipe.runtime.recompute import ActivationMeter
 
     split = (1, spec.layers - 1) if spec.layers > 1 else (1,)
-    ranges = [range(0, 1)] + ([range(1, spec.layers)] if spec.layers > 1 else [])
     dev = torch.device(device)
-    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
-        torch.manual_seed(0)
-        stage = family_of(spec).build_stages(spec, ranges, 0, dev)[0]
-        vocab = getattr(spec, "vocab", None) or getattr(spec, "vocab_size", 2)
-        inputs = {b: torch.randint(0, vocab, (b, seq_len), device=dev) for b in BATCHES}
-    meter = ActivationMeter(list(stage.parameters()), dev)
+    passes = first_stage_pass(spec, seq_len, BATCHES, device)
 
     def one(b: int) -> float:
         start = time.perf_counter()
-        with meter:
-            out = stage(inputs[b])
-            if isinstance(out, dict):             # a family whose stages pass named tensors
-                out = sum(v.float().sum() for v in out.values() if torch.is_tensor(v))
-            out.float().sum().backward()
+        passes(b)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         return (time.perf_counter() - start) * 1e3
@@ -143,6 +131,35 @@ def measure(spec, seq_len: int, device: str = "cpu", budget_s: float = 0.5,
     found = solve(statistics.median(times[small]), statistics.median(times[large]), small, large,
                   sum(stage_ops(split, 0, "fp32")), probe_work(spec, seq_len, split))
     return replace(found, other_cores=other_cores([span.stop().to_dict()]))
+
+
+def first_stage_pass(spec, seq_len: int, batches=BATCHES, device: str = "cpu"):
+    """A function of a micro-batch size that runs stage 0 of `spec` (its embedding and first
+    layer, built by the model's family) forward and backward under the trainer's activation
+    meter on a micro-batch of that many samples of `seq_len` tokens (one of `batches`), as a
+    rank's pass does. Leaves the global random state as it was."""
+    import torch
+
+    from commpipe.models.family import family_of
+    from commpipe.runtime.recompute import ActivationMeter
+
+    ranges = [range(0, 1)] + ([range(1, spec.layers)] if spec.layers > 1 else [])
+    dev = torch.device(device)
+    with torch.random.fork_rng(devices=[dev] if dev.type == "cuda" else []):
+        torch.manual_seed(0)
+        stage = family_of(spec).build_stages(spec, ranges, 0, dev)[0]
+        vocab = getattr(spec, "vocab", None) or getattr(spec, "vocab_size", 2)
+        inputs = {b: torch.randint(0, vocab, (b, seq_len), device=dev) for b in batches}
+    meter = ActivationMeter(list(stage.parameters()), dev)
+
+    def run(b: int) -> None:
+        with meter:
+            out = stage(inputs[b])
+            if isinstance(out, dict):             # a family whose stages pass named tensors
+                out = sum(v.float().sum() for v in out.values() if torch.is_tensor(v))
+            out.float().sum().backward()
+
+    return run
 
 
 def measures_pass(spec, job, gpu) -> bool:
