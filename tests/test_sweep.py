@@ -269,6 +269,31 @@ def test_sweep_records_results_and_resumes(tmp_path):
     assert len((tmp_path / "sweep.jsonl").read_text().splitlines()) == 4
 
 
+def test_a_sweep_without_a_live_bar_says_now_and_then_that_a_layout_runs(tmp_path, monkeypatch):
+    """Piped or logged (no terminal for the bar), a layout that runs long gets a "running" line
+    every QUIET_PROGRESS_S (30 s) of its time, each layout counting from its own start."""
+    import io
+
+    from commpipe.cluster.launch import RunResult
+
+    monkeypatch.setattr(sys, "stderr", io.StringIO())       # not a terminal, also under -s
+
+    def runner(layout, train, run_dir, poll):
+        for elapsed in (0.5, 10.0, 31.0, 45.0, 62.0):
+            poll(elapsed)
+        return RunResult("ok", "", 0, 62.0)
+
+    said = []
+    run_sweep(_grid(Layout(pp=2, name="a"), Layout(dp=2, name="b")), tmp_path, runner,
+              progress=True, log=said.append)
+    running = [x for x in said if ": running," in x]
+    assert [x.split(":")[0] for x in running] == ["[1/2] a", "[1/2] a", "[2/2] b", "[2/2] b"]
+    assert running[0].endswith("31 s") and running[1].endswith("62 s")
+    said.clear()
+    run_sweep(_grid(Layout(pp=2, name="c")), tmp_path, runner, progress=False, log=said.append)
+    assert not [x for x in said if ": running," in x]          # --no-progress: quiet
+
+
 def test_failures_are_recorded_and_the_sweep_goes_on(tmp_path):
     grid = _grid(Layout(tp=3, name="bad-tp3"), Layout(pp=2, name="crash"), Layout(pp=2, name="hang"),
                  Layout(pp=2, name="fine"))

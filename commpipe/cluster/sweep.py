@@ -169,9 +169,16 @@ def run_sweep(grid: Grid, out_dir, runner, train: dict | None = None, *, retry_f
                 shutil.rmtree(run_dir)
             run_dir.mkdir(parents=True)
 
-            def poll(elapsed, run_dir=run_dir):
+            at = f"[{i + 1}/{len(grid.layouts)}] {layout.name}"
+
+            def poll(elapsed, run_dir=run_dir, at=at, said=[0.0]):     # noqa: B006 (one per layout)
                 s = last_step(run_dir)
-                bar.set_postfix_str(f"step {'-' if s is None else s + 1}/{steps}, {elapsed:.0f} s")
+                where = f"step {'-' if s is None else s + 1}/{steps}, {elapsed:.0f} s"
+                bar.set_postfix_str(where)
+                # without a live bar (a log, a pipe) a line now and then says the layout is alive
+                if progress and bar.disable and elapsed - said[0] >= QUIET_PROGRESS_S:
+                    said[0] = elapsed
+                    log(f"{at}: running, {where}")
 
             started = time.monotonic()
             try:
@@ -190,6 +197,9 @@ def run_sweep(grid: Grid, out_dir, runner, train: dict | None = None, *, retry_f
         log(f"[{i + 1}/{len(grid.layouts)}] {layout.name}: {msg} ({result.elapsed_s:.1f} s)")
     bar.close()
     return records
+
+
+QUIET_PROGRESS_S = 30.0     # seconds between "running" lines when no live bar is drawn
 
 
 def _progress(total: int, enabled: bool):
