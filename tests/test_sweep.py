@@ -257,7 +257,11 @@ def test_sweep_records_results_and_resumes(tmp_path):
     lines = (tmp_path / "tp2-cp1-pp2-dp1" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 3
     assert (tmp_path / "dp2" / "logs" / "node0.log").exists()
-    # the same sweep again: nothing runs
+    # the same sweep again: nothing runs, and `commpipe sweep` builds no cluster for it
+    from commpipe.cluster.sweep import nothing_to_run
+
+    assert nothing_to_run(grid, tmp_path, {}) and not nothing_to_run(grid, tmp_path, {"steps": 2})
+    assert not nothing_to_run(grid, tmp_path, {}, force=True)
     again = run_sweep(grid, tmp_path, runner, progress=False, log=lambda *_: None)
     assert runner.calls == ["tp2-cp1-pp2-dp1", "dp2"] and [r["status"] for r in again] == ["ok", "ok"]
     # other training settings: the layouts run again, into emptied folders

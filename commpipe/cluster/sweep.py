@@ -24,7 +24,6 @@ name prefix is printed at the start and written to OUT/cluster.json, so that aft
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -47,7 +46,10 @@ from commpipe.cluster.sweep_state import (  # noqa: F401  (read_status, last_ste
     STATUS_FILE,
     Interrupted,
     _drop_torn_tail,
+    already_done,
+    fingerprint,
     last_step,
+    nothing_to_run,
     read_status,
     record_status,
     signals_interrupt,
@@ -76,17 +78,6 @@ def validate_layout(layout: Layout, train: dict) -> str | None:
     except (ValueError, FileNotFoundError, argparse.ArgumentError) as e:
         return str(e)
     return None
-
-
-def fingerprint(layout: Layout, train: dict) -> str:
-    flags = {**train, **layout.extra}
-    if flags.get("config"):     # a job config file: its content, not only its name
-        try:
-            flags["config_sha1"] = hashlib.sha1(Path(flags["config"]).read_bytes()).hexdigest()
-        except OSError:
-            pass
-    blob = json.dumps({"layout": layout.grid_dict(), "train": flags}, sort_keys=True, default=str)
-    return hashlib.sha1(blob.encode()).hexdigest()[:12]
 
 
 # -- runners: (layout, train, run_dir, poll) -> RunResult ----------------------------------------
@@ -148,13 +139,11 @@ def run_sweep(grid: Grid, out_dir, runner, train: dict | None = None, *, retry_f
         run_dir = out / layout.name
         fp = fingerprint(layout, train)
         prev = done.get(layout.name)
-        if prev and prev.get("fingerprint") == fp and not force and prev["status"] != "interrupted":
-            finished = prev["status"] == "ok" and (run_dir / "metrics.jsonl").exists()
-            if finished or (prev["status"] != "ok" and not retry_failed):
-                log(f"[{i + 1}/{len(grid.layouts)}] {layout.name}: already {prev['status']}, skipped")
-                records.append(prev)
-                bar.update(1)
-                continue
+        if already_done(prev, fp, run_dir, force, retry_failed):
+            log(f"[{i + 1}/{len(grid.layouts)}] {layout.name}: already {prev['status']}, skipped")
+            records.append(prev)
+            bar.update(1)
+            continue
         bar.set_description(f"{i + 1}/{len(grid.layouts)} {layout.name}")
         reason = validate_layout(layout, train)
         if reason is None and hasattr(runner, "check"):
@@ -336,8 +325,11 @@ def run(args) -> int:
     cluster = None
     try:
         with signals_interrupt():
-            runner, cluster = make_runner(args.cluster, args.nodes, args.ranks_per_node, rates,
-                                          args.timeout, out_dir=args.out)
+            if nothing_to_run(grid, args.out, train, args.force, args.retry_failed):
+                runner = None           # a finished sweep again: its records, no cluster built
+            else:
+                runner, cluster = make_runner(args.cluster, args.nodes, args.ranks_per_node, rates,
+                                              args.timeout, out_dir=args.out)
             records = run_sweep(grid, args.out, runner, train, retry_failed=args.retry_failed,
                                 force=args.force, progress=not args.no_progress)
     except (Interrupted, KeyboardInterrupt) as e:

@@ -1,6 +1,8 @@
 """What a sweep leaves in its folder, and how it stops on a signal.
 
-OUT/sweep.jsonl holds one status line per finished layout (the latest line of a layout wins);
+OUT/sweep.jsonl holds one status line per finished layout (the latest line of a layout wins),
+with the fingerprint of the layout and flags it ran with: a rerun skips a layout whose record
+stands (`already_done`) and builds no cluster when every one does (`nothing_to_run`);
 OUT/cluster.json names the emulated cluster a sweep built, so `commpipe cluster down --sweep OUT`
 finds its namespaces after the sweep was killed. SIGTERM and SIGINT raise `Interrupted` in the
 main thread, so the `finally` blocks under it stop the running layout's process group and tear
@@ -9,6 +11,7 @@ the cluster down before the sweep records the layout as interrupted.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import signal
@@ -17,11 +20,44 @@ import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from commpipe.files import read_text
 
+if TYPE_CHECKING:
+    from commpipe.cluster.grids import Grid, Layout
+
 STATUS_FILE = "sweep.jsonl"
 CLUSTER_FILE = "cluster.json"     # the emulated cluster's prefix, for `commpipe cluster down --sweep`
+
+
+def fingerprint(layout: Layout, train: dict) -> str:
+    flags = {**train, **layout.extra}
+    if flags.get("config"):     # a job config file: its content, not only its name
+        try:
+            flags["config_sha1"] = hashlib.sha1(Path(flags["config"]).read_bytes()).hexdigest()
+        except OSError:
+            pass
+    blob = json.dumps({"layout": layout.grid_dict(), "train": flags}, sort_keys=True, default=str)
+    return hashlib.sha1(blob.encode()).hexdigest()[:12]
+
+
+def already_done(prev: dict | None, fp: str, run_dir: Path, force: bool, retry_failed: bool) -> bool:
+    """Whether a layout's record from an earlier run of the sweep stands: the same layout and
+    flags (fingerprint), not interrupted, and ok with its metrics, or failed and not retried."""
+    if not prev or prev.get("fingerprint") != fp or force or prev["status"] == "interrupted":
+        return False
+    finished = prev["status"] == "ok" and (run_dir / "metrics.jsonl").exists()
+    return finished or (prev["status"] != "ok" and not retry_failed)
+
+
+def nothing_to_run(grid: Grid, out, train: dict, force: bool = False, retry_failed: bool = False) -> bool:
+    """Every layout of the grid already done in OUT (a rerun of a finished sweep): no cluster
+    needs to be built."""
+    done = read_status(out, warn=lambda _: None)
+    train = {**grid.train, **train}         # as run_sweep takes them
+    return all(already_done(done.get(lay.name), fingerprint(lay, train), Path(out) / lay.name,
+                            force, retry_failed) for lay in grid.layouts)
 
 
 def read_status(out_dir, warn=None) -> dict[str, dict]:
