@@ -342,7 +342,9 @@ def run(args) -> int:
     if args.report:
         from commpipe.report.cli import write_report
 
-        print(write_report(args.out)["markdown"])
+        out = write_report(args.out)        # the table `commpipe report` prints, and its files
+        print(out["terminal"])
+        print(f"\nwrote {out['csv']}, {out['markdown_path']}, {out['html']} ({len(out['figures'])} figures)")
     return 0 if ok else 1
 
 
