@@ -205,7 +205,7 @@ def measure_core_capacity(cores: int | None = None, seconds: float = 1.0,
     between them. The step is `op_step`, or with `model` (a --model value) that model's first
     stage's pass at 4 samples of `seq_len` tokens: with more processes than cores the scheduler
     switches between them and each switch refills caches the others evicted, which a real
-    layer's working set shows and op_step's tiny tensors do not
+    layer's working set is likelier to show than op_step's tiny tensors
     (benchmarks/cpu_oversubscription.py). `plan --host-cores auto` passes the default (one
     process per core, op_step) as `Cluster.host_cores` (commpipe.plan.host shares it among the
     busy ranks). At least 1, at most `cores`; ~3 s with the processes' start."""
