@@ -122,15 +122,32 @@ def _config_path(flags: dict, grid_path: Path, where: str) -> dict:
     config = (grid_path.parent / value).resolve()
     if not config.is_file():
         raise ValueError(f"{where}: config = {value!r}: no such file {config}")
+    job_file_flags(config)          # a wrong key fails here, naming file, section and key
+    return {**flags, "config": str(config)}
+
+
+def _train_parser() -> argparse.ArgumentParser | None:
+    """`commpipe train`'s argument parser; None in a build without the trainer (the layouts'
+    runs will say)."""
     try:
         from commpipe.train import cli as train_cli
-        from commpipe.train.jobconfig import load_defaults
-    except ModuleNotFoundError:     # a build without the trainer: the layouts' runs will say
-        return {**flags, "config": str(config)}
-    parser = argparse.ArgumentParser()
+    except ModuleNotFoundError:
+        return None
+    parser = argparse.ArgumentParser(add_help=False)
     train_cli.add_arguments(parser)
-    load_defaults(config, parser)   # a wrong key fails here, naming file, section and key
-    return {**flags, "config": str(config)}
+    return parser
+
+
+def job_file_flags(path) -> dict | None:
+    """The flags a `commpipe train --config` file sets ({destination: value}), read as train
+    reads them (commpipe.train.jobconfig.load_defaults, which fails on a wrong key); None in a
+    build without the trainer."""
+    parser = _train_parser()
+    if parser is None:
+        return None
+    from commpipe.train.jobconfig import load_defaults
+
+    return load_defaults(path, parser)
 
 
 def check_train_values(flags: dict, where: str) -> None:
@@ -139,12 +156,9 @@ def check_train_values(flags: dict, where: str) -> None:
     `commpipe train` is refused with the closest ones."""
     import difflib
 
-    try:
-        from commpipe.train import cli as train_cli
-    except ModuleNotFoundError:
+    parser = _train_parser()
+    if parser is None:
         return
-    parser = argparse.ArgumentParser(add_help=False)
-    train_cli.add_arguments(parser)
     by_key = {opt.lstrip("-").replace("-", "_"): a for a in parser._actions
               for opt in a.option_strings}
     for key, value in flags.items():
@@ -193,14 +207,8 @@ def shared_global_batch(layouts: list[Layout], train: dict) -> int | None:
             for lay in layouts):
         return None
     if train.get("config"):
-        try:
-            from commpipe.train import cli as train_cli
-            from commpipe.train.jobconfig import load_defaults
-        except ModuleNotFoundError:
-            return None
-        parser = argparse.ArgumentParser()
-        train_cli.add_arguments(parser)
-        if any(load_defaults(train["config"], parser).get(k) is not None for k in keys):
+        set_there = job_file_flags(train["config"])
+        if set_there is None or any(set_there.get(k) is not None for k in keys):
             return None
     step, largest = 1, 1
     for lay in layouts:
