@@ -10,7 +10,6 @@ import argparse
 import csv
 import json
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -148,14 +147,11 @@ def test_a_key_train_does_not_know_fails_when_the_grid_loads(tmp_path, where, te
     path = tmp_path / "g.toml"
     path.write_text(text)
     grid = load_grid(str(path))
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises(ValueError, match=message) as e:
         for flags, at in [(grid.train, "[train]")] + [(lay.extra, f"layout {lay.name}")
                                                        for lay in grid.layouts]:
             check_train_values(flags, f"{path} {at}")
-    with pytest.raises(ValueError, match=re.escape(f"{where}: ")):
-        for flags, at in [(grid.train, "[train]")] + [(lay.extra, f"layout {lay.name}")
-                                                       for lay in grid.layouts]:
-            check_train_values(flags, f"{path} {at}")
+    assert f"{path} {where}: " in str(e.value)
 
 
 def test_missing_grid_file():

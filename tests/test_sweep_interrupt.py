@@ -140,13 +140,10 @@ def test_the_layout_demo_stops_on_sigterm_as_a_sweep_does(tmp_path, monkeypatch,
                               emulate_device=1.0)
     try:
         code = demo.run(args)
-    except AssertionError:
-        signal.signal(signal.SIGTERM, before)
-        raise
-    assert code == 128 + signal.SIGTERM
-    err = capsys.readouterr().err
-    assert "SIGTERM: the sweep stopped" in err and str(tmp_path / "demo") in err
-    try:
-        assert signal.getsignal(signal.SIGTERM) is unhandled     # the handler was put back
+        put_back = signal.getsignal(signal.SIGTERM)
     finally:
         signal.signal(signal.SIGTERM, before)
+    assert code == 128 + signal.SIGTERM
+    assert put_back is unhandled                    # the demo put the handler back
+    err = capsys.readouterr().err
+    assert "SIGTERM: the sweep stopped" in err and str(tmp_path / "demo") in err
