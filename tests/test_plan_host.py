@@ -325,3 +325,33 @@ def test_cpu_plans_write_their_rates_in_gflops(capsys):
     assert main(["estimate", "--model", "llama3-8b", "--gpu", "h100", "--gpus", "8", "--tp", "8",
                  "--global-batch", "8", "--seq-len", "4096"]) == 0
     assert "TFLOP/s/GPU" in capsys.readouterr().out
+
+
+def test_cpu_ranks_are_planned_with_their_share_of_the_host(monkeypatch, capsys):
+    """CPU ranks of one host share its memory: each is planned with the host's memory over its
+    ranks, and reserves a CPU process (fits.CPU_RANK_RESERVE_GIB), not a CUDA context's 1.5 GB."""
+    import json
+
+    import commpipe.plan.cpu as cpu
+    from commpipe.cli import main
+    from commpipe.plan.fits import CPU_RANK_RESERVE_GIB
+    from commpipe.plan.gpus import GPU
+
+    monkeypatch.setattr(cpu, "this_cpu", lambda: GPU("cpu", 0.05, 16.0, 10.0, 10.0, 1.0))
+    # ~200M parameters: 16 bytes each in fp32 with Adam, ~3.2 GB on one rank
+    base = ["estimate", "--model", "arch=llama,layers=8,hidden=1024,heads=8,vocab=32000",
+            "--gpu", "cpu", "--gpus", "8", "--global-batch", "8", "--seq-len", "64", "--json"]
+
+    def run(*extra, rc=0):          # estimate exits 1 on a layout that does not fit
+        assert main(base + list(extra)) == rc
+        return json.loads(capsys.readouterr().out)
+
+    dp8 = run("--dp", "8", rc=1)                  # 8 ranks on the host: 16 / 8 = 2 GB each
+    assert not dp8["feasible"] and "> 2 GB" in dp8["reason"], dp8["reason"]
+    assert 3.0 < dp8["memory_gb_per_gpu"] < 16.0  # it fits the whole host's 16 GB
+    # the fixed reserve plus 10% of the transient tensors (activations, here 0.05 GB)
+    assert dp8["reserve_gb_per_gpu"] == pytest.approx(CPU_RANK_RESERVE_GIB, abs=0.01)
+    pp8 = run("--pp", "8")                        # an eighth of the layers each
+    assert pp8["feasible"] and max(pp8["memory_gb_per_stage"]) <= 2.0
+    # one rank per host (8 hosts): each has the host to itself
+    assert run("--dp", "8", "--gpus-per-node", "1")["feasible"]

@@ -139,6 +139,9 @@ def for_cluster(job: Job, cluster, framework: str | None = None) -> Job:
     if job.precision not in PRECISIONS:
         raise ValueError(f"--gpu cpu prices commpipe's own runtime, which trains in "
                          f"{' or '.join(PRECISIONS)}; --precision {job.precision} is for GPU stacks")
+    if cluster.gpu.name == "cpu":       # a rank's process, not a CUDA context (plan.fits)
+        from commpipe.plan.fits import CPU_RANK_RESERVE_GIB
+        job = replace(job, rank_reserve_gb=CPU_RANK_RESERVE_GIB)
     features = RuntimeFeatures(sequence_parallel=job.sequence_parallel,
                                overlap=Overlap() if job.dp_overlap else Overlap.none(),
                                precision=job.precision)
@@ -170,6 +173,9 @@ def cluster_from_args(args, num_gpus: int | None = None, profile_path: str | Non
         cluster = apply_probe(cluster, args.cluster)
         if args.gpus_per_node:          # the flag wins over the probe's ranks per node
             cluster = replace(cluster, gpus_per_node=args.gpus_per_node)
+    if cluster.gpu.name == "cpu":       # its ranks share the host's memory
+        from commpipe.plan.cpu import host_share
+        cluster = host_share(cluster)
     eff = default_efficiency(cluster.gpu)
     if profile_path:
         from commpipe.plan.calibrate import load_profile

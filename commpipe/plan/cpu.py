@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import replace
 from functools import lru_cache
 
 from commpipe.plan.gpus import GPU
@@ -61,6 +62,19 @@ def measure_cpu(threads: int = 1, gemm: int = 512, copy_mb: int = 256, repeats: 
     copy_gbps = 2 * src.numel() * 4 / t_copy / 1e9          # read + write
     mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return GPU("cpu", tflops, round(mem_gb, 1), copy_gbps, copy_gbps, 1.0)
+
+
+def host_share(cluster):
+    """The ranks of one CPU host share its memory: each rank is planned with its share, the
+    host's memory over the ranks it runs (`gpus_per_node`, at most the job's ranks), as
+    `commpipe train` checks the sum of its local ranks' needs against the host (plan.fits)."""
+    ranks = max(1, min(cluster.num_gpus, cluster.gpus_per_node))
+    if ranks == 1:
+        return cluster
+    host_gb = cluster.gpu.mem_gb
+    return replace(cluster, gpu=replace(cluster.gpu, mem_gb=round(host_gb / ranks, 2)),
+                   source=f"{cluster.source}; each of {ranks} ranks on a host plans with "
+                          f"1/{ranks} of its {host_gb:g} GB")
 
 
 @lru_cache(maxsize=1)

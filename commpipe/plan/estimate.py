@@ -282,7 +282,7 @@ def estimate(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
 def fits_reason(memory: list[StageMemory], cluster: Cluster) -> str:
     worst = max(memory, key=lambda s: s.total_gb)
     return (f"fits: largest stage (pipeline rank {worst.rank}) needs {worst.total_gb:.1f} of "
-            f"{cluster.gpu.mem_gb:.0f} GB")
+            f"{cluster.gpu.mem_gb:.3g} GB")
 
 
 def step_time(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster, eff: Efficiency) -> float:

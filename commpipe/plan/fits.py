@@ -26,12 +26,15 @@ from dataclasses import replace
 from commpipe.models.family import layer_form, layout_planned
 from commpipe.models.spec import PRESETS, ModelSpec, param_count
 from commpipe.plan.layout import Job, Layout
-from commpipe.plan.memory import GIB, RESERVE_FIXED_GIB, stage_memory
+from commpipe.plan.memory import GIB, stage_memory
 from commpipe.plan.pipeline import peak_inflight
 
 # a rank's growth beyond its model, once torch is imported: `commpipe train --model tiny` peaks
 # at 0.84 GB resident, 0.27 GB above the 0.57 GB of the imported process
 CPU_RANK_GIB = 0.3
+CPU_PROCESS_GIB = 0.57
+# what `plan --gpu cpu` reserves per rank before any process runs (Job.rank_reserve_gb)
+CPU_RANK_RESERVE_GIB = CPU_PROCESS_GIB + CPU_RANK_GIB
 
 
 def rank_need_gb(spec: ModelSpec, layout: Layout, job: Job, on_cpu: bool) -> list[float]:
@@ -40,7 +43,7 @@ def rank_need_gb(spec: ModelSpec, layout: Layout, job: Job, on_cpu: bool) -> lis
     m = layout.microbatches_for(job)
     stages = stage_memory(spec, layout, job, list(peak_inflight(layout.schedule, layout.pp,
                                                                 layout.vpp, m)))
-    fixed = CPU_RANK_GIB - RESERVE_FIXED_GIB if on_cpu else 0.0
+    fixed = CPU_RANK_GIB - job.rank_reserve_gb if on_cpu else 0.0
     return [s.total_gb + fixed for s in stages]
 
 

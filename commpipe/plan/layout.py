@@ -16,6 +16,9 @@ from commpipe.models.spec import ModelSpec, divisors
 from commpipe.runtime.features import RuntimeFeatures
 from commpipe.schedules.registry import NAMES, info
 
+# a GPU rank's fixed memory beyond its tensors (memory.py's docstring: "Reserve")
+GPU_RANK_RESERVE_GIB = 1.5
+
 SCHEDULES = NAMES          # every named schedule (commpipe.schedules.registry) is priced
 RECOMPUTE = ("none", "selective", "full", "op")
 # "op" is torchtitan's per-op selective activation checkpointing (memory.py, kernels.py); the
@@ -115,6 +118,9 @@ class Job:
     #                             cuDNN's on Hopper and newer, as Transformer Engine picks it) or
     #                             as FlashAttention-2 ("fa2": PyTorch SDPA's default flash backend),
     #                             which does not reach Hopper's new instructions (compute.py)
+    rank_reserve_gb: float = GPU_RANK_RESERVE_GIB  # a rank's memory beyond its tensors: on a GPU
+    #                             the CUDA context, workspaces and communicator buffers (memory.py);
+    #                             on CPU the process itself, torch imported (fits.CPU_RANK_RESERVE_GIB)
 
     def __post_init__(self):
         if self.global_batch < 1 or self.seq_len < 1:

@@ -38,7 +38,8 @@ keeps the final norm's input and the output layer's input (2*T*h/t each: TENorm 
 ColumnParallelLinear each save their input for backward).
 
 Reserve: 1.5 GiB fixed (CUDA context ~0.5-0.8 GiB, cuBLAS workspaces, NCCL communicator
-buffers) plus 10% of the *transient* tensors for caching-allocator fragmentation. Fragmentation
+buffers; `Job.rank_reserve_gb`, which `plan --gpu cpu` sets to what a CPU rank's process holds,
+plan.fits) plus 10% of the *transient* tensors for caching-allocator fragmentation. Fragmentation
 is free space left between cached blocks when tensors of different life spans are freed and
 reallocated (PyTorch's CUDA memory notes; arXiv:2507.16274 measures it growing with virtual
 pipelines and recomputation, i.e. with activations). States allocated once and never freed take
@@ -61,7 +62,7 @@ from commpipe.models.spec import ModelSpec
 from commpipe.parallel.dims import split_layers
 from commpipe.plan.attention import layer_params, mla, mla_activation_bytes, replicated_attention_params
 from commpipe.plan.kernels import op_sac_activation_bytes
-from commpipe.plan.layout import Job, Layout, zero_stage
+from commpipe.plan.layout import GPU_RANK_RESERVE_GIB, Job, Layout, zero_stage
 from commpipe.plan.moe import (
     expert_state_bytes,
     mlp_fp8_copy_bytes,
@@ -74,7 +75,7 @@ from commpipe.plan.runtime_memory import stage_activation_bytes
 from commpipe.schedules.registry import info
 
 GIB = 2**30
-RESERVE_FIXED_GIB = 1.5
+RESERVE_FIXED_GIB = GPU_RANK_RESERVE_GIB   # Job.rank_reserve_gb on a GPU
 FRAGMENTATION = 0.10
 FSDP_LAYERS_GATHERED = 2     # FSDP2 / Megatron-FSDP: the current layer and the prefetched next
 
@@ -271,8 +272,8 @@ def persistent_state_bytes(layout: Layout, job: Job, params: float, states: floa
     return params * sum(_bytes_per_param(job)) / layout.shard_size
 
 
-def _reserve_bytes(tensors: float, persistent: float) -> float:
-    return RESERVE_FIXED_GIB * GIB + FRAGMENTATION * (tensors - persistent)
+def _reserve_bytes(job: Job, tensors: float, persistent: float) -> float:
+    return job.rank_reserve_gb * GIB + FRAGMENTATION * (tensors - persistent)
 
 
 def stage_memory(spec: ModelSpec, layout: Layout, job: Job, inflight: list[float]) -> list[StageMemory]:
@@ -312,7 +313,7 @@ def stage_memory(spec: ModelSpec, layout: Layout, job: Job, inflight: list[float
         ew, eg, eo = expert_state_bytes(spec, layout, job, rank, zero_stage(layout, job))
         w, g, o = w + ew + mlp_fp8_copy_bytes(spec, layout, job, rank), g + eg, o + eo
         tensors = w + g + o + act + logits + transient
-        reserve = _reserve_bytes(tensors, persistent_state_bytes(layout, job, params, w + g + o))
+        reserve = _reserve_bytes(job, tensors, persistent_state_bytes(layout, job, params, w + g + o))
         out.append(StageMemory(rank, layers, params, w / GIB, g / GIB, o / GIB, act / GIB,
                                logits / GIB, reserve / GIB, inflight[rank], transient / GIB))
     return out
@@ -323,7 +324,7 @@ def static_memory_gb(spec: ModelSpec, layout: Layout, job: Job) -> float:
     bound on its memory that needs no schedule walk (the search prunes with it first)."""
     def bound(n, p, experts):
         states = sum(state_bytes(spec, layout, job, n, p)) + experts
-        return states + _reserve_bytes(states, persistent_state_bytes(layout, job, p, states))
+        return states + _reserve_bytes(job, states, persistent_state_bytes(layout, job, p, states))
     z = zero_stage(layout, job)
     experts = [sum(expert_state_bytes(spec, layout, job, r, z)) + mlp_fp8_copy_bytes(spec, layout, job, r)
                for r in range(layout.pp)]
@@ -340,5 +341,5 @@ def memory_problem(stages: list[StageMemory], capacity_gb: float) -> str | None:
              "logits": worst.logits_gb}
     big = max(parts, key=parts.get)
     return (f"out of memory: pipeline rank {worst.rank} needs {worst.total_gb:.1f} GB > "
-            f"{capacity_gb:.0f} GB ({big} {parts[big]:.1f} GB, {worst.inflight:g} micro-batches "
+            f"{capacity_gb:.3g} GB ({big} {parts[big]:.1f} GB, {worst.inflight:g} micro-batches "
             f"in flight); use more tp/pp, a higher --zero stage or activation recompute")

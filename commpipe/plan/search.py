@@ -51,7 +51,7 @@ def _prepare(spec, job, cluster, eff, layout) -> Candidate | str:
     static = static_memory_gb(spec, layout, job)
     if static > cluster.gpu.mem_gb:
         return (f"out of memory: weights, gradients and optimizer states alone need {static:.1f} GB "
-                f"> {cluster.gpu.mem_gb:.0f} GB; use more tp/pp or a higher --zero stage")
+                f"> {cluster.gpu.mem_gb:.3g} GB; use more tp/pp or a higher --zero stage")
     m = layout.microbatches_for(job)
     inflight = list(peak_inflight(layout.schedule, layout.pp, layout.vpp, m))
     memory = stage_memory(spec, layout, job, inflight)
@@ -281,7 +281,7 @@ def _ms(seconds: float) -> str:
 def describe(e: Estimate, cluster: Cluster) -> str:
     """One line for a top entry: what its step time is made of."""
     b, step = e.breakdown, e.step_time_s
-    parts = [f"fits in {e.memory_gb_per_gpu:.0f}/{cluster.gpu.mem_gb:.0f} GB"]
+    parts = [f"fits in {e.memory_gb_per_gpu:.3g}/{cluster.gpu.mem_gb:.3g} GB"]
     share = {k: v / step for k, v in b.items()}
     parts.append(f"compute {share.get('compute', 0):.0%}")
     if e.layout.pp > 1:
