@@ -7,7 +7,7 @@ before any process group starts against the memory the ranks will share.
     >>> need = rank_need_gb(resolve_model("llama3-70b"), Layout(), Job(2, 64, precision="fp32"),
     ...                     on_cpu=True)
     >>> round(need[0])     # 16 bytes per parameter (weights, gradients, Adam m and v)
-    1052
+    1053
 
 On a GPU each rank has its own device: the rank's need (states, activations, logits and the
 planner's reserve: CUDA context, workspaces, fragmentation) against the device's free memory.
