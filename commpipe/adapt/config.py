@@ -6,6 +6,12 @@ Defaults and why:
                   (a checkpoint write, a neighbour's burst, garbage collection) last a step or
                   two: 5 steps ignores those and still reacts within a few percent of a
                   minutes-long event. Lower it for very long steps.
+  max_gap_steps=1 a run of shifted steps survives one step back inside the band: a mild fault
+                  (a 1.5x straggler on one of two stages) leaves the occasional step within
+                  25% of the baseline, and restarting the count there delayed its detection
+                  from 5 steps to 11. A confirmed change still needs min_steps shifted steps;
+                  a blip shorter than that, with or without a step back in the band between,
+                  is ignored. 0: every step of the run must be shifted.
   min_shift=0.25  a relative shift of 25% against the baseline. Step and compute times on a
                   shared host wander by ~5-10% step to step (measured on our 2-core CI box), so
                   25% stays clear of noise; a change smaller than that rarely pays for a switch.
@@ -80,6 +86,7 @@ from dataclasses import dataclass
 class AdaptConfig:
     min_steps: int = 5
     min_shift: float = 0.25
+    max_gap_steps: int = 1
     baseline_steps: int = 4
     warmup_steps: int = 2
     horizon: int = 100
@@ -119,8 +126,8 @@ class AdaptConfig:
         if not 0.0 < self.min_shift < 10.0:
             raise ValueError(f"--adapt-min-shift {self.min_shift} must be a fraction > 0 "
                              "(0.25 means a 25% change)")
-        if self.baseline_steps < 1 or self.warmup_steps < 0:
-            raise ValueError("baseline_steps must be >= 1 and warmup_steps >= 0")
+        if self.baseline_steps < 1 or self.warmup_steps < 0 or self.max_gap_steps < 0:
+            raise ValueError("baseline_steps must be >= 1, warmup_steps and max_gap_steps >= 0")
         if self.horizon < 1:
             raise ValueError(f"--adapt-horizon {self.horizon} must be >= 1 step")
         if self.margin < 1.0:

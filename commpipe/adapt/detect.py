@@ -3,9 +3,12 @@
 Each signal (a link's transfer time, a rank's compute time, ...) is one series. Its baseline
 is the median of its first `baseline_steps` observations. An observation is *shifted* when it
 differs from the baseline by at least `min_shift` (relative). A change is detected once
-`min_steps` consecutive observations are shifted in the same direction; then the baseline moves
-to the new level (the median of those observations), so a lasting change fires once and a
-later recovery fires again. A blip shorter than `min_steps` resets the run and is ignored.
+`min_steps` observations are shifted in the same direction with at most `max_gap` observations
+back inside the band among them (one step of a mild fault that happens to fall within the band
+does not restart the count); then the baseline moves to the new level (the median of the
+shifted observations), so a lasting change fires once and a later recovery fires again. A blip
+shorter than `min_steps` resets the run and is ignored; so does a run that falls back inside the
+band for more than `max_gap` observations, which the level then follows.
 Between changes the baseline follows the level: it is the median of the last
 2 x `baseline_steps` observations within the band (a run's first steps are often slower than
 its steady state, as allocators, caches and the host settle; a baseline fixed on them would
@@ -49,14 +52,17 @@ class _Series:
     run: list = field(default_factory=list)     # (step, value) shifted the same way
     sign: int = 0
     level: list = field(default_factory=list)   # the last observations within the band
+    held: list = field(default_factory=list)    # in-band observations inside a shifted run
     fired: bool = False                         # a detection has moved the baseline
 
 
 class Detector:
-    def __init__(self, min_steps: int, min_shift: float, baseline_steps: int):
-        if min_steps < 1 or min_shift <= 0 or baseline_steps < 1:
-            raise ValueError("min_steps and baseline_steps must be >= 1 and min_shift > 0")
+    def __init__(self, min_steps: int, min_shift: float, baseline_steps: int, max_gap: int = 0):
+        if min_steps < 1 or min_shift <= 0 or baseline_steps < 1 or max_gap < 0:
+            raise ValueError("min_steps and baseline_steps must be >= 1, min_shift > 0 and "
+                             "max_gap >= 0")
         self.min_steps, self.min_shift, self.baseline_steps = min_steps, min_shift, baseline_steps
+        self.max_gap = max_gap
         self.series: dict[tuple[str, str], _Series] = {}
 
     def reset(self) -> None:
@@ -102,15 +108,15 @@ class Detector:
         shift = (value - base) / base if base > 0 else (0.0 if value == base else float("inf"))
         sign = (shift > 0) - (shift < 0)
         if abs(shift) < self.min_shift:
+            if s.run and len(s.held) < self.max_gap:
+                s.held.append(value)       # one step back in the band does not end a run
+                return None
             s.run, s.sign = [], 0          # back within the band: a blip ends here
-            s.level = (s.level + [value])[-2 * self.baseline_steps:]
-            if len(s.level) >= self.baseline_steps:     # follow the level
-                s.baseline = statistics.median(s.level)
-                if not s.fired:
-                    s.first = s.baseline
+            self._follow(s, s.held + [value])
             return None
         if sign != s.sign:
             s.run, s.sign = [], sign
+            self._follow(s, s.held)
         s.run.append((step, value))
         if len(s.run) < self.min_steps:
             return None
@@ -118,8 +124,19 @@ class Detector:
         det = Detection(kind, key, base, current, (current - base) / base if base > 0 else shift,
                         s.run[0][0], step)
         s.baseline, s.level, s.fired = current, [v for _, v in s.run], True
-        s.run, s.sign = [], 0
+        s.run, s.sign, s.held = [], 0, []
         return det
+
+    def _follow(self, s: _Series, values: list[float]) -> None:
+        """In-band observations: the level (and the baseline) follows them."""
+        s.held = []
+        if not values:
+            return
+        s.level = (s.level + values)[-2 * self.baseline_steps:]
+        if len(s.level) >= self.baseline_steps:
+            s.baseline = statistics.median(s.level)
+            if not s.fired:
+                s.first = s.baseline
 
     def observe_all(self, step: int, signals: dict[tuple[str, str], float | None],
                     smooth: dict[str, int] | None = None) -> list[Detection]:
@@ -267,7 +284,8 @@ class Watch:
 
     def __init__(self, acfg):
         self.acfg = acfg
-        self.detector = Detector(acfg.min_steps, acfg.min_shift, acfg.baseline_steps)
+        self.detector = Detector(acfg.min_steps, acfg.min_shift, acfg.baseline_steps,
+                                 acfg.max_gap_steps)
         self.stragglers: set[str] = set()
         self.slow_links: set[str] = set()       # links and collectives detected slower
         self.steps_in_plan = 0
