@@ -16,7 +16,8 @@ def add_adapt_arguments(p) -> None:
                         "switch layout in memory when the switch pays back; decisions in "
                         "OUT/adapt.jsonl (needs --out; turns on the monitor at sample=0.1)")
     g.add_argument("--adapt-min-steps", type=int, default=d.min_steps, metavar="N",
-                   help=f"a change must persist N consecutive steps (default {d.min_steps})")
+                   help=f"a change must persist N steps, one step back in the band allowed among them "
+                        f"(default {d.min_steps})")
     g.add_argument("--adapt-min-shift", type=float, default=d.min_shift, metavar="F",
                    help=f"relative shift against the baseline that counts (default {d.min_shift})")
     g.add_argument("--adapt-horizon", type=int, default=d.horizon, metavar="STEPS",

@@ -1,7 +1,7 @@
 """Thresholds of the adaptive controller, and the `--slow-rank` fault drill's spec (no torch).
 
 Defaults and why:
-  min_steps=5     a change must hold for 5 consecutive steps. Production fail-slows last
+  min_steps=5     a change must hold for 5 steps (max_gap_steps below). Production fail-slows last
                   minutes to hours, i.e. hundreds of steps or more, while one-off stalls
                   (a checkpoint write, a neighbour's burst, garbage collection) last a step or
                   two: 5 steps ignores those and still reacts within a few percent of a
