@@ -54,24 +54,28 @@ def test_detection_needs_the_minimum_shift_and_skips_missing_samples():
 
 
 def test_one_step_back_in_the_band_does_not_restart_a_run():
-    """A mild fault (+50%) with one step that falls back inside the band (+10%): with one gap
-    allowed the change is confirmed at its 5th shifted step, onset its first; without, the count
-    restarts there. Two steps back in the band end the run, and the level follows them."""
+    """A mild fault (+50%) with one step that falls back inside the band (+20%, more than half
+    the band): with one gap allowed the change is confirmed at its 5th shifted step, onset its
+    first; without, the count restarts there. A step back near the baseline (+5%: a transient's
+    end) or two steps back in the band end the run, and the level follows them."""
     base = [10.0, 10.0, 10.0, 10.0]
-    mild = [15.0, 15.0, 15.0, 11.0, 15.0, 15.0]
+    mild = [15.0, 15.0, 15.0, 12.0, 15.0, 15.0]
     det = Detector(min_steps=5, min_shift=0.25, baseline_steps=4, max_gap=1)
     found = feed(det, base + mild)
     assert [(d.onset_step, d.step) for d in found] == [(4, 9)]
     assert found[0].current == pytest.approx(15.0) and found[0].baseline == pytest.approx(10.0)
     strict = Detector(min_steps=5, min_shift=0.25, baseline_steps=4, max_gap=0)
     assert feed(strict, base + mild) == []
-    # two steps back in the band: a blip of 3, 2 more, then back; the level takes the two
+    # a transient of 3 steps, a step back near the baseline, then 2 noisy ones: no change
     det = Detector(min_steps=5, min_shift=0.25, baseline_steps=4, max_gap=1)
-    assert feed(det, base + [15.0] * 3 + [11.0, 15.0, 11.0] + [15.0]) == []
-    assert det.baseline("link", "pp 1->2") == pytest.approx(10.0)   # median of 10 x4, 11 x2
+    assert feed(det, base + [70.0] * 3 + [10.5, 14.0, 13.0]) == []
+    # two steps back in the band: a blip of 3, 1 more, then back; the level takes the two
+    det = Detector(min_steps=5, min_shift=0.25, baseline_steps=4, max_gap=1)
+    assert feed(det, base + [15.0] * 3 + [12.0, 15.0, 12.0] + [15.0]) == []
+    assert det.baseline("link", "pp 1->2") == pytest.approx(10.0)   # median of 10 x4, 12 x2
     # a step inside the band is held out of the level while the run may still be a change
     det = Detector(min_steps=5, min_shift=0.25, baseline_steps=4, max_gap=1)
-    feed(det, [10.0, 10.0, 12.0, 12.0] + [20.0, 12.0, 20.0])
+    feed(det, [10.0, 10.0, 12.0, 12.0] + [20.0, 13.0, 20.0])
     assert det.baseline("link", "pp 1->2") == pytest.approx(11.0)
 
 

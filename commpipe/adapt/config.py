@@ -6,12 +6,15 @@ Defaults and why:
                   (a checkpoint write, a neighbour's burst, garbage collection) last a step or
                   two: 5 steps ignores those and still reacts within a few percent of a
                   minutes-long event. Lower it for very long steps.
-  max_gap_steps=1 a run of shifted steps survives one step back inside the band: a mild fault
-                  (a 1.5x straggler on one of two stages) leaves the occasional step within
-                  25% of the baseline, and restarting the count there delayed its detection
-                  from 5 steps to 11. A confirmed change still needs min_steps shifted steps;
-                  a blip shorter than that, with or without a step back in the band between,
-                  is ignored. 0: every step of the run must be shifted.
+  max_gap_steps=1 a run of shifted steps survives one step back inside the band that stays at
+                  least half the band on the change's side: a mild fault (a 1.5x straggler on
+                  one of two stages) leaves the occasional step within 25% of the baseline, and
+                  restarting the count there delayed its detection from 5 steps to 11. A step
+                  back near the baseline (within half the band) ends the run, as a transient's
+                  end does (a link slowed for 3 steps, then steps at +30-40% and one at +5%:
+                  counting the +5% step as a gap confirmed a change that was not there). A
+                  confirmed change still needs min_steps shifted steps. 0: every step of the
+                  run must be shifted.
   min_shift=0.25  a relative shift of 25% against the baseline. Step and compute times on a
                   shared host wander by ~5-10% step to step (measured on our 2-core CI box), so
                   25% stays clear of noise; a change smaller than that rarely pays for a switch.

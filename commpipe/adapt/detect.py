@@ -4,11 +4,13 @@ Each signal (a link's transfer time, a rank's compute time, ...) is one series. 
 is the median of its first `baseline_steps` observations. An observation is *shifted* when it
 differs from the baseline by at least `min_shift` (relative). A change is detected once
 `min_steps` observations are shifted in the same direction with at most `max_gap` observations
-back inside the band among them (one step of a mild fault that happens to fall within the band
-does not restart the count); then the baseline moves to the new level (the median of the
+back inside the band among them, each at least half the band on the change's side (a noisy step
+of a mild fault does not restart the count; a step back near the baseline, as when a transient
+ends, does); then the baseline moves to the new level (the median of the
 shifted observations), so a lasting change fires once and a later recovery fires again. A blip
 shorter than `min_steps` resets the run and is ignored; so does a run that falls back inside the
-band for more than `max_gap` observations, which the level then follows.
+band for more than `max_gap` observations or nearer the baseline than half the band, which the
+level then follows.
 Between changes the baseline follows the level: it is the median of the last
 2 x `baseline_steps` observations within the band (a run's first steps are often slower than
 its steady state, as allocators, caches and the host settle; a baseline fixed on them would
@@ -108,8 +110,8 @@ class Detector:
         shift = (value - base) / base if base > 0 else (0.0 if value == base else float("inf"))
         sign = (shift > 0) - (shift < 0)
         if abs(shift) < self.min_shift:
-            if s.run and len(s.held) < self.max_gap:
-                s.held.append(value)       # one step back in the band does not end a run
+            if s.run and len(s.held) < self.max_gap and shift * s.sign >= self.min_shift / 2:
+                s.held.append(value)       # a noisy step of the change, not the end of it
                 return None
             s.run, s.sign = [], 0          # back within the band: a blip ends here
             self._follow(s, s.held + [value])
