@@ -52,7 +52,6 @@ class Modes:
 
     def __init__(self, trainer, controller):
         self.trainer, self.controller = trainer, controller
-        self.exchange_every = trainer.monitor.exchange_every if trainer.monitor else None
         self.mode = None
 
     def set(self, mode: str) -> None:
@@ -63,8 +62,9 @@ class Modes:
             t.runtime.events = None
             if c.timer in t.comm.observers:
                 t.comm.observers.remove(c.timer)
-            if t.monitor is not None:
-                t.monitor.exchange_every = self.exchange_every
+            if t.monitor is not None:     # the monitor exchanges on its own, as without --adapt
+                c._drain()                  # after reading the summary (and records) in flight
+                t.monitor.exchange_by_caller = False
         self.mode = mode
 
 

@@ -7,6 +7,8 @@ tests/test_adapt_demo.py).
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
 
 from commpipe.adapt.config import AdaptConfig, SlowRank, parse_slow_rank
@@ -73,6 +75,15 @@ def test_one_step_back_in_the_band_does_not_restart_a_run():
     det = Detector(min_steps=5, min_shift=0.25, baseline_steps=4, max_gap=1)
     assert feed(det, base + [15.0] * 3 + [12.0, 15.0, 12.0] + [15.0]) == []
     assert det.baseline("link", "pp 1->2") == pytest.approx(10.0)   # median of 10 x4, 12 x2
+    # a smoothed series (a link's sampled calls) allows no gap: its spikes, a step or two apart,
+    # would chain through one (a healthy pp2 run's link did). Raw calls with spikes of 50 whose
+    # medians of 3 read 10, 50, 11.5, 50, 50: fed as they are, the gap completes a run of 3
+    raw = [10.0] * 3 + [10.0, 10.0, 50.0, 10.0, 50.0, 11.5, 50.0, 50.0]
+    det = Detector(min_steps=3, min_shift=0.25, baseline_steps=3, max_gap=1)
+    assert [det.observe(i, "link", "x", v, smooth=3) for i, v in enumerate(raw)] == [None] * 11
+    medians = [statistics.median(raw[max(0, i - 2):i + 1]) for i in range(len(raw))]
+    det = Detector(min_steps=3, min_shift=0.25, baseline_steps=3, max_gap=1)
+    assert [d.step for d in feed(det, medians)] == [10]
     # a step inside the band is held out of the level while the run may still be a change
     det = Detector(min_steps=5, min_shift=0.25, baseline_steps=4, max_gap=1)
     feed(det, [10.0, 10.0, 12.0, 12.0] + [20.0, 13.0, 20.0])

@@ -13,8 +13,10 @@ Defaults and why:
                   back near the baseline (within half the band) ends the run, as a transient's
                   end does (a link slowed for 3 steps, then steps at +30-40% and one at +5%:
                   counting the +5% step as a gap confirmed a change that was not there). A
-                  confirmed change still needs min_steps shifted steps. 0: every step of the
-                  run must be shifted.
+                  confirmed change still needs min_steps shifted steps. Links, whose series
+                  is already a median of 3 (link_smooth_steps), get no gap: a healthy pp2 run's
+                  sampled link spikes chained into a false change through one. 0: every step of
+                  the run must be shifted.
   min_shift=0.25  a relative shift of 25% against the baseline. Step and compute times on a
                   shared host wander by ~5-10% step to step (measured on our 2-core CI box), so
                   25% stays clear of noise; a change smaller than that rarely pays for a switch.

@@ -18,7 +18,8 @@ hide a fault of up to their excess). A drift slower than the band per window is 
 detected; the faults the controller acts on are steps, not ramps.
 Missing observations (None: nothing was sampled that step) neither extend nor break a run.
 Series of sampled, noisy values (a link's few timed calls per step) can be smoothed first:
-`smooth=k` feeds the median of the last k raw observations instead of the raw value.
+`smooth=k` feeds the median of the last k raw observations instead of the raw value; a smoothed
+series allows no gap (its occasional spikes, a few steps apart, would chain into a run).
 """
 
 from __future__ import annotations
@@ -110,7 +111,10 @@ class Detector:
         shift = (value - base) / base if base > 0 else (0.0 if value == base else float("inf"))
         sign = (shift > 0) - (shift < 0)
         if abs(shift) < self.min_shift:
-            if s.run and len(s.held) < self.max_gap and shift * s.sign >= self.min_shift / 2:
+            # a smoothed series (a link's few sampled calls) has its median for noise: sparse
+            # spikes must not chain into a run through gaps
+            gap = self.max_gap if smooth <= 1 else 0
+            if s.run and len(s.held) < gap and shift * s.sign >= self.min_shift / 2:
                 s.held.append(value)       # a noisy step of the change, not the end of it
                 return None
             s.run, s.sign = [], 0          # back within the band: a blip ends here
