@@ -28,7 +28,7 @@ from commpipe.plan import moe as moe_plan
 from commpipe.plan.cluster import Cluster
 from commpipe.plan.efficiency import Efficiency, default_efficiency
 from commpipe.plan.layout import Job, Layout, layout_problem
-from commpipe.plan.memory import StageMemory, chunk_stages, memory_problem, rank_chunks, stage_memory
+from commpipe.plan.memory import StageMemory, chunk_stages, gb_text, memory_problem, rank_chunks, stage_memory
 from commpipe.plan.moe_costs import summary as moe_summary
 from commpipe.plan.pass_split import with_measured_pass
 from commpipe.plan.pipeline import action_counts, braid_span, busy_overlap, peak_inflight, simulate_step
@@ -282,7 +282,7 @@ def estimate(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster,
 def fits_reason(memory: list[StageMemory], cluster: Cluster) -> str:
     worst = max(memory, key=lambda s: s.total_gb)
     return (f"fits: largest stage (pipeline rank {worst.rank}) needs {worst.total_gb:.1f} of "
-            f"{cluster.gpu.mem_gb:.3g} GB")
+            f"{gb_text(cluster.gpu.mem_gb)} GB")
 
 
 def step_time(spec: ModelSpec, layout: Layout, job: Job, cluster: Cluster, eff: Efficiency) -> float:

@@ -272,6 +272,15 @@ def persistent_state_bytes(layout: Layout, job: Job, params: float, states: floa
     return params * sum(_bytes_per_param(job)) / layout.shard_size
 
 
+def gb_text(x: float) -> str:
+    """A capacity in GB as people write it, without an exponent:
+
+    >>> gb_text(80.0), gb_text(141.0), gb_text(2.93), gb_text(1024.0)
+    ('80', '141', '2.93', '1024')
+    """
+    return f"{x:.0f}" if x >= 100 else f"{x:.3g}"
+
+
 def _reserve_bytes(job: Job, tensors: float, persistent: float) -> float:
     return job.rank_reserve_gb * GIB + FRAGMENTATION * (tensors - persistent)
 
@@ -341,5 +350,5 @@ def memory_problem(stages: list[StageMemory], capacity_gb: float) -> str | None:
              "logits": worst.logits_gb}
     big = max(parts, key=parts.get)
     return (f"out of memory: pipeline rank {worst.rank} needs {worst.total_gb:.1f} GB > "
-            f"{capacity_gb:.3g} GB ({big} {parts[big]:.1f} GB, {worst.inflight:g} micro-batches "
+            f"{gb_text(capacity_gb)} GB ({big} {parts[big]:.1f} GB, {worst.inflight:g} micro-batches "
             f"in flight); use more tp/pp, a higher --zero stage or activation recompute")

@@ -22,7 +22,7 @@ from commpipe.plan.cluster import Cluster
 from commpipe.plan.efficiency import Efficiency, default_efficiency
 from commpipe.plan.estimate import Estimate, estimate, finish_estimate, fits_reason, lower_bound
 from commpipe.plan.layout import Job, Layout, enumerate_layouts, layout_problem
-from commpipe.plan.memory import memory_problem, stage_memory, static_memory_gb
+from commpipe.plan.memory import gb_text, memory_problem, stage_memory, static_memory_gb
 from commpipe.plan.pass_split import with_measured_pass
 from commpipe.plan.pipeline import peak_inflight
 from commpipe.plan.timing import stage_costs
@@ -51,7 +51,7 @@ def _prepare(spec, job, cluster, eff, layout) -> Candidate | str:
     static = static_memory_gb(spec, layout, job)
     if static > cluster.gpu.mem_gb:
         return (f"out of memory: weights, gradients and optimizer states alone need {static:.1f} GB "
-                f"> {cluster.gpu.mem_gb:.3g} GB; use more tp/pp or a higher --zero stage")
+                f"> {gb_text(cluster.gpu.mem_gb)} GB; use more tp/pp or a higher --zero stage")
     m = layout.microbatches_for(job)
     inflight = list(peak_inflight(layout.schedule, layout.pp, layout.vpp, m))
     memory = stage_memory(spec, layout, job, inflight)
@@ -281,7 +281,7 @@ def _ms(seconds: float) -> str:
 def describe(e: Estimate, cluster: Cluster) -> str:
     """One line for a top entry: what its step time is made of."""
     b, step = e.breakdown, e.step_time_s
-    parts = [f"fits in {e.memory_gb_per_gpu:.3g}/{cluster.gpu.mem_gb:.3g} GB"]
+    parts = [f"fits in {gb_text(e.memory_gb_per_gpu)}/{gb_text(cluster.gpu.mem_gb)} GB"]
     share = {k: v / step for k, v in b.items()}
     parts.append(f"compute {share.get('compute', 0):.0%}")
     if e.layout.pp > 1:
