@@ -62,7 +62,7 @@ from commpipe.models.spec import ModelSpec
 from commpipe.parallel.dims import split_layers
 from commpipe.plan.attention import layer_params, mla, mla_activation_bytes, replicated_attention_params
 from commpipe.plan.kernels import op_sac_activation_bytes
-from commpipe.plan.layout import GPU_RANK_RESERVE_GIB, Job, Layout, zero_stage
+from commpipe.plan.layout import Job, Layout, zero_stage
 from commpipe.plan.moe import (
     expert_state_bytes,
     mlp_fp8_copy_bytes,
@@ -75,7 +75,6 @@ from commpipe.plan.runtime_memory import stage_activation_bytes
 from commpipe.schedules.registry import info
 
 GIB = 2**30
-RESERVE_FIXED_GIB = GPU_RANK_RESERVE_GIB   # Job.rank_reserve_gb on a GPU
 FRAGMENTATION = 0.10
 FSDP_LAYERS_GATHERED = 2     # FSDP2 / Megatron-FSDP: the current layer and the prefetched next
 
